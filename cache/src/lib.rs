@@ -1,0 +1,1 @@
+//! tpu-dynamo-cache: the shape-keyed executable cache (in memory now, on disk in a later issue).

@@ -1,0 +1,166 @@
+//! The graph IR: the one contract between the Python shell and the Rust compiler.
+//!
+//! Python builds it from an ATen-level FX graph and sends it as JSON; Rust hashes its canonical
+//! bincode encoding. Nothing process-specific (FX node names, object ids, dict order, source
+//! locations) is part of [`Graph`], so the same model gives the same bytes in every process.
+//! Source locations travel beside the graph in [`GraphWithSources`] and only feed error messages.
+
+use serde::{Deserialize, Serialize};
+
+/// Element types a tensor in the graph may have.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    Bool,
+    U8,
+    I8,
+    I16,
+    I32,
+    I64,
+    F16,
+    Bf16,
+    F32,
+    F64,
+    C64,
+}
+
+impl DType {
+    pub fn is_float(self) -> bool {
+        matches!(self, DType::F16 | DType::Bf16 | DType::F32 | DType::F64)
+    }
+    pub fn is_complex(self) -> bool {
+        self == DType::C64
+    }
+    pub fn is_integer(self) -> bool {
+        matches!(self, DType::U8 | DType::I8 | DType::I16 | DType::I32 | DType::I64)
+    }
+    pub fn is_signed_integer(self) -> bool {
+        matches!(self, DType::I8 | DType::I16 | DType::I32 | DType::I64)
+    }
+    /// Size of one element in bytes.
+    pub fn size(self) -> usize {
+        match self {
+            DType::Bool | DType::U8 | DType::I8 => 1,
+            DType::I16 | DType::F16 | DType::Bf16 => 2,
+            DType::I32 | DType::F32 => 4,
+            DType::I64 | DType::F64 | DType::C64 => 8,
+        }
+    }
+}
+
+/// A tensor's static type: element type and dimensions (all static for now).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Hash)]
+pub struct TensorType {
+    pub dtype: DType,
+    pub shape: Vec<i64>,
+}
+
+impl TensorType {
+    pub fn new(dtype: DType, shape: Vec<i64>) -> Self {
+        TensorType { dtype, shape }
+    }
+    pub fn rank(&self) -> usize {
+        self.shape.len()
+    }
+    pub fn numel(&self) -> i64 {
+        self.shape.iter().product()
+    }
+}
+
+/// Where a graph input comes from; parameters, buffers and constants can stay resident on device.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum InputKind {
+    User,
+    Parameter,
+    Buffer,
+    Constant,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Input {
+    pub ty: TensorType,
+    pub kind: InputKind,
+}
+
+/// An index into the graph's values: inputs first (in order), then every node's outputs
+/// in node order.
+pub type ValueId = u32;
+
+/// A float argument, stored as its IEEE-754 bits so NaN/±inf survive JSON and hashing is exact.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FloatBits(pub u64);
+
+impl FloatBits {
+    pub fn value(self) -> f64 {
+        f64::from_bits(self.0)
+    }
+}
+
+/// One argument of an ATen call, positional or keyword.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum Arg {
+    None,
+    Value(ValueId),
+    Int(i64),
+    Float(FloatBits),
+    Bool(bool),
+    Str(String),
+    DType(DType),
+    List(Vec<Arg>),
+}
+
+/// One ATen call. `op` is the overload's full name, e.g. `aten.add.Tensor`.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Node {
+    pub op: String,
+    pub args: Vec<Arg>,
+    /// Keyword arguments sorted by name.
+    pub kwargs: Vec<(String, Arg)>,
+    /// Types of the values this node defines (one per tensor output, as FX's meta recorded them).
+    pub outputs: Vec<TensorType>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Hash, Default)]
+pub struct Graph {
+    pub inputs: Vec<Input>,
+    pub nodes: Vec<Node>,
+    pub outputs: Vec<ValueId>,
+}
+
+/// What Python sends: the canonical graph plus, per node, the user source line Dynamo recorded.
+#[derive(Serialize, Deserialize, Clone, Debug, Default)]
+pub struct GraphWithSources {
+    pub graph: Graph,
+    #[serde(default)]
+    pub sources: Vec<Option<String>>,
+}
+
+impl Graph {
+    /// Canonical bytes: the bincode encoding, identical for identical graphs in every process.
+    pub fn canonical_bytes(&self) -> Vec<u8> {
+        bincode::serde::encode_to_vec(self, bincode::config::standard())
+            .expect("encoding an in-memory graph into a Vec cannot fail")
+    }
+
+    /// blake3 of the canonical bytes.
+    pub fn hash(&self) -> blake3::Hash {
+        blake3::hash(&self.canonical_bytes())
+    }
+
+    /// The type of every value, inputs first, then node outputs.
+    pub fn value_types(&self) -> Vec<&TensorType> {
+        self.inputs
+            .iter()
+            .map(|i| &i.ty)
+            .chain(self.nodes.iter().flat_map(|n| n.outputs.iter()))
+            .collect()
+    }
+}
+
+impl GraphWithSources {
+    pub fn from_json(text: &str) -> Result<Self, serde_json::Error> {
+        serde_json::from_str(text)
+    }
+}

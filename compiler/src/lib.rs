@@ -1,0 +1,6 @@
+//! tpu-dynamo-compiler: the graph IR that Python hands over, and its lowering to StableHLO.
+//!
+//! `ir` is the contract; `lower` turns a [`ir::Graph`] into a StableHLO module (text and
+//! bytecode) through MLIR, with one module per ATen op family.
+
+pub mod ir;
