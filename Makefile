@@ -1,0 +1,24 @@
+# The two commands of the README: `make demo` (main job) and `make test` (every test).
+# Both run the idempotent setup first, so they work on a machine that has never seen the project.
+SHELL := /bin/bash
+VENV := $(CURDIR)/.venv
+PY := $(VENV)/bin/python
+export VIRTUAL_ENV := $(VENV)
+export PATH := $(VENV)/bin:$(PATH)
+
+.PHONY: setup demo test test-rust test-python
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	$(PY) -m tpu_dynamo
+
+test: setup
+	$(MAKE) --no-print-directory test-rust test-python
+
+test-rust:
+	cargo test --workspace --release --exclude tpu-dynamo-python
+
+test-python:
+	$(PY) -m pytest -q tests
