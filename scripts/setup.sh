@@ -37,7 +37,9 @@ if [ "$(cat .venv/.requirements.sha256 2>/dev/null)" != "$req_hash" ]; then
 fi
 
 # Build the extension as a release abi3 wheel; install it only when the wheel changed.
-.venv/bin/maturin build --release --quiet -i .venv/bin/python -o target/wheels 2>&1 | grep -v "^📦\|^🔗\|^🐍\|^🍹\|^📡" || true
+if ! log=$(.venv/bin/maturin build --release -i .venv/bin/python -o target/wheels 2>&1); then
+  echo "$log"; echo "setup: building the extension failed" >&2; exit 1
+fi
 wheel=$(ls -t target/wheels/tpu_dynamo-*.whl | head -1)
 wheel_hash=$(sha256sum "$wheel" | cut -d' ' -f1)
 if [ "$(cat .venv/.wheel.sha256 2>/dev/null)" != "$wheel_hash" ]; then
