@@ -55,3 +55,17 @@ fn missing_plugin_path_is_an_error() {
     assert!(matches!(Plugin::load(&not_plugin), Err(Error::Load { .. })));
     std::fs::remove_file(not_plugin).unwrap();
 }
+
+#[test]
+fn libtpu_is_never_initialized_without_tpu_hardware() {
+    let dir = std::env::temp_dir().join(format!("fake-libtpu-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let fake = dir.join("libtpu.so");
+    std::fs::write(&fake, b"not really libtpu").unwrap();
+    let err = Plugin::load(&fake).unwrap_err();
+    assert!(matches!(err, Error::Load { .. }), "{err}");
+    if !tpu_dynamo_runtime::discover::tpu_hardware_present() {
+        assert!(err.to_string().contains("no TPU hardware"), "{err}");
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}

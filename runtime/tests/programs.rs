@@ -1,8 +1,8 @@
 //! Hand-written StableHLO programs executed on random inputs, checked against Rust references.
 //!
-//! Bytecode input is covered by the compiler crate end to end (it is the one that can produce
-//! StableHLO bytecode, through melior); here every program is MLIR text, in both the pretty form
-//! and the generic form the compiler emits.
+//! Programs are MLIR text, in both the pretty form and the generic form the compiler emits, plus
+//! one checked-in bytecode file made by upstream `mlir-opt` (see `data/mul_add.mlir`). The
+//! compiler crate tests bytecode end to end with the modules it writes through melior.
 
 mod common;
 
@@ -145,4 +145,21 @@ func.func @main(%a: tensor<16xf32>, %b: tensor<16xf32>) -> (tensor<16xf32>, tens
     out[1].to_host(&mut mask).unwrap();
     assert_eq!(mask, a.iter().zip(&b).map(|(x, y)| (x > y) as u8).collect::<Vec<_>>());
     assert!(mask.contains(&0) && mask.contains(&1));
+}
+
+#[test]
+fn mlir_bytecode_program() {
+    let client = client(1);
+    let program = Program {
+        code: ProgramCode::MlirBytecode(include_bytes!("data/mul_add.mlirbc")),
+        inputs: vec![f32_spec(&[4]); 2],
+    };
+    let exe = client.compile(&program, &CompileOptions::default()).unwrap();
+    let mut rng = Rng::new(14);
+    let (a, b) = (rng.f32s(4), rng.f32s(4));
+    let dev = &client.devices()[0];
+    let out = exe.execute(&[&upload(&client, &a, &[4], dev), &upload(&client, &b, &[4], dev)]).unwrap();
+    // a*b + b: allow one rounding of difference in case XLA fuses into an FMA.
+    let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x * y + y).collect();
+    assert_close(&download(&out[0]), &want, 1e-6, 1e-6);
 }
