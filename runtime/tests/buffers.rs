@@ -37,7 +37,9 @@ fn scalars_and_empty_tensors() {
     let scalar = upload(&client, &[std::f32::consts::PI], &[], dev);
     assert_eq!(scalar.spec().unwrap().dims, Vec::<i64>::new());
     assert_eq!(download(&scalar), vec![std::f32::consts::PI]);
-    let empty = client.buffer_from_host(&[], &f32_spec(&[0, 7]), dev).unwrap();
+    let empty = client
+        .buffer_from_host(&[], &f32_spec(&[0, 7]), dev)
+        .unwrap();
     assert_eq!(empty.spec().unwrap(), f32_spec(&[0, 7]));
     empty.to_host(&mut []).unwrap();
 }
@@ -49,15 +51,24 @@ fn size_mismatches_are_rejected() {
     let buffer = upload(&client, &Rng::new(7).f32s(6), &[2, 3], dev);
     for len in [0, 23, 25, 48] {
         let err = buffer.to_host(&mut vec![0u8; len]).unwrap_err();
-        assert!(matches!(&err, Error::InvalidArgument(m) if m.contains("24")), "{err}");
+        assert!(
+            matches!(&err, Error::InvalidArgument(m) if m.contains("24")),
+            "{err}"
+        );
     }
-    let err = client.buffer_from_host(&[0u8; 10], &f32_spec(&[2, 3]), dev).unwrap_err();
+    let err = client
+        .buffer_from_host(&[0u8; 10], &f32_spec(&[2, 3]), dev)
+        .unwrap_err();
     assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
-    let err = client.buffer_from_host(&[], &f32_spec(&[-1]), dev).unwrap_err();
+    let err = client
+        .buffer_from_host(&[], &f32_spec(&[-1]), dev)
+        .unwrap_err();
     assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
     // A device of another client is refused.
     let other = client_device_of_other_client();
-    let err = client.buffer_from_host(&[0u8; 4], &f32_spec(&[1]), &other).unwrap_err();
+    let err = client
+        .buffer_from_host(&[0u8; 4], &f32_spec(&[1]), &other)
+        .unwrap_err();
     assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
 }
 

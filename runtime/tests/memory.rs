@@ -27,7 +27,10 @@ func.func @main(%a: tensor<256xf32>, %b: tensor<256xf32>) -> (tensor<256xf32>, t
     let (a, b) = (rng.f32s(256), rng.f32s(256));
     let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x * y).collect();
     let cycle = || {
-        let (ba, bb) = (upload(&client, &a, &[256], &dev), upload(&client, &b, &[256], &dev));
+        let (ba, bb) = (
+            upload(&client, &a, &[256], &dev),
+            upload(&client, &b, &[256], &dev),
+        );
         let out = exe.execute(&[&ba, &bb]).unwrap();
         assert_eq!(download(&out[0]), want);
     };

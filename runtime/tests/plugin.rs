@@ -10,17 +10,27 @@ use tpu_dynamo_runtime::*;
 fn attributes_and_identity() {
     let plugin = common::plugin();
     let (major, minor) = plugin.api_version();
-    println!("plugin {} PJRT API {major}.{minor}", plugin.path().display());
+    println!(
+        "plugin {} PJRT API {major}.{minor}",
+        plugin.path().display()
+    );
     assert!((major, minor) >= (0, 54));
     let attributes = plugin.attributes().unwrap();
     println!("attributes: {attributes:?}");
     let xla = plugin.attribute_str("xla_version").expect("xla_version");
-    let stablehlo = plugin.attribute_str("stablehlo_current_version").expect("stablehlo version");
-    assert!(!xla.is_empty() && stablehlo.split('.').count() == 3, "{stablehlo}");
+    let stablehlo = plugin
+        .attribute_str("stablehlo_current_version")
+        .expect("stablehlo version");
+    assert!(
+        !xla.is_empty() && stablehlo.split('.').count() == 3,
+        "{stablehlo}"
+    );
     let identity = plugin.identity();
     println!("identity: {identity}");
     assert!(identity.contains(&format!("pjrt_api={major}.{minor}")));
-    assert!(identity.contains(&stablehlo) && identity.contains(&plugin.path().display().to_string()));
+    assert!(
+        identity.contains(&stablehlo) && identity.contains(&plugin.path().display().to_string())
+    );
     assert_eq!(identity, plugin.identity());
 }
 
@@ -35,7 +45,11 @@ fn loads_once_per_path() {
     let devices = client.devices();
     assert!(!devices.is_empty());
     assert_eq!(devices[0].id(), 0);
-    println!("devices: {devices:?} kind {:?} hw {}", devices[0].kind(), devices[0].local_hardware_id());
+    println!(
+        "devices: {devices:?} kind {:?} hw {}",
+        devices[0].kind(),
+        devices[0].local_hardware_id()
+    );
 }
 
 #[test]
@@ -46,9 +60,14 @@ fn missing_plugin_path_is_an_error() {
         other => panic!("expected Load error, got {other:?}"),
     }
     let err = Plugin::discover(Some(missing)).unwrap_err();
-    assert!(matches!(&err, Error::PluginNotFound { searched } if searched[0].contains("/nonexistent")));
+    assert!(
+        matches!(&err, Error::PluginNotFound { searched } if searched[0].contains("/nonexistent"))
+    );
     let text = err.to_string();
-    assert!(text.contains("pip install xla-cpu-pjrt") && text.contains("TPU_DYNAMO_PJRT_PLUGIN"), "{text}");
+    assert!(
+        text.contains("pip install xla-cpu-pjrt") && text.contains("TPU_DYNAMO_PJRT_PLUGIN"),
+        "{text}"
+    );
     // A file that is not a PJRT plugin.
     let not_plugin = std::env::temp_dir().join(format!("not-a-plugin-{}.so", std::process::id()));
     std::fs::write(&not_plugin, b"nope").unwrap();

@@ -26,7 +26,12 @@ func.func @main(%a: tensor<64xf32>, %b: tensor<64xf32>) -> (tensor<64xf32>, tens
     let mut rng = Rng::new(1);
     let (a, b) = (rng.f32s(64), rng.f32s(64));
     let dev = &client.devices()[0];
-    let out = exe.execute(&[&upload(&client, &a, &[64], dev), &upload(&client, &b, &[64], dev)]).unwrap();
+    let out = exe
+        .execute(&[
+            &upload(&client, &a, &[64], dev),
+            &upload(&client, &b, &[64], dev),
+        ])
+        .unwrap();
     let zip = |f: fn(f32, f32) -> f32| a.iter().zip(&b).map(|(&x, &y)| f(x, y)).collect::<Vec<_>>();
     // IEEE add and multiply are exact to the rounding of the same operation in Rust.
     assert_eq!(download(&out[0]), zip(|x, y| x + y));
@@ -40,7 +45,9 @@ fn matmul(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
     let mut c = vec![0f32; m * n];
     for i in 0..m {
         for j in 0..n {
-            c[i * n + j] = (0..k).map(|p| a[i * k + p] as f64 * b[p * n + j] as f64).sum::<f64>() as f32;
+            c[i * n + j] = (0..k)
+                .map(|p| a[i * k + p] as f64 * b[p * n + j] as f64)
+                .sum::<f64>() as f32;
         }
     }
     c
@@ -62,14 +69,34 @@ func.func @main(%a: tensor<8x16xf32>, %b: tensor<16x4xf32>, %x: tensor<2x3x5xf32
     let dims: [&[i64]; 4] = [&[8, 16], &[16, 4], &[2, 3, 5], &[2, 5, 4]];
     let exe = compile(&client, text, dims.iter().map(|d| f32_spec(d)).collect());
     let mut rng = Rng::new(2);
-    let data: Vec<Vec<f32>> = dims.iter().map(|d| rng.f32s(d.iter().product::<i64>() as usize)).collect();
+    let data: Vec<Vec<f32>> = dims
+        .iter()
+        .map(|d| rng.f32s(d.iter().product::<i64>() as usize))
+        .collect();
     let dev = &client.devices()[0];
-    let bufs: Vec<Buffer> = data.iter().zip(dims).map(|(v, d)| upload(&client, v, d, dev)).collect();
+    let bufs: Vec<Buffer> = data
+        .iter()
+        .zip(dims)
+        .map(|(v, d)| upload(&client, v, d, dev))
+        .collect();
     let out = exe.execute(&bufs.iter().collect::<Vec<_>>()).unwrap();
     // f32 accumulation over k <= 16 terms in [-1,1): error well below 1e-5.
-    assert_close(&download(&out[0]), &matmul(&data[0], &data[1], 8, 16, 4), 1e-5, 1e-5);
+    assert_close(
+        &download(&out[0]),
+        &matmul(&data[0], &data[1], 8, 16, 4),
+        1e-5,
+        1e-5,
+    );
     let batched: Vec<f32> = (0..2)
-        .flat_map(|b| matmul(&data[2][b * 15..(b + 1) * 15], &data[3][b * 20..(b + 1) * 20], 3, 5, 4))
+        .flat_map(|b| {
+            matmul(
+                &data[2][b * 15..(b + 1) * 15],
+                &data[3][b * 20..(b + 1) * 20],
+                3,
+                5,
+                4,
+            )
+        })
         .collect();
     assert_close(&download(&out[1]), &batched, 1e-5, 1e-5);
 }
@@ -94,13 +121,20 @@ func.func @main(%a: tensor<6x10xf32>) -> (tensor<6xf32>, tensor<10xf32>) {
   return %sum, %max : tensor<6xf32>, tensor<10xf32>
 }"#;
     let exe = compile(&client, text, vec![f32_spec(&[6, 10])]);
-    assert_eq!(exe.output_specs().unwrap(), vec![f32_spec(&[6]), f32_spec(&[10])]);
+    assert_eq!(
+        exe.output_specs().unwrap(),
+        vec![f32_spec(&[6]), f32_spec(&[10])]
+    );
     let a = Rng::new(3).f32s(60);
-    let out = exe.execute(&[&upload(&client, &a, &[6, 10], &client.devices()[0])]).unwrap();
+    let out = exe
+        .execute(&[&upload(&client, &a, &[6, 10], &client.devices()[0])])
+        .unwrap();
     let sums: Vec<f32> = a.chunks(10).map(|row| row.iter().sum()).collect();
     // Summation order may differ from Rust's: 10 terms in [-1,1) stay within 1e-5.
     assert_close(&download(&out[0]), &sums, 1e-5, 0.0);
-    let maxes: Vec<f32> = (0..10).map(|j| (0..6).map(|i| a[i * 10 + j]).fold(f32::MIN, f32::max)).collect();
+    let maxes: Vec<f32> = (0..10)
+        .map(|j| (0..6).map(|i| a[i * 10 + j]).fold(f32::MIN, f32::max))
+        .collect();
     assert_eq!(download(&out[1]), maxes);
 }
 
@@ -115,11 +149,19 @@ func.func @main(%m: tensor<4x3xf32>, %v: tensor<3xf32>, %s: tensor<f32>) -> tens
   %1 = stablehlo.multiply %0, %bs : tensor<4x3xf32>
   return %1 : tensor<4x3xf32>
 }"#;
-    let exe = compile(&client, text, vec![f32_spec(&[4, 3]), f32_spec(&[3]), f32_spec(&[])]);
+    let exe = compile(
+        &client,
+        text,
+        vec![f32_spec(&[4, 3]), f32_spec(&[3]), f32_spec(&[])],
+    );
     let mut rng = Rng::new(4);
     let (m, v, s) = (rng.f32s(12), rng.f32s(3), rng.f32s(1));
     let dev = &client.devices()[0];
-    let args = [upload(&client, &m, &[4, 3], dev), upload(&client, &v, &[3], dev), upload(&client, &s, &[], dev)];
+    let args = [
+        upload(&client, &m, &[4, 3], dev),
+        upload(&client, &v, &[3], dev),
+        upload(&client, &s, &[], dev),
+    ];
     let out = exe.execute(&args.iter().collect::<Vec<_>>()).unwrap();
     let want: Vec<f32> = (0..12).map(|i| (m[i] + v[i % 3]) * s[0]).collect();
     assert_eq!(download(&out[0]), want);
@@ -135,15 +177,32 @@ func.func @main(%a: tensor<16xf32>, %b: tensor<16xf32>) -> (tensor<16xf32>, tens
   return %max, %gt : tensor<16xf32>, tensor<16xi1>
 }"#;
     let exe = compile(&client, text, vec![f32_spec(&[16]); 2]);
-    assert_eq!(exe.output_specs().unwrap()[1], TensorSpec::new(DType::Bool, [16]));
+    assert_eq!(
+        exe.output_specs().unwrap()[1],
+        TensorSpec::new(DType::Bool, [16])
+    );
     let mut rng = Rng::new(5);
     let (a, b) = (rng.f32s(16), rng.f32s(16));
     let dev = &client.devices()[0];
-    let out = exe.execute(&[&upload(&client, &a, &[16], dev), &upload(&client, &b, &[16], dev)]).unwrap();
-    assert_eq!(download(&out[0]), a.iter().zip(&b).map(|(x, y)| x.max(*y)).collect::<Vec<_>>());
+    let out = exe
+        .execute(&[
+            &upload(&client, &a, &[16], dev),
+            &upload(&client, &b, &[16], dev),
+        ])
+        .unwrap();
+    assert_eq!(
+        download(&out[0]),
+        a.iter().zip(&b).map(|(x, y)| x.max(*y)).collect::<Vec<_>>()
+    );
     let mut mask = vec![0u8; 16];
     out[1].to_host(&mut mask).unwrap();
-    assert_eq!(mask, a.iter().zip(&b).map(|(x, y)| (x > y) as u8).collect::<Vec<_>>());
+    assert_eq!(
+        mask,
+        a.iter()
+            .zip(&b)
+            .map(|(x, y)| (x > y) as u8)
+            .collect::<Vec<_>>()
+    );
     assert!(mask.contains(&0) && mask.contains(&1));
 }
 
@@ -154,11 +213,18 @@ fn mlir_bytecode_program() {
         code: ProgramCode::MlirBytecode(include_bytes!("data/mul_add.mlirbc")),
         inputs: vec![f32_spec(&[4]); 2],
     };
-    let exe = client.compile(&program, &CompileOptions::default()).unwrap();
+    let exe = client
+        .compile(&program, &CompileOptions::default())
+        .unwrap();
     let mut rng = Rng::new(14);
     let (a, b) = (rng.f32s(4), rng.f32s(4));
     let dev = &client.devices()[0];
-    let out = exe.execute(&[&upload(&client, &a, &[4], dev), &upload(&client, &b, &[4], dev)]).unwrap();
+    let out = exe
+        .execute(&[
+            &upload(&client, &a, &[4], dev),
+            &upload(&client, &b, &[4], dev),
+        ])
+        .unwrap();
     // a*b + b: allow one rounding of difference in case XLA fuses into an FMA.
     let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x * y + y).collect();
     assert_close(&download(&out[0]), &want, 1e-6, 1e-6);

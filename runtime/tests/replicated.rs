@@ -20,12 +20,20 @@ fn specs() -> Vec<TensorSpec> {
 /// Per-device inputs and the expected `a*x + y`, uploaded to `devices` in order.
 fn run_replicated(client: &Client, exe: &Executable, devices: &[Device], seed: u64) {
     let mut rng = Rng::new(seed);
-    let inputs: Vec<(Vec<f32>, Vec<f32>, f32)> =
-        devices.iter().map(|_| (rng.f32s(128), rng.f32s(128), rng.f32())).collect();
+    let inputs: Vec<(Vec<f32>, Vec<f32>, f32)> = devices
+        .iter()
+        .map(|_| (rng.f32s(128), rng.f32s(128), rng.f32()))
+        .collect();
     let buffers: Vec<[Buffer; 3]> = inputs
         .iter()
         .zip(devices)
-        .map(|((x, y, a), d)| [upload(client, x, &[128], d), upload(client, y, &[128], d), upload(client, &[*a], &[], d)])
+        .map(|((x, y, a), d)| {
+            [
+                upload(client, x, &[128], d),
+                upload(client, y, &[128], d),
+                upload(client, &[*a], &[], d),
+            ]
+        })
         .collect();
     let lists: Vec<Vec<&Buffer>> = buffers.iter().map(|b| b.iter().collect()).collect();
     let outputs = exe.execute_replicated(&lists).unwrap();
@@ -43,24 +51,45 @@ fn run_replicated(client: &Client, exe: &Executable, devices: &[Device], seed: u
 fn four_replicas_default_assignment() {
     let client = client(4);
     assert_eq!(client.devices().len(), 4);
-    let program = Program { code: ProgramCode::MlirText(AXPY), inputs: specs() };
-    let exe = client.compile(&program, &CompileOptions::replicated(4)).unwrap();
+    let program = Program {
+        code: ProgramCode::MlirText(AXPY),
+        inputs: specs(),
+    };
+    let exe = client
+        .compile(&program, &CompileOptions::replicated(4))
+        .unwrap();
     let devices = exe.devices().unwrap();
-    assert_eq!(devices.iter().map(Device::id).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
+    assert_eq!(
+        devices.iter().map(Device::id).collect::<Vec<_>>(),
+        vec![0, 1, 2, 3]
+    );
     run_replicated(&client, &exe, &devices, 10);
     // Too few argument lists, or plain execute, are caller errors.
-    assert!(matches!(exe.execute_replicated(&[vec![]]), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        exe.execute_replicated(&[vec![]]),
+        Err(Error::InvalidArgument(_))
+    ));
     assert!(matches!(exe.execute(&[]), Err(Error::InvalidArgument(_))));
 }
 
 #[test]
 fn explicit_device_assignment() {
     let client = client(4);
-    let program = Program { code: ProgramCode::MlirText(AXPY), inputs: specs() };
-    let options = CompileOptions { num_replicas: 2, num_partitions: 1, device_ids: Some(vec![3, 1]) };
+    let program = Program {
+        code: ProgramCode::MlirText(AXPY),
+        inputs: specs(),
+    };
+    let options = CompileOptions {
+        num_replicas: 2,
+        num_partitions: 1,
+        device_ids: Some(vec![3, 1]),
+    };
     let exe = client.compile(&program, &options).unwrap();
     let devices = exe.devices().unwrap();
-    assert_eq!(devices.iter().map(Device::id).collect::<Vec<_>>(), vec![3, 1]);
+    assert_eq!(
+        devices.iter().map(Device::id).collect::<Vec<_>>(),
+        vec![3, 1]
+    );
     run_replicated(&client, &exe, &devices, 11);
 }
 
@@ -68,7 +97,10 @@ fn explicit_device_assignment() {
 fn single_device_program_runs_on_each_device() {
     let client = client(4);
     let exe = compile(&client, AXPY, specs());
-    assert!(exe.devices().unwrap().is_empty(), "1x1 programs compile portable");
+    assert!(
+        exe.devices().unwrap().is_empty(),
+        "1x1 programs compile portable"
+    );
     for (i, device) in client.devices().iter().enumerate() {
         run_replicated(&client, &exe, std::slice::from_ref(device), 20 + i as u64);
     }

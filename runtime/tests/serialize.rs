@@ -21,8 +21,15 @@ func.func @main(%a: tensor<32x32xf32>, %b: tensor<32x32xf32>) -> (tensor<32x32xf
 
 fn run(client: &Client, exe: &Executable, a: &[f32], b: &[f32]) -> Vec<Vec<f32>> {
     let dev = &client.devices()[0];
-    let (a, b) = (upload(client, a, &[32, 32], dev), upload(client, b, &[32, 32], dev));
-    exe.execute(&[&a, &b]).unwrap().iter().map(download).collect()
+    let (a, b) = (
+        upload(client, a, &[32, 32], dev),
+        upload(client, b, &[32, 32], dev),
+    );
+    exe.execute(&[&a, &b])
+        .unwrap()
+        .iter()
+        .map(download)
+        .collect()
 }
 
 #[test]
@@ -37,30 +44,46 @@ fn serialize_then_deserialize_in_fresh_client() {
         let compiled = start.elapsed();
         let start = Instant::now();
         let bytes = exe.serialize().unwrap();
-        println!("compile {compiled:?}, serialize {:?} ({} bytes)", start.elapsed(), bytes.len());
+        println!(
+            "compile {compiled:?}, serialize {:?} ({} bytes)",
+            start.elapsed(),
+            bytes.len()
+        );
         (bytes, run(&client, &exe, &a, &b))
     };
     let client = client(1);
     let start = Instant::now();
-    let exe = client.deserialize_executable(&bytes, inputs.clone()).unwrap();
+    let exe = client
+        .deserialize_executable(&bytes, inputs.clone())
+        .unwrap();
     println!("deserialize {:?}", start.elapsed());
     assert_eq!(exe.inputs(), inputs.as_slice());
-    assert_eq!(exe.output_specs().unwrap(), vec![f32_spec(&[32, 32]), f32_spec(&[32])]);
+    assert_eq!(
+        exe.output_specs().unwrap(),
+        vec![f32_spec(&[32, 32]), f32_spec(&[32])]
+    );
     // Same machine code, same inputs: bit-identical outputs.
     assert_eq!(run(&client, &exe, &a, &b), expected);
     // Sanity of the values themselves: tanh bounds and the column sums.
-    let sums: Vec<f32> = (0..32).map(|j| (0..32).map(|i| expected[0][i * 32 + j]).sum()).collect();
+    let sums: Vec<f32> = (0..32)
+        .map(|j| (0..32).map(|i| expected[0][i * 32 + j]).sum())
+        .collect();
     assert!(expected[0].iter().all(|v| v.abs() <= 1.0));
     assert_close(&expected[1], &sums, 1e-4, 0.0);
     // The reloaded executable still validates its arguments.
     let dev = &client.devices()[0];
     let wrong = upload(&client, &a[..32], &[32], dev);
-    assert!(matches!(exe.execute(&[&wrong, &wrong]), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        exe.execute(&[&wrong, &wrong]),
+        Err(Error::InvalidArgument(_))
+    ));
 }
 
 #[test]
 fn garbage_bytes_do_not_deserialize() {
     let client = client(1);
-    let err = client.deserialize_executable(&Rng::new(9).bytes(256), vec![]).unwrap_err();
+    let err = client
+        .deserialize_executable(&Rng::new(9).bytes(256), vec![])
+        .unwrap_err();
     assert!(matches!(err, Error::Pjrt { .. }), "{err}");
 }

@@ -10,7 +10,11 @@ pub fn plugin() -> Arc<Plugin> {
 }
 
 pub fn client(devices: i64) -> Client {
-    Client::new(plugin(), &ClientOptions::default().cpu_device_count(devices)).unwrap()
+    Client::new(
+        plugin(),
+        &ClientOptions::default().cpu_device_count(devices),
+    )
+    .unwrap()
 }
 
 /// xorshift64*: deterministic, dependency-free test data.
@@ -48,24 +52,37 @@ pub fn f32_spec(dims: &[i64]) -> TensorSpec {
 
 pub fn upload(client: &Client, data: &[f32], dims: &[i64], device: &Device) -> Buffer {
     let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
-    client.buffer_from_host(&bytes, &f32_spec(dims), device).unwrap()
+    client
+        .buffer_from_host(&bytes, &f32_spec(dims), device)
+        .unwrap()
 }
 
 pub fn download(buffer: &Buffer) -> Vec<f32> {
     let mut bytes = vec![0u8; buffer.spec().unwrap().byte_size().unwrap()];
     buffer.to_host(&mut bytes).unwrap();
-    bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
 }
 
 pub fn compile(client: &Client, text: &str, inputs: Vec<TensorSpec>) -> Executable {
-    let program = Program { code: ProgramCode::MlirText(text), inputs };
-    client.compile(&program, &CompileOptions::default()).unwrap_or_else(|e| panic!("{e}"))
+    let program = Program {
+        code: ProgramCode::MlirText(text),
+        inputs,
+    };
+    client
+        .compile(&program, &CompileOptions::default())
+        .unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// Asserts `|got - want| <= atol + rtol * |want|` elementwise, naming the first mismatch.
 pub fn assert_close(got: &[f32], want: &[f32], atol: f32, rtol: f32) {
     assert_eq!(got.len(), want.len());
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!((g - w).abs() <= atol + rtol * w.abs(), "element {i}: got {g}, want {w}");
+        assert!(
+            (g - w).abs() <= atol + rtol * w.abs(),
+            "element {i}: got {g}, want {w}"
+        );
     }
 }
