@@ -186,6 +186,10 @@ impl Client {
 }
 
 impl ClientInner {
+    pub(crate) fn first_device(&self) -> Option<*mut PJRT_Device> {
+        self.devices.first().map(|d| d.raw)
+    }
+
     fn query_devices(&self) -> Result<Vec<DeviceInfo>> {
         let plugin = &*self.plugin;
         let mut args = PJRT_Client_AddressableDevices_Args::new();

@@ -385,7 +385,10 @@ impl Executable {
         let device = match (self.devices.as_slice(), args.first()) {
             // A portable executable is told where to run.
             ([], Some(first)) => first.device()?.raw(),
-            ([], None) => self.client_device()?,
+            ([], None) => self
+                .client
+                .first_device()
+                .ok_or_else(|| Error::invalid("client has no devices"))?,
             ([_], _) => null_mut(),
             (many, _) => {
                 return Err(Error::invalid(format!(
@@ -418,26 +421,15 @@ impl Executable {
         self.run(&lists, null_mut())
     }
 
-    fn client_device(&self) -> Result<*mut PJRT_Device> {
-        let devices = Client {
-            inner: self.client.clone(),
-        }
-        .devices();
-        devices
-            .first()
-            .map(Device::raw)
-            .ok_or_else(|| Error::invalid("client has no devices"))
-    }
-
     /// Count, client, dtype and dims of every argument against the declared inputs, so a wrong
     /// argument never reaches the plugin.
     fn check_args(&self, args: &[&Buffer], list: Option<usize>) -> Result<()> {
-        let wher = list
+        let context = list
             .map(|i| format!(" (argument list {i})"))
             .unwrap_or_default();
         if args.len() != self.inputs.len() {
             return Err(Error::invalid(format!(
-                "expected {} arguments, got {}{wher}",
+                "expected {} arguments, got {}{context}",
                 self.inputs.len(),
                 args.len()
             )));
@@ -445,13 +437,13 @@ impl Executable {
         for (position, (arg, expected)) in args.iter().zip(&self.inputs).enumerate() {
             if !arg.belongs_to(&self.client) {
                 return Err(Error::invalid(format!(
-                    "argument {position}{wher} belongs to another client"
+                    "argument {position}{context} belongs to another client"
                 )));
             }
             let got = arg.spec()?;
             if got != *expected {
                 return Err(Error::invalid(format!(
-                    "argument {position}{wher}: expected {expected}, got {got}"
+                    "argument {position}{context}: expected {expected}, got {got}"
                 )));
             }
         }
