@@ -311,3 +311,56 @@ unsafe fn named_value(value: &PJRT_NamedValue) -> (String, AttrValue) {
     };
     (name, parsed)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pjrt_sys::PJRT_Client_Create_Args;
+
+    unsafe extern "C" fn must_not_run(_: *mut PJRT_Client_Create_Args) -> *mut PJRT_Error {
+        std::process::abort()
+    }
+
+    fn fake_plugin(api: PJRT_Api) -> Plugin {
+        let api = Box::leak(Box::new(api));
+        Plugin {
+            path: "fake.so".into(),
+            api,
+            version: (0, 1),
+            attributes: Ok(vec![]),
+        }
+    }
+
+    #[test]
+    fn functions_outside_the_table_are_never_called() {
+        let mut api = PJRT_Api {
+            PJRT_Client_Create: Some(must_not_run),
+            ..Default::default()
+        };
+        // An older plugin whose table ends right before PJRT_Client_Create.
+        api.struct_size = offset_of!(PJRT_Api, PJRT_Client_Create);
+        let mut args = PJRT_Client_Create_Args::new();
+        let err = call!(&fake_plugin(api), PJRT_Client_Create, &mut args).unwrap_err();
+        assert!(
+            matches!(&err, Error::Pjrt { code: ErrorCode::Unimplemented, message }
+            if message.contains("PJRT_Client_Create")),
+            "{err}"
+        );
+        // Inside the table but null.
+        let api = PJRT_Api {
+            struct_size: size_of::<PJRT_Api>(),
+            ..Default::default()
+        };
+        let err = call!(&fake_plugin(api), PJRT_Client_Create, &mut args).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Pjrt {
+                    code: ErrorCode::Unimplemented,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+}
