@@ -105,3 +105,42 @@ fn single_device_program_runs_on_each_device() {
         run_replicated(&client, &exe, std::slice::from_ref(device), 20 + i as u64);
     }
 }
+
+#[test]
+fn two_partitions_spmd() {
+    let client = client(4);
+    let program = Program {
+        code: ProgramCode::MlirText(AXPY),
+        inputs: specs(),
+    };
+    let options = CompileOptions {
+        num_replicas: 1,
+        num_partitions: 2,
+        device_ids: Some(vec![2, 0]),
+    };
+    let exe = client.compile(&program, &options).unwrap();
+    let devices = exe.devices().unwrap();
+    assert_eq!(
+        devices.iter().map(Device::id).collect::<Vec<_>>(),
+        vec![2, 0]
+    );
+    // Without sharding annotations every operand is replicated: both partitions get the same
+    // inputs and compute the whole result.
+    let mut rng = Rng::new(30);
+    let (x, y, a) = (rng.f32s(128), rng.f32s(128), rng.f32());
+    let buffers: Vec<[Buffer; 3]> = devices
+        .iter()
+        .map(|d| {
+            [
+                upload(&client, &x, &[128], d),
+                upload(&client, &y, &[128], d),
+                upload(&client, &[a], &[], d),
+            ]
+        })
+        .collect();
+    let lists: Vec<Vec<&Buffer>> = buffers.iter().map(|b| b.iter().collect()).collect();
+    let want: Vec<f32> = x.iter().zip(&y).map(|(x, y)| a * x + y).collect();
+    for out in exe.execute_replicated(&lists).unwrap() {
+        assert_close(&download(&out[0]), &want, 1e-6, 1e-6);
+    }
+}
