@@ -4,7 +4,6 @@ import subprocess
 import sys
 import textwrap
 
-
 from tpu_dynamo import _native
 from tpu_dynamo.convert import InputKind
 
