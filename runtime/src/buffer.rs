@@ -1,0 +1,155 @@
+//! Device buffers: upload from host memory, inspect, download into a caller's slice.
+
+use crate::client::{Client, ClientInner, Device};
+use crate::error::{Error, Result};
+use crate::event;
+use crate::plugin::call;
+use crate::tensor::{DType, TensorSpec};
+use pjrt_sys::*;
+use std::fmt;
+use std::sync::Arc;
+
+/// An array on a device. Destroyed (device memory freed) on drop.
+pub struct Buffer {
+    client: Arc<ClientInner>,
+    raw: *mut PJRT_Buffer,
+}
+
+// SAFETY: PJRT buffers may be used from any thread.
+unsafe impl Send for Buffer {}
+unsafe impl Sync for Buffer {}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        let mut args = PJRT_Buffer_Destroy_Args::new();
+        args.buffer = self.raw;
+        let _ = call!(&self.client.plugin, PJRT_Buffer_Destroy, &mut args);
+    }
+}
+
+impl fmt::Debug for Buffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.spec() {
+            Ok(spec) => write!(f, "Buffer({spec})"),
+            Err(_) => write!(f, "Buffer(?)"),
+        }
+    }
+}
+
+impl Buffer {
+    /// Takes ownership of a buffer the plugin created for `client`.
+    pub(crate) fn adopt(client: &Arc<ClientInner>, raw: *mut PJRT_Buffer) -> Buffer {
+        Buffer {
+            client: client.clone(),
+            raw,
+        }
+    }
+
+    pub(crate) fn raw(&self) -> *mut PJRT_Buffer {
+        self.raw
+    }
+
+    pub(crate) fn belongs_to(&self, client: &Arc<ClientInner>) -> bool {
+        Arc::ptr_eq(&self.client, client)
+    }
+
+    /// Element type and dimensions, as the plugin reports them.
+    pub fn spec(&self) -> Result<TensorSpec> {
+        let plugin = &*self.client.plugin;
+        let mut ty = PJRT_Buffer_ElementType_Args::new();
+        ty.buffer = self.raw;
+        call!(plugin, PJRT_Buffer_ElementType, &mut ty)?;
+        let mut dims = PJRT_Buffer_Dimensions_Args::new();
+        dims.buffer = self.raw;
+        call!(plugin, PJRT_Buffer_Dimensions, &mut dims)?;
+        let dims = if dims.num_dims == 0 {
+            vec![]
+        } else {
+            // SAFETY: the plugin owns `num_dims` values for the buffer's lifetime.
+            unsafe { std::slice::from_raw_parts(dims.dims, dims.num_dims) }.to_vec()
+        };
+        Ok(TensorSpec {
+            dtype: DType::from_pjrt(ty.type_)?,
+            dims,
+        })
+    }
+
+    /// Bytes the buffer occupies on the device (may exceed the host size through padding).
+    pub fn on_device_size(&self) -> Result<usize> {
+        let mut args = PJRT_Buffer_OnDeviceSizeInBytes_Args::new();
+        args.buffer = self.raw;
+        call!(
+            &self.client.plugin,
+            PJRT_Buffer_OnDeviceSizeInBytes,
+            &mut args
+        )?;
+        Ok(args.on_device_size_in_bytes)
+    }
+
+    /// The device holding the buffer.
+    pub fn device(&self) -> Result<Device> {
+        let mut args = PJRT_Buffer_Device_Args::new();
+        args.buffer = self.raw;
+        call!(&self.client.plugin, PJRT_Buffer_Device, &mut args)?;
+        Client::device_from_raw(&self.client, args.device)
+    }
+
+    /// Copies the buffer, dense row-major, into `dst`, which must be exactly its host size.
+    /// Waits for any pending computation producing the buffer and surfaces its error.
+    pub fn to_host(&self, dst: &mut [u8]) -> Result<()> {
+        let spec = self.spec()?;
+        let expected = spec.byte_size()?;
+        if dst.len() != expected {
+            return Err(Error::invalid(format!(
+                "to_host: destination has {} bytes, buffer {spec} needs {expected}",
+                dst.len()
+            )));
+        }
+        let plugin = &*self.client.plugin;
+        let mut args = PJRT_Buffer_ToHostBuffer_Args::new();
+        args.src = self.raw;
+        args.dst = dst.as_mut_ptr().cast();
+        args.dst_size = dst.len();
+        call!(plugin, PJRT_Buffer_ToHostBuffer, &mut args)?;
+        event::wait(plugin, args.event)
+    }
+}
+
+impl Client {
+    /// Copies `data` (dense row-major, exactly `spec`'s size) to `device`. The copy is finished
+    /// when this returns, so `data` may be reused at once.
+    pub fn buffer_from_host(
+        &self,
+        data: &[u8],
+        spec: &TensorSpec,
+        device: &Device,
+    ) -> Result<Buffer> {
+        let expected = spec.byte_size()?;
+        if data.len() != expected {
+            return Err(Error::invalid(format!(
+                "buffer_from_host: {spec} needs {expected} bytes, got {}",
+                data.len()
+            )));
+        }
+        if !device.belongs_to(&self.inner) {
+            return Err(Error::invalid(
+                "buffer_from_host: device belongs to another client",
+            ));
+        }
+        let plugin = &*self.inner.plugin;
+        let mut args = PJRT_Client_BufferFromHostBuffer_Args::new();
+        args.client = self.inner.raw;
+        args.data = data.as_ptr().cast();
+        args.type_ = spec.dtype.to_pjrt();
+        args.dims = spec.dims.as_ptr();
+        args.num_dims = spec.dims.len();
+        args.host_buffer_semantics =
+            PJRT_HostBufferSemantics_PJRT_HostBufferSemantics_kImmutableOnlyDuringCall;
+        args.device = device.raw();
+        call!(plugin, PJRT_Client_BufferFromHostBuffer, &mut args)?;
+        let buffer = Buffer::adopt(&self.inner, args.buffer);
+        // Even with copy-during-call semantics the done event must be awaited and destroyed.
+        event::wait(plugin, args.done_with_host_buffer)?;
+        Ok(buffer)
+    }
+}

@@ -1,0 +1,134 @@
+//! Element types and shapes: what a buffer or an executable's argument is declared to be.
+
+use crate::error::{Error, Result};
+use pjrt_sys::PJRT_Buffer_Type;
+
+/// Element types this backend moves between host and device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    Bool,
+    U8,
+    I8,
+    I16,
+    I32,
+    I64,
+    F16,
+    Bf16,
+    F32,
+    F64,
+    /// Complex of two `f32`.
+    C64,
+}
+
+impl DType {
+    /// Every variant, for exhaustive tests and lookups.
+    pub const ALL: [DType; 11] = [
+        DType::Bool,
+        DType::U8,
+        DType::I8,
+        DType::I16,
+        DType::I32,
+        DType::I64,
+        DType::F16,
+        DType::Bf16,
+        DType::F32,
+        DType::F64,
+        DType::C64,
+    ];
+
+    /// Bytes per element in a dense host buffer (a `Bool` takes one byte).
+    pub fn size(self) -> usize {
+        match self {
+            DType::Bool | DType::U8 | DType::I8 => 1,
+            DType::I16 | DType::F16 | DType::Bf16 => 2,
+            DType::I32 | DType::F32 => 4,
+            DType::I64 | DType::F64 | DType::C64 => 8,
+        }
+    }
+
+    pub(crate) fn to_pjrt(self) -> PJRT_Buffer_Type {
+        use pjrt_sys::*;
+        match self {
+            DType::Bool => PJRT_Buffer_Type_PJRT_Buffer_Type_PRED,
+            DType::U8 => PJRT_Buffer_Type_PJRT_Buffer_Type_U8,
+            DType::I8 => PJRT_Buffer_Type_PJRT_Buffer_Type_S8,
+            DType::I16 => PJRT_Buffer_Type_PJRT_Buffer_Type_S16,
+            DType::I32 => PJRT_Buffer_Type_PJRT_Buffer_Type_S32,
+            DType::I64 => PJRT_Buffer_Type_PJRT_Buffer_Type_S64,
+            DType::F16 => PJRT_Buffer_Type_PJRT_Buffer_Type_F16,
+            DType::Bf16 => PJRT_Buffer_Type_PJRT_Buffer_Type_BF16,
+            DType::F32 => PJRT_Buffer_Type_PJRT_Buffer_Type_F32,
+            DType::F64 => PJRT_Buffer_Type_PJRT_Buffer_Type_F64,
+            DType::C64 => PJRT_Buffer_Type_PJRT_Buffer_Type_C64,
+        }
+    }
+
+    /// The `DType` of a PJRT element type; other types (u32, fp8, ...) are unsupported here.
+    pub(crate) fn from_pjrt(raw: PJRT_Buffer_Type) -> Result<DType> {
+        DType::ALL
+            .into_iter()
+            .find(|d| d.to_pjrt() == raw)
+            .ok_or_else(|| Error::invalid(format!("unsupported PJRT element type {raw}")))
+    }
+}
+
+/// A dense tensor's element type and dimensions.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct TensorSpec {
+    pub dtype: DType,
+    pub dims: Vec<i64>,
+}
+
+impl TensorSpec {
+    pub fn new(dtype: DType, dims: impl Into<Vec<i64>>) -> Self {
+        TensorSpec {
+            dtype,
+            dims: dims.into(),
+        }
+    }
+
+    /// Number of elements, or an error for a negative dimension or an overflowing size.
+    pub fn element_count(&self) -> Result<usize> {
+        self.dims.iter().try_fold(1usize, |count, &d| {
+            usize::try_from(d)
+                .ok()
+                .and_then(|d| count.checked_mul(d))
+                .ok_or_else(|| Error::invalid(format!("bad dimensions {:?}", self.dims)))
+        })
+    }
+
+    /// Bytes of a dense row-major host copy.
+    pub fn byte_size(&self) -> Result<usize> {
+        self.element_count()?
+            .checked_mul(self.dtype.size())
+            .ok_or_else(|| Error::invalid(format!("tensor too large: {self}")))
+    }
+}
+
+impl std::fmt::Display for TensorSpec {
+    /// MLIR-like, e.g. `f32[2,3]`, for error messages.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let dims: Vec<String> = self.dims.iter().map(i64::to_string).collect();
+        write!(f, "{:?}[{}]", self.dtype, dims.join(","))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_and_round_trip() {
+        for d in DType::ALL {
+            assert_eq!(DType::from_pjrt(d.to_pjrt()).unwrap(), d);
+        }
+        assert_eq!(TensorSpec::new(DType::F32, [2, 3]).byte_size().unwrap(), 24);
+        assert_eq!(TensorSpec::new(DType::C64, []).byte_size().unwrap(), 8);
+        assert_eq!(TensorSpec::new(DType::Bf16, [4, 0]).byte_size().unwrap(), 0);
+        assert!(TensorSpec::new(DType::F32, [-1]).byte_size().is_err());
+        assert!(TensorSpec::new(DType::F64, [i64::MAX, 4])
+            .byte_size()
+            .is_err());
+        assert!(DType::from_pjrt(pjrt_sys::PJRT_Buffer_Type_PJRT_Buffer_Type_U32).is_err());
+    }
+}
