@@ -39,7 +39,10 @@ impl fmt::Debug for Buffer {
 impl Buffer {
     /// Takes ownership of a buffer the plugin created for `client`.
     pub(crate) fn adopt(client: &Arc<ClientInner>, raw: *mut PJRT_Buffer) -> Buffer {
-        Buffer { client: client.clone(), raw }
+        Buffer {
+            client: client.clone(),
+            raw,
+        }
     }
 
     pub(crate) fn raw(&self) -> *mut PJRT_Buffer {
@@ -65,14 +68,21 @@ impl Buffer {
             // SAFETY: the plugin owns `num_dims` values for the buffer's lifetime.
             unsafe { std::slice::from_raw_parts(dims.dims, dims.num_dims) }.to_vec()
         };
-        Ok(TensorSpec { dtype: DType::from_pjrt(ty.type_)?, dims })
+        Ok(TensorSpec {
+            dtype: DType::from_pjrt(ty.type_)?,
+            dims,
+        })
     }
 
     /// Bytes the buffer occupies on the device (may exceed the host size through padding).
     pub fn on_device_size(&self) -> Result<usize> {
         let mut args = PJRT_Buffer_OnDeviceSizeInBytes_Args::new();
         args.buffer = self.raw;
-        call!(&self.client.plugin, PJRT_Buffer_OnDeviceSizeInBytes, &mut args)?;
+        call!(
+            &self.client.plugin,
+            PJRT_Buffer_OnDeviceSizeInBytes,
+            &mut args
+        )?;
         Ok(args.on_device_size_in_bytes)
     }
 
@@ -108,7 +118,12 @@ impl Buffer {
 impl Client {
     /// Copies `data` (dense row-major, exactly `spec`'s size) to `device`. The copy is finished
     /// when this returns, so `data` may be reused at once.
-    pub fn buffer_from_host(&self, data: &[u8], spec: &TensorSpec, device: &Device) -> Result<Buffer> {
+    pub fn buffer_from_host(
+        &self,
+        data: &[u8],
+        spec: &TensorSpec,
+        device: &Device,
+    ) -> Result<Buffer> {
         let expected = spec.byte_size()?;
         if data.len() != expected {
             return Err(Error::invalid(format!(
@@ -117,7 +132,9 @@ impl Client {
             )));
         }
         if !device.belongs_to(&self.inner) {
-            return Err(Error::invalid("buffer_from_host: device belongs to another client"));
+            return Err(Error::invalid(
+                "buffer_from_host: device belongs to another client",
+            ));
         }
         let plugin = &*self.inner.plugin;
         let mut args = PJRT_Client_BufferFromHostBuffer_Args::new();

@@ -113,7 +113,9 @@ pub struct Client {
 
 impl fmt::Debug for Client {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Client").field("devices", &self.devices()).finish()
+        f.debug_struct("Client")
+            .field("devices", &self.devices())
+            .finish()
     }
 }
 
@@ -124,9 +126,15 @@ impl Client {
         args.args.create_options = values.as_ptr();
         args.args.num_options = values.len();
         call!(&plugin, PJRT_Client_Create, args.as_mut_ptr())?;
-        let mut inner = ClientInner { plugin, raw: args.args.client, devices: vec![] };
+        let mut inner = ClientInner {
+            plugin,
+            raw: args.args.client,
+            devices: vec![],
+        };
         inner.devices = inner.query_devices()?;
-        Ok(Client { inner: Arc::new(inner) })
+        Ok(Client {
+            inner: Arc::new(inner),
+        })
     }
 
     pub fn plugin(&self) -> &Arc<Plugin> {
@@ -153,22 +161,35 @@ impl Client {
     /// The devices this process can use, in the plugin's order.
     pub fn devices(&self) -> Vec<Device> {
         (0..self.inner.devices.len())
-            .map(|index| Device { client: self.inner.clone(), index })
+            .map(|index| Device {
+                client: self.inner.clone(),
+                index,
+            })
             .collect()
     }
 
     /// The `Device` for a raw device of this client.
-    pub(crate) fn device_from_raw(inner: &Arc<ClientInner>, raw: *mut PJRT_Device) -> Result<Device> {
+    pub(crate) fn device_from_raw(
+        inner: &Arc<ClientInner>,
+        raw: *mut PJRT_Device,
+    ) -> Result<Device> {
         inner
             .devices
             .iter()
             .position(|d| d.raw == raw)
-            .map(|index| Device { client: inner.clone(), index })
+            .map(|index| Device {
+                client: inner.clone(),
+                index,
+            })
             .ok_or_else(|| Error::invalid("device is not addressable by this client"))
     }
 }
 
 impl ClientInner {
+    pub(crate) fn first_device(&self) -> Option<*mut PJRT_Device> {
+        self.devices.first().map(|d| d.raw)
+    }
+
     fn query_devices(&self) -> Result<Vec<DeviceInfo>> {
         let plugin = &*self.plugin;
         let mut args = PJRT_Client_AddressableDevices_Args::new();

@@ -7,7 +7,7 @@
 //! documented default, and plugins from 0.54 up to at least 0.115 accept that size.
 
 use pjrt_sys::{
-    PJRT_Client_Create_Args, PJRT_ExecuteOptions, PJRT_Executable_DeserializeAndLoad_Args,
+    PJRT_Client_Create_Args, PJRT_Executable_DeserializeAndLoad_Args, PJRT_ExecuteOptions,
     PJRT_Plugin_Attributes_Args,
 };
 use std::mem::size_of;
@@ -39,7 +39,10 @@ macro_rules! grown {
         impl Grown<$ty> {
             pub(crate) fn new() -> Self {
                 const { assert!($size >= size_of::<$ty>() && $size <= size_of::<Grown<$ty>>()) };
-                let mut grown = Grown { args: <$ty>::new(), tail: [0; TAIL] };
+                let mut grown = Grown {
+                    args: <$ty>::new(),
+                    tail: [0; TAIL],
+                };
                 grown.args.struct_size = $size;
                 grown
             }
@@ -60,9 +63,17 @@ mod tests {
         let mut g = Grown::<PJRT_ExecuteOptions>::new();
         assert_eq!(g.args.struct_size, 112);
         assert!(g.tail.iter().all(|&b| b == 0));
-        assert_eq!(g.as_mut_ptr().cast::<u8>(), (&mut g as *mut Grown<_>).cast::<u8>());
+        assert_eq!(
+            g.as_mut_ptr().cast::<u8>(),
+            (&mut g as *mut Grown<_>).cast::<u8>()
+        );
         assert_eq!(PLUGIN_ATTRIBUTES_ARGS_SIZE, 32);
         assert_eq!(Grown::<PJRT_Client_Create_Args>::new().args.struct_size, 88);
-        assert_eq!(Grown::<PJRT_Executable_DeserializeAndLoad_Args>::new().args.struct_size, 64);
+        assert_eq!(
+            Grown::<PJRT_Executable_DeserializeAndLoad_Args>::new()
+                .args
+                .struct_size,
+            64
+        );
     }
 }

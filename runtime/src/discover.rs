@@ -25,7 +25,9 @@ pub(crate) fn discover(explicit: Option<&Path>) -> Result<Arc<Plugin>> {
         cwd: std::env::current_dir().ok(),
         tpu_present: &tpu_hardware_present,
     };
-    let path = search.locate(explicit).map_err(|searched| Error::PluginNotFound { searched })?;
+    let path = search
+        .locate(explicit)
+        .map_err(|searched| Error::PluginNotFound { searched })?;
     Plugin::load(&path)
 }
 
@@ -41,11 +43,14 @@ fn tpu_hardware_under(root: &Path) -> bool {
             .map(|rd| rd.flatten().map(|e| e.path()).collect())
             .unwrap_or_default()
     };
-    let google_pci = entries("sys/bus/pci/devices").iter().any(|dev| {
-        std::fs::read_to_string(dev.join("vendor")).is_ok_and(|v| v.trim() == "0x1ae0")
-    });
+    let google_pci = entries("sys/bus/pci/devices")
+        .iter()
+        .any(|dev| std::fs::read_to_string(dev.join("vendor")).is_ok_and(|v| v.trim() == "0x1ae0"));
     let file_name = |p: &PathBuf| p.file_name().map(|n| n.to_string_lossy().into_owned());
-    let accel = entries("dev").iter().filter_map(file_name).any(|n| n.starts_with("accel"));
+    let accel = entries("dev")
+        .iter()
+        .filter_map(file_name)
+        .any(|n| n.starts_with("accel"));
     let vfio_group = entries("dev/vfio")
         .iter()
         .filter_map(file_name)
@@ -86,7 +91,10 @@ impl Search<'_> {
             } else if *tpu_present.get_or_insert_with(self.tpu_present) {
                 return Ok(path);
             } else {
-                searched.push(format!("{} (libtpu): present, but no TPU hardware", path.display()));
+                searched.push(format!(
+                    "{} (libtpu): present, but no TPU hardware",
+                    path.display()
+                ));
             }
         }
         for path in sites.iter().map(|site| site.join(CPU_IN_SITE)) {
@@ -101,11 +109,20 @@ impl Search<'_> {
     /// Site-packages directories to look in, without duplicates; notes venvs that have none.
     fn site_packages(&self, searched: &mut Vec<String>) -> Vec<PathBuf> {
         let mut sites: Vec<PathBuf> = (self.env)(SITE_PACKAGES_ENV)
-            .map(|list| std::env::split_paths(&list).filter(|p| !p.as_os_str().is_empty()).collect())
+            .map(|list| {
+                std::env::split_paths(&list)
+                    .filter(|p| !p.as_os_str().is_empty())
+                    .collect()
+            })
             .unwrap_or_default();
-        let venvs = (self.env)("VIRTUAL_ENV").map(PathBuf::from).into_iter().chain(
-            self.cwd.iter().flat_map(|cwd| cwd.ancestors().map(|dir| dir.join(".venv"))),
-        );
+        let venvs = (self.env)("VIRTUAL_ENV")
+            .map(PathBuf::from)
+            .into_iter()
+            .chain(
+                self.cwd
+                    .iter()
+                    .flat_map(|cwd| cwd.ancestors().map(|dir| dir.join(".venv"))),
+            );
         for venv in venvs {
             let found = venv_site_packages(&venv);
             if found.is_empty() {
@@ -128,7 +145,9 @@ impl Search<'_> {
 }
 
 fn venv_site_packages(venv: &Path) -> Vec<PathBuf> {
-    let Ok(entries) = std::fs::read_dir(venv.join("lib")) else { return vec![] };
+    let Ok(entries) = std::fs::read_dir(venv.join("lib")) else {
+        return vec![];
+    };
     let mut sites: Vec<PathBuf> = entries
         .flatten()
         .filter(|e| e.file_name().to_string_lossy().starts_with("python"))
@@ -148,7 +167,8 @@ mod tests {
     struct Tree(PathBuf);
     impl Tree {
         fn new(name: &str, files: &[&str]) -> Tree {
-            let root = std::env::temp_dir().join(format!("tpu-dynamo-{name}-{}", std::process::id()));
+            let root =
+                std::env::temp_dir().join(format!("tpu-dynamo-{name}-{}", std::process::id()));
             let _ = std::fs::remove_dir_all(&root);
             for file in files {
                 let path = root.join(file);
@@ -171,18 +191,29 @@ mod tests {
         tpu: bool,
         explicit: Option<&Path>,
     ) -> std::result::Result<PathBuf, Vec<String>> {
-        let vars: HashMap<String, OsString> =
-            vars.iter().map(|(k, v)| (k.to_string(), v.clone().into_os_string())).collect();
+        let vars: HashMap<String, OsString> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.clone().into_os_string()))
+            .collect();
         let env = move |name: &str| vars.get(name).cloned();
         let tpu_present = move || tpu;
-        Search { env: &env, cwd: Some(cwd.to_path_buf()), tpu_present: &tpu_present }.locate(explicit)
+        Search {
+            env: &env,
+            cwd: Some(cwd.to_path_buf()),
+            tpu_present: &tpu_present,
+        }
+        .locate(explicit)
     }
 
     #[test]
     fn order_and_libtpu_gating() {
-        let venv_cpu = ".venv/lib/python3.11/site-packages/xla_plugins/xla_cpu_pjrt/xla_cpu_pjrt.so";
+        let venv_cpu =
+            ".venv/lib/python3.11/site-packages/xla_plugins/xla_cpu_pjrt/xla_cpu_pjrt.so";
         let venv_tpu = ".venv/lib/python3.11/site-packages/libtpu/libtpu.so";
-        let t = Tree::new("discover", &[venv_cpu, venv_tpu, "other/plugin.so", "proj/sub/.keep"]);
+        let t = Tree::new(
+            "discover",
+            &[venv_cpu, venv_tpu, "other/plugin.so", "proj/sub/.keep"],
+        );
         let cwd = t.0.join("proj/sub");
         let venv = t.0.join(".venv");
         // Found from a parent's .venv; libtpu skipped without TPU hardware, with the reason listed.
@@ -193,27 +224,53 @@ mod tests {
         let other = t.0.join("other/plugin.so");
         let env = [(PLUGIN_ENV, other.clone())];
         assert_eq!(locate(&env, &cwd, true, None).unwrap(), other);
-        assert_eq!(locate(&env, &cwd, true, Some(&t.0.join(venv_cpu))).unwrap(), t.0.join(venv_cpu));
+        assert_eq!(
+            locate(&env, &cwd, true, Some(&t.0.join(venv_cpu))).unwrap(),
+            t.0.join(venv_cpu)
+        );
         // A named but missing path is an error, not a fallback.
         let missing = locate(&[(PLUGIN_ENV, t.0.join("nope.so"))], &cwd, false, None).unwrap_err();
         assert!(missing[0].contains("nope.so"), "{missing:?}");
         // Site-packages from the Python shell and VIRTUAL_ENV are searched; misses are listed.
         let empty = Tree::new("discover-empty", &["a/.keep"]);
-        let env = [(SITE_PACKAGES_ENV, empty.0.join("a")), ("VIRTUAL_ENV", venv)];
-        assert_eq!(locate(&env, &empty.0, false, None).unwrap(), t.0.join(venv_cpu));
+        let env = [
+            (SITE_PACKAGES_ENV, empty.0.join("a")),
+            ("VIRTUAL_ENV", venv),
+        ];
+        assert_eq!(
+            locate(&env, &empty.0, false, None).unwrap(),
+            t.0.join(venv_cpu)
+        );
         let searched = locate(&env[..1], &empty.0, false, None).unwrap_err();
-        assert!(searched.iter().any(|s| s.contains("a/xla_plugins")), "{searched:?}");
-        assert!(searched.iter().any(|s| s.contains("a/libtpu")), "{searched:?}");
+        assert!(
+            searched.iter().any(|s| s.contains("a/xla_plugins")),
+            "{searched:?}"
+        );
+        assert!(
+            searched.iter().any(|s| s.contains("a/libtpu")),
+            "{searched:?}"
+        );
     }
 
     #[test]
     fn tpu_hardware_detection() {
-        let none = Tree::new("hw-none", &["sys/bus/pci/devices/0000:00:01.0/vendor", "dev/vfio/vfio"]);
+        let none = Tree::new(
+            "hw-none",
+            &["sys/bus/pci/devices/0000:00:01.0/vendor", "dev/vfio/vfio"],
+        );
         assert!(!tpu_hardware_under(&none.0));
         let pci = Tree::new("hw-pci", &["sys/bus/pci/devices/0000:00:04.0/vendor"]);
-        std::fs::write(pci.0.join("sys/bus/pci/devices/0000:00:04.0/vendor"), "0x1ae0\n").unwrap();
+        std::fs::write(
+            pci.0.join("sys/bus/pci/devices/0000:00:04.0/vendor"),
+            "0x1ae0\n",
+        )
+        .unwrap();
         assert!(tpu_hardware_under(&pci.0));
-        assert!(tpu_hardware_under(&Tree::new("hw-accel", &["dev/accel0"]).0));
-        assert!(tpu_hardware_under(&Tree::new("hw-vfio", &["dev/vfio/12"]).0));
+        assert!(tpu_hardware_under(
+            &Tree::new("hw-accel", &["dev/accel0"]).0
+        ));
+        assert!(tpu_hardware_under(
+            &Tree::new("hw-vfio", &["dev/vfio/12"]).0
+        ));
     }
 }

@@ -53,14 +53,21 @@ pub struct CompileOptions {
 
 impl Default for CompileOptions {
     fn default() -> Self {
-        CompileOptions { num_replicas: 1, num_partitions: 1, device_ids: None }
+        CompileOptions {
+            num_replicas: 1,
+            num_partitions: 1,
+            device_ids: None,
+        }
     }
 }
 
 impl CompileOptions {
     /// `n` replicas of one partition each, on the plugin's default devices.
     pub fn replicated(n: i64) -> Self {
-        CompileOptions { num_replicas: n, ..Default::default() }
+        CompileOptions {
+            num_replicas: n,
+            ..Default::default()
+        }
     }
 
     /// Checks the options against the client's devices and encodes `xla.CompileOptionsProto`.
@@ -82,7 +89,12 @@ impl CompileOptions {
         }
         let device_assignment = match &self.device_ids {
             None => None,
-            Some(ids) => Some(assignment(ids, replicas as usize, partitions as usize, devices)?),
+            Some(ids) => Some(assignment(
+                ids,
+                replicas as usize,
+                partitions as usize,
+                devices,
+            )?),
         };
         let portable = needed == 1 && device_assignment.is_none();
         let proto = xla::CompileOptionsProto {
@@ -117,10 +129,14 @@ fn assignment(
     }
     for (i, id) in ids.iter().enumerate() {
         if !devices.iter().any(|d| i64::from(d.id()) == *id) {
-            return Err(Error::invalid(format!("compile options: device id {id} is not a device of this client")));
+            return Err(Error::invalid(format!(
+                "compile options: device id {id} is not a device of this client"
+            )));
         }
         if ids[..i].contains(id) {
-            return Err(Error::invalid(format!("compile options: device id {id} appears twice")));
+            return Err(Error::invalid(format!(
+                "compile options: device id {id} appears twice"
+            )));
         }
     }
     Ok(xla::DeviceAssignmentProto {
@@ -199,7 +215,11 @@ impl Client {
 
     /// Loads bytes from [`Executable::serialize`] made by the same plugin build; `inputs` are the
     /// argument types the program was compiled for.
-    pub fn deserialize_executable(&self, bytes: &[u8], inputs: Vec<TensorSpec>) -> Result<Executable> {
+    pub fn deserialize_executable(
+        &self,
+        bytes: &[u8],
+        inputs: Vec<TensorSpec>,
+    ) -> Result<Executable> {
         for spec in &inputs {
             spec.byte_size()?;
         }
@@ -207,7 +227,11 @@ impl Client {
         args.args.client = self.inner.raw;
         args.args.serialized_executable = bytes.as_ptr().cast();
         args.args.serialized_executable_size = bytes.len();
-        call!(&self.inner.plugin, PJRT_Executable_DeserializeAndLoad, args.as_mut_ptr())?;
+        call!(
+            &self.inner.plugin,
+            PJRT_Executable_DeserializeAndLoad,
+            args.as_mut_ptr()
+        )?;
         Executable::adopt(&self.inner, args.args.loaded_executable, inputs)
     }
 }
@@ -253,11 +277,18 @@ impl Executable {
         exe.num_outputs = outputs.num_outputs;
         let mut devices = PJRT_LoadedExecutable_AddressableDevices_Args::new();
         devices.executable = loaded;
-        call!(plugin, PJRT_LoadedExecutable_AddressableDevices, &mut devices)?;
+        call!(
+            plugin,
+            PJRT_LoadedExecutable_AddressableDevices,
+            &mut devices
+        )?;
         if devices.num_addressable_devices > 0 {
             // SAFETY: the plugin owns the array for the executable's lifetime.
             exe.devices = unsafe {
-                std::slice::from_raw_parts(devices.addressable_devices, devices.num_addressable_devices)
+                std::slice::from_raw_parts(
+                    devices.addressable_devices,
+                    devices.num_addressable_devices,
+                )
             }
             .to_vec();
         }
@@ -276,7 +307,10 @@ impl Executable {
     /// The devices of a replicated executable, one per argument list of `execute_replicated`;
     /// empty for a single-device executable, which runs wherever its arguments are.
     pub fn devices(&self) -> Result<Vec<Device>> {
-        self.devices.iter().map(|&raw| Client::device_from_raw(&self.client, raw)).collect()
+        self.devices
+            .iter()
+            .map(|&raw| Client::device_from_raw(&self.client, raw))
+            .collect()
     }
 
     /// Output types and dimensions, as compiled.
@@ -304,8 +338,11 @@ impl Executable {
             )
         };
         let total: usize = ranks.iter().sum();
-        let all_dims: &[i64] =
-            if total == 0 { &[] } else { unsafe { std::slice::from_raw_parts(dims.dims, total) } };
+        let all_dims: &[i64] = if total == 0 {
+            &[]
+        } else {
+            unsafe { std::slice::from_raw_parts(dims.dims, total) }
+        };
         let mut offset = 0;
         types
             .iter()
@@ -324,13 +361,19 @@ impl Executable {
         let mut args = PJRT_Executable_Serialize_Args::new();
         args.executable = self.executable;
         call!(&self.client.plugin, PJRT_Executable_Serialize, &mut args)?;
-        let _owner = Serialized { raw: args.serialized_executable, deleter: args.serialized_executable_deleter };
+        let _owner = Serialized {
+            raw: args.serialized_executable,
+            deleter: args.serialized_executable_deleter,
+        };
         if args.serialized_bytes_size == 0 {
             return Ok(vec![]);
         }
         // SAFETY: the bytes live until `_owner` drops.
         let bytes = unsafe {
-            std::slice::from_raw_parts(args.serialized_bytes.cast::<u8>(), args.serialized_bytes_size)
+            std::slice::from_raw_parts(
+                args.serialized_bytes.cast::<u8>(),
+                args.serialized_bytes_size,
+            )
         };
         Ok(bytes.to_vec())
     }
@@ -342,7 +385,10 @@ impl Executable {
         let device = match (self.devices.as_slice(), args.first()) {
             // A portable executable is told where to run.
             ([], Some(first)) => first.device()?.raw(),
-            ([], None) => self.client_device()?,
+            ([], None) => self
+                .client
+                .first_device()
+                .ok_or_else(|| Error::invalid("client has no devices"))?,
             ([_], _) => null_mut(),
             (many, _) => {
                 return Err(Error::invalid(format!(
@@ -375,30 +421,29 @@ impl Executable {
         self.run(&lists, null_mut())
     }
 
-    fn client_device(&self) -> Result<*mut PJRT_Device> {
-        let devices = Client { inner: self.client.clone() }.devices();
-        devices.first().map(Device::raw).ok_or_else(|| Error::invalid("client has no devices"))
-    }
-
     /// Count, client, dtype and dims of every argument against the declared inputs, so a wrong
     /// argument never reaches the plugin.
     fn check_args(&self, args: &[&Buffer], list: Option<usize>) -> Result<()> {
-        let wher = list.map(|i| format!(" (argument list {i})")).unwrap_or_default();
+        let context = list
+            .map(|i| format!(" (argument list {i})"))
+            .unwrap_or_default();
         if args.len() != self.inputs.len() {
             return Err(Error::invalid(format!(
-                "expected {} arguments, got {}{wher}",
+                "expected {} arguments, got {}{context}",
                 self.inputs.len(),
                 args.len()
             )));
         }
         for (position, (arg, expected)) in args.iter().zip(&self.inputs).enumerate() {
             if !arg.belongs_to(&self.client) {
-                return Err(Error::invalid(format!("argument {position}{wher} belongs to another client")));
+                return Err(Error::invalid(format!(
+                    "argument {position}{context} belongs to another client"
+                )));
             }
             let got = arg.spec()?;
             if got != *expected {
                 return Err(Error::invalid(format!(
-                    "argument {position}{wher}: expected {expected}, got {got}"
+                    "argument {position}{context}: expected {expected}, got {got}"
                 )));
             }
         }
@@ -408,11 +453,16 @@ impl Executable {
     /// One `PJRT_LoadedExecutable_Execute` over `lists` (one per device), awaiting completion.
     fn run(&self, lists: &[&[&Buffer]], device: *mut PJRT_Device) -> Result<Vec<Vec<Buffer>>> {
         let plugin = &*self.client.plugin;
-        let arguments: Vec<Vec<*mut PJRT_Buffer>> =
-            lists.iter().map(|list| list.iter().map(|b| b.raw()).collect()).collect();
-        let argument_lists: Vec<*const *mut PJRT_Buffer> = arguments.iter().map(|l| l.as_ptr()).collect();
-        let mut outputs: Vec<Vec<*mut PJRT_Buffer>> = vec![vec![null_mut(); self.num_outputs]; lists.len()];
-        let output_lists: Vec<*mut *mut PJRT_Buffer> = outputs.iter_mut().map(|l| l.as_mut_ptr()).collect();
+        let arguments: Vec<Vec<*mut PJRT_Buffer>> = lists
+            .iter()
+            .map(|list| list.iter().map(|b| b.raw()).collect())
+            .collect();
+        let argument_lists: Vec<*const *mut PJRT_Buffer> =
+            arguments.iter().map(|l| l.as_ptr()).collect();
+        let mut outputs: Vec<Vec<*mut PJRT_Buffer>> =
+            vec![vec![null_mut(); self.num_outputs]; lists.len()];
+        let output_lists: Vec<*mut *mut PJRT_Buffer> =
+            outputs.iter_mut().map(|l| l.as_mut_ptr()).collect();
         let mut events: Vec<*mut PJRT_Event> = vec![null_mut(); lists.len()];
         let mut options = Grown::<PJRT_ExecuteOptions>::new();
         let mut args = PJRT_LoadedExecutable_Execute_Args::new();
@@ -429,14 +479,19 @@ impl Executable {
         let results: Vec<Vec<Buffer>> = outputs
             .iter()
             .map(|list| {
-                list.iter().filter(|b| !b.is_null()).map(|&b| Buffer::adopt(&self.client, b)).collect()
+                list.iter()
+                    .filter(|b| !b.is_null())
+                    .map(|&b| Buffer::adopt(&self.client, b))
+                    .collect()
             })
             .collect();
         let completions: Vec<Result<()>> = events.iter().map(|&e| event::wait(plugin, e)).collect();
         status?;
         completions.into_iter().collect::<Result<()>>()?;
         if results.iter().any(|list| list.len() != self.num_outputs) {
-            return Err(Error::invalid("plugin returned fewer outputs than the executable declares"));
+            return Err(Error::invalid(
+                "plugin returned fewer outputs than the executable declares",
+            ));
         }
         Ok(results)
     }

@@ -24,3 +24,19 @@ pub use error::{Error, ErrorCode, Result};
 pub use executable::{CompileOptions, Executable, Program, ProgramCode};
 pub use plugin::{AttrValue, Plugin};
 pub use tensor::{DType, TensorSpec};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn send_sync<T: Send + Sync>() {}
+
+    #[test]
+    fn handles_are_send_and_sync() {
+        send_sync::<Plugin>();
+        send_sync::<Client>();
+        send_sync::<Device>();
+        send_sync::<Buffer>();
+        send_sync::<Executable>();
+    }
+}

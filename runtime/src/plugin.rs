@@ -22,7 +22,10 @@ use std::sync::{Arc, Mutex, OnceLock};
 macro_rules! call {
     ($plugin:expr, $name:ident, $args:expr) => {{
         let plugin: &$crate::plugin::Plugin = $plugin;
-        match plugin.table(::std::mem::offset_of!(::pjrt_sys::PJRT_Api, $name), stringify!($name)) {
+        match plugin.table(
+            ::std::mem::offset_of!(::pjrt_sys::PJRT_Api, $name),
+            stringify!($name),
+        ) {
             Ok(api) => match api.$name {
                 // SAFETY: the slot is inside the plugin's table and non-null; `$args` is a valid
                 // argument struct per this macro's contract.
@@ -94,9 +97,14 @@ impl Plugin {
     /// file. Refuses libtpu on a machine without TPU hardware, where its initialization would
     /// query a cloud metadata server for minutes.
     pub fn load(path: &Path) -> Result<Arc<Plugin>> {
-        let load_error = |message: String| Error::Load { path: path.to_path_buf(), message };
+        let load_error = |message: String| Error::Load {
+            path: path.to_path_buf(),
+            message,
+        };
         let canonical = path.canonicalize().map_err(|e| load_error(e.to_string()))?;
-        let mut plugins = registry().lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut plugins = registry()
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         if let Some(plugin) = plugins.get(&canonical) {
             return Ok(plugin.clone());
         }
@@ -128,22 +136,35 @@ impl Plugin {
         let library = unsafe { libloading::Library::new(path) }.map_err(|e| e.to_string())?;
         let library: &'static libloading::Library = Box::leak(Box::new(library));
         // SAFETY: `GetPjrtApi` has this signature in every PJRT plugin.
-        let get_api = unsafe {
-            library.get::<unsafe extern "C" fn() -> *const PJRT_Api>(b"GetPjrtApi\0")
-        }
-        .map_err(|e| format!("not a PJRT plugin (no GetPjrtApi): {e}"))?;
+        let get_api =
+            unsafe { library.get::<unsafe extern "C" fn() -> *const PJRT_Api>(b"GetPjrtApi\0") }
+                .map_err(|e| format!("not a PJRT plugin (no GetPjrtApi): {e}"))?;
         // SAFETY: the plugin returns a pointer to a static table (or null).
         let api = unsafe { get_api().as_ref() }.ok_or("GetPjrtApi returned null")?;
         // The error functions are needed to report anything at all; they sit right after the version.
         let needed = offset_of!(PJRT_Api, PJRT_Error_GetCode) + size_of::<usize>();
         if api.struct_size < needed {
-            return Err(format!("PJRT_Api table too small ({} bytes)", api.struct_size));
+            return Err(format!(
+                "PJRT_Api table too small ({} bytes)",
+                api.struct_size
+            ));
         }
-        let version = (api.pjrt_api_version.major_version, api.pjrt_api_version.minor_version);
+        let version = (
+            api.pjrt_api_version.major_version,
+            api.pjrt_api_version.minor_version,
+        );
         if version.0 != pjrt_sys::PJRT_API_MAJOR as i32 {
-            return Err(format!("unsupported PJRT API major version {}.{}", version.0, version.1));
+            return Err(format!(
+                "unsupported PJRT API major version {}.{}",
+                version.0, version.1
+            ));
         }
-        let mut plugin = Plugin { path: path.to_path_buf(), api, version, attributes: Ok(vec![]) };
+        let mut plugin = Plugin {
+            path: path.to_path_buf(),
+            api,
+            version,
+            attributes: Ok(vec![]),
+        };
         let mut args = PJRT_Plugin_Initialize_Args::new();
         call!(&plugin, PJRT_Plugin_Initialize, &mut args).map_err(|e| e.to_string())?;
         plugin.attributes = plugin.read_attributes();
@@ -168,7 +189,10 @@ impl Plugin {
     /// One attribute rendered as text (lists dotted), if the plugin reports it.
     pub fn attribute_str(&self, name: &str) -> Option<String> {
         let attributes = self.attributes.as_ref().ok()?;
-        attributes.iter().find(|(n, _)| n == name).map(|(_, v)| v.to_string())
+        attributes
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.to_string())
     }
 
     /// Stable text naming this exact plugin build: path, PJRT API version and every attribute
@@ -195,7 +219,10 @@ impl Plugin {
         }
         // SAFETY: the plugin owns `num_attributes` values at `attributes` for its lifetime.
         let values = unsafe { std::slice::from_raw_parts(args.attributes, args.num_attributes) };
-        Ok(values.iter().map(|value| unsafe { named_value(value) }).collect())
+        Ok(values
+            .iter()
+            .map(|value| unsafe { named_value(value) })
+            .collect())
     }
 
     /// The API table, provided the function slot at `offset` lies inside it.
@@ -265,7 +292,9 @@ unsafe fn named_value(value: &PJRT_NamedValue) -> (String, AttrValue) {
         pjrt_sys::PJRT_NamedValue_Type_PJRT_NamedValue_kString => {
             AttrValue::Str(lossy(union.string_value, value.value_size))
         }
-        pjrt_sys::PJRT_NamedValue_Type_PJRT_NamedValue_kInt64 => AttrValue::Int64(union.int64_value),
+        pjrt_sys::PJRT_NamedValue_Type_PJRT_NamedValue_kInt64 => {
+            AttrValue::Int64(union.int64_value)
+        }
         pjrt_sys::PJRT_NamedValue_Type_PJRT_NamedValue_kInt64List => {
             let ptr = union.int64_array_value;
             AttrValue::Int64List(if ptr.is_null() || value.value_size == 0 {
@@ -274,9 +303,64 @@ unsafe fn named_value(value: &PJRT_NamedValue) -> (String, AttrValue) {
                 std::slice::from_raw_parts(ptr, value.value_size).to_vec()
             })
         }
-        pjrt_sys::PJRT_NamedValue_Type_PJRT_NamedValue_kFloat => AttrValue::Float(union.float_value),
+        pjrt_sys::PJRT_NamedValue_Type_PJRT_NamedValue_kFloat => {
+            AttrValue::Float(union.float_value)
+        }
         pjrt_sys::PJRT_NamedValue_Type_PJRT_NamedValue_kBool => AttrValue::Bool(union.bool_value),
         other => AttrValue::Str(format!("<unknown attribute type {other}>")),
     };
     (name, parsed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pjrt_sys::PJRT_Client_Create_Args;
+
+    unsafe extern "C" fn must_not_run(_: *mut PJRT_Client_Create_Args) -> *mut PJRT_Error {
+        std::process::abort()
+    }
+
+    fn fake_plugin(api: PJRT_Api) -> Plugin {
+        let api = Box::leak(Box::new(api));
+        Plugin {
+            path: "fake.so".into(),
+            api,
+            version: (0, 1),
+            attributes: Ok(vec![]),
+        }
+    }
+
+    #[test]
+    fn functions_outside_the_table_are_never_called() {
+        let mut api = PJRT_Api {
+            PJRT_Client_Create: Some(must_not_run),
+            ..Default::default()
+        };
+        // An older plugin whose table ends right before PJRT_Client_Create.
+        api.struct_size = offset_of!(PJRT_Api, PJRT_Client_Create);
+        let mut args = PJRT_Client_Create_Args::new();
+        let err = call!(&fake_plugin(api), PJRT_Client_Create, &mut args).unwrap_err();
+        assert!(
+            matches!(&err, Error::Pjrt { code: ErrorCode::Unimplemented, message }
+            if message.contains("PJRT_Client_Create")),
+            "{err}"
+        );
+        // Inside the table but null.
+        let api = PJRT_Api {
+            struct_size: size_of::<PJRT_Api>(),
+            ..Default::default()
+        };
+        let err = call!(&fake_plugin(api), PJRT_Client_Create, &mut args).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Pjrt {
+                    code: ErrorCode::Unimplemented,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
 }

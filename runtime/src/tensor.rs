@@ -81,7 +81,10 @@ pub struct TensorSpec {
 
 impl TensorSpec {
     pub fn new(dtype: DType, dims: impl Into<Vec<i64>>) -> Self {
-        TensorSpec { dtype, dims: dims.into() }
+        TensorSpec {
+            dtype,
+            dims: dims.into(),
+        }
     }
 
     /// Number of elements, or an error for a negative dimension or an overflowing size.
@@ -123,7 +126,9 @@ mod tests {
         assert_eq!(TensorSpec::new(DType::C64, []).byte_size().unwrap(), 8);
         assert_eq!(TensorSpec::new(DType::Bf16, [4, 0]).byte_size().unwrap(), 0);
         assert!(TensorSpec::new(DType::F32, [-1]).byte_size().is_err());
-        assert!(TensorSpec::new(DType::F64, [i64::MAX, 4]).byte_size().is_err());
+        assert!(TensorSpec::new(DType::F64, [i64::MAX, 4])
+            .byte_size()
+            .is_err());
         assert!(DType::from_pjrt(pjrt_sys::PJRT_Buffer_Type_PJRT_Buffer_Type_U32).is_err());
     }
 }

@@ -1,0 +1,77 @@
+//! Host <-> device transfers of every dtype, and buffer metadata.
+
+mod common;
+
+use common::*;
+use tpu_dynamo_runtime::*;
+
+#[test]
+fn round_trip_every_dtype_bit_exact() {
+    let client = client(2);
+    let mut rng = Rng::new(6);
+    for device in client.devices() {
+        for dtype in DType::ALL {
+            let spec = TensorSpec::new(dtype, [3, 5, 2]);
+            let mut data = rng.bytes(spec.byte_size().unwrap());
+            if dtype == DType::Bool {
+                // PRED holds 0 or 1; other bytes need not survive.
+                data.iter_mut().for_each(|b| *b &= 1);
+            }
+            let buffer = client.buffer_from_host(&data, &spec, &device).unwrap();
+            // The caller may scribble over its data as soon as the upload returns.
+            let expected = std::mem::replace(&mut data, vec![0xAB; spec.byte_size().unwrap()]);
+            assert_eq!(buffer.spec().unwrap(), spec);
+            assert_eq!(buffer.device().unwrap(), device);
+            assert!(buffer.on_device_size().unwrap() >= expected.len());
+            let mut back = vec![0u8; expected.len()];
+            buffer.to_host(&mut back).unwrap();
+            assert_eq!(back, expected, "{dtype:?} on {device:?}");
+        }
+    }
+}
+
+#[test]
+fn scalars_and_empty_tensors() {
+    let client = client(1);
+    let dev = &client.devices()[0];
+    let scalar = upload(&client, &[std::f32::consts::PI], &[], dev);
+    assert_eq!(scalar.spec().unwrap().dims, Vec::<i64>::new());
+    assert_eq!(download(&scalar), vec![std::f32::consts::PI]);
+    let empty = client
+        .buffer_from_host(&[], &f32_spec(&[0, 7]), dev)
+        .unwrap();
+    assert_eq!(empty.spec().unwrap(), f32_spec(&[0, 7]));
+    empty.to_host(&mut []).unwrap();
+}
+
+#[test]
+fn size_mismatches_are_rejected() {
+    let client = client(1);
+    let dev = &client.devices()[0];
+    let buffer = upload(&client, &Rng::new(7).f32s(6), &[2, 3], dev);
+    for len in [0, 23, 25, 48] {
+        let err = buffer.to_host(&mut vec![0u8; len]).unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidArgument(m) if m.contains("24")),
+            "{err}"
+        );
+    }
+    let err = client
+        .buffer_from_host(&[0u8; 10], &f32_spec(&[2, 3]), dev)
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    let err = client
+        .buffer_from_host(&[], &f32_spec(&[-1]), dev)
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    // A device of another client is refused.
+    let other = client_device_of_other_client();
+    let err = client
+        .buffer_from_host(&[0u8; 4], &f32_spec(&[1]), &other)
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+}
+
+fn client_device_of_other_client() -> Device {
+    client(1).devices().remove(0)
+}
