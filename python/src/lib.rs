@@ -29,6 +29,12 @@ fn graph_hash(graph_json: &str) -> PyResult<String> {
     Ok(parse(graph_json)?.graph.hash().to_hex().to_string())
 }
 
+/// ATen ops (overload names) the compiler has a lowering rule for, sorted.
+#[pyfunction]
+fn supported_ops() -> Vec<&'static str> {
+    tpu_dynamo_compiler::lower::supported_ops()
+}
+
 /// Counters since the last `reset_stats()`; `*_seconds` are floats, the rest ints.
 #[pyfunction]
 fn stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
@@ -77,5 +83,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(stats, m)?)?;
     m.add_function(wrap_pyfunction!(reset_stats, m)?)?;
     m.add_function(wrap_pyfunction!(device_info, m)?)?;
+    m.add_function(wrap_pyfunction!(supported_ops, m)?)?;
     Ok(())
 }
