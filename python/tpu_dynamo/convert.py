@@ -51,8 +51,10 @@ class Converted:
 
     json: str
     """`GraphWithSources` JSON."""
+    tensor_args: tuple[int, ...]
+    """Positions of the graph's tensor placeholders among its arguments (the IR inputs)."""
     kinds: tuple[InputKind, ...]
-    """Kind of every IR input: the graph's placeholders, then its `constants`."""
+    """Kind of every IR input: the graph's tensor placeholders, then its `constants`."""
     constants: tuple[torch.Tensor, ...]
     """Tensors read through `get_attr`; they follow the placeholders as IR inputs."""
     outputs: tuple[int | None, ...]
@@ -99,6 +101,9 @@ class _Builder:
         self.placeholder_kinds = placeholder_kinds
         # FX node -> value id (single tensor) or {tuple index: value id} (multi-output node).
         self.values: dict[torch.fx.Node, int | dict[int, int]] = {}
+        # Scalar placeholders (sizes of a graph specialized per shape) are baked in as literals.
+        self.scalars: dict[torch.fx.Node, int | float | bool] = {}
+        self.tensor_args: list[int] = []
         self.inputs: list[dict[str, Any]] = []
         self.kinds: list[InputKind] = []
         self.constants: list[torch.Tensor] = []
@@ -123,6 +128,8 @@ class _Builder:
 
     def arg(self, a: Any) -> Any:
         if isinstance(a, torch.fx.Node):
+            if a in self.scalars:
+                return self.arg(self.scalars[a])
             return {"value": self.value_of(a)}
         if a is None:
             return "none"
@@ -145,8 +152,13 @@ class _Builder:
     def placeholders(self) -> None:
         phs = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         assert len(phs) == len(self.placeholder_kinds), "one kind per placeholder"
-        for n, kind in zip(phs, self.placeholder_kinds):
-            self.add_input(n, tensor_type(n.meta.get("val"), f"input {n.name}"), kind)
+        for i, (n, kind) in enumerate(zip(phs, self.placeholder_kinds)):
+            val = n.meta.get("val")
+            if isinstance(val, (int, float, bool)):
+                self.scalars[n] = val
+                continue
+            self.tensor_args.append(i)
+            self.add_input(n, tensor_type(val, f"input {n.name}"), kind)
         # get_attr tensors become constant inputs after the placeholders, in graph order.
         for n in self.gm.graph.nodes:
             if n.op == "get_attr":
@@ -206,7 +218,9 @@ class _Builder:
                 raise LowerError(f"tpu_dynamo: FX node kind {n.op!r} ({n.format_node()}) is not supported")
         graph = {"inputs": self.inputs, "nodes": self.nodes, "outputs": outs}
         text = json.dumps({"graph": graph, "sources": self.sources}, separators=(",", ":"))
-        return Converted(text, tuple(self.kinds), tuple(self.constants), tuple(template))
+        return Converted(
+            text, tuple(self.tensor_args), tuple(self.kinds), tuple(self.constants), tuple(template)
+        )
 
 
 def convert(gm: torch.fx.GraphModule, placeholder_kinds: list[InputKind]) -> Converted:

@@ -40,13 +40,14 @@ class Executable:
 
     def __init__(self, native: _native.CompiledGraph, converted: Converted) -> None:
         self.native = native
+        self.tensor_args = converted.tensor_args
         self.constants = converted.constants
         self.resident = tuple(k is not InputKind.USER for k in converted.kinds)
         self.template = converted.outputs
         self.out_types = [(_TORCH_DTYPES[d], tuple(s)) for d, s in native.output_types]
 
     def __call__(self, args: list[Any]) -> tuple[torch.Tensor | None, ...]:
-        tensors = [*args, *self.constants]
+        tensors = [*(args[i] for i in self.tensor_args), *self.constants]
         args.clear()  # boxed convention: let AOTAutograd's caller free inputs early
         held, ins = [], []
         for t, resident in zip(tensors, self.resident):
