@@ -518,14 +518,16 @@ impl<'a> Builder<'a> {
         self.slice(x, &starts, &limits, &strides)
     }
 
-    /// Pads each dim with (low, high) copies of the 0-d `fill`; negative amounts crop.
-    pub fn pad(&self, x: &Val<'a>, fill: &Val<'a>, pads: &[(i64, i64)]) -> R<Val<'a>> {
-        let shape = x.shape().iter().zip(pads).map(|(s, (l, h))| s + l + h).collect();
-        let (low, high): (Vec<i64>, Vec<i64>) = pads.iter().copied().unzip();
+    /// Pads each dim with `low`/`high` copies of the 0-d `fill` (negative amounts crop) and
+    /// `interior` copies between elements.
+    pub fn pad(&self, x: &Val<'a>, fill: &Val<'a>, low: &[i64], high: &[i64], interior: &[i64]) -> R<Val<'a>> {
+        let shape = (0..x.rank())
+            .map(|i| low[i] + high[i] + x.shape()[i] + (x.shape()[i] - 1).max(0) * interior[i])
+            .collect();
         let attrs = [
-            ("edge_padding_low", i64_array(&low)),
-            ("edge_padding_high", i64_array(&high)),
-            ("interior_padding", i64_array(&vec![0; x.rank()])),
+            ("edge_padding_low", i64_array(low)),
+            ("edge_padding_high", i64_array(high)),
+            ("interior_padding", i64_array(interior)),
         ];
         self.op("stablehlo.pad", &[x, fill], &attrs, TensorType::new(x.dtype(), shape))
     }
@@ -662,6 +664,56 @@ impl<'a> Builder<'a> {
             list(contract.1)
         );
         self.op("stablehlo.dot_general", &[a, b], &[("dot_dimension_numbers", dn)], TensorType::new(out, shape))
+    }
+}
+
+/// Index-space layout shared by `gather` and `scatter`: how the index vector and the window
+/// (slice) dims map onto the operand.
+pub struct IndexMap {
+    /// Result (gather) / update (scatter) dims that are window dims.
+    pub window_dims: Vec<i64>,
+    /// Operand dims of size 1 that the window drops.
+    pub collapsed: Vec<i64>,
+    pub index_to_operand: Vec<i64>,
+    pub index_vector_dim: usize,
+}
+
+impl<'a> Builder<'a> {
+    /// `stablehlo.gather` with `slice_sizes`, producing `shape`.
+    pub fn gather(&self, x: &Val<'a>, idx: &Val<'a>, map: &IndexMap, slice_sizes: &[i64], shape: Vec<i64>) -> R<Val<'a>> {
+        let dn = format!(
+            "#stablehlo.gather<offset_dims = {}, collapsed_slice_dims = {}, start_index_map = {}, index_vector_dim = {}>",
+            list(&map.window_dims),
+            list(&map.collapsed),
+            list(&map.index_to_operand),
+            map.index_vector_dim
+        );
+        let attrs = [("dimension_numbers", dn), ("slice_sizes", i64_array(slice_sizes)), ("indices_are_sorted", "false".into())];
+        self.op("stablehlo.gather", &[x, idx], &attrs, TensorType::new(x.dtype(), shape))
+    }
+
+    /// `stablehlo.scatter` of `updates` into `x`; `accumulate` adds, otherwise replaces.
+    pub fn scatter(&self, x: &Val<'a>, idx: &Val<'a>, updates: &Val<'a>, map: &IndexMap, accumulate: bool) -> R<Val<'a>> {
+        let dn = format!(
+            "#stablehlo.scatter<update_window_dims = {}, inserted_window_dims = {}, scatter_dims_to_operand_dims = {}, index_vector_dim = {}>",
+            list(&map.window_dims),
+            list(&map.collapsed),
+            list(&map.index_to_operand),
+            map.index_vector_dim
+        );
+        let d = x.dtype();
+        let region = self.region(&[d, d], |b, a| {
+            Ok(vec![if accumulate && d == DType::Bool {
+                b.binary("or", &a[0], &a[1])?
+            } else if accumulate {
+                b.binary("add", &a[0], &a[1])?
+            } else {
+                a[1].clone()
+            }])
+        })?;
+        let attrs = [("scatter_dimension_numbers", dn), ("indices_are_sorted", "false".into()), ("unique_indices", "false".into())];
+        let updates = self.convert(updates, d)?;
+        Ok(self.op_regions("stablehlo.scatter", &[x, idx, &updates], &attrs, vec![region], vec![x.ty.clone()])?.remove(0))
     }
 }
 

@@ -180,13 +180,14 @@ fn repeat(n: NodeCtx<'_>) -> Res<'_> {
 fn constant_pad_nd(n: NodeCtx<'_>) -> Res<'_> {
     let x = n.tensor(0, "self")?;
     let pad = n.ints(1, "pad")?;
-    let mut pads = vec![(0, 0); x.rank()];
+    let (mut low, mut high) = (vec![0; x.rank()], vec![0; x.rank()]);
     for (i, pair) in pad.chunks(2).enumerate() {
         let d = x.rank().checked_sub(i + 1).ok_or("more pads than dims")?;
-        pads[d] = (pair[0], *pair.get(1).unwrap_or(&0));
+        low[d] = pair[0];
+        high[d] = *pair.get(1).unwrap_or(&0);
     }
     let fill = n.b.scalar(n.scalar_or(2, "value", Scalar::Int(0))?, x.dtype())?;
-    Ok(vec![n.b.pad(&x, &fill, &pads)?])
+    Ok(vec![n.b.pad(&x, &fill, &low, &high, &vec![0; x.rank()])?])
 }
 
 fn flip(n: NodeCtx<'_>) -> Res<'_> {
