@@ -104,13 +104,16 @@ fn build(target: &Target, json: &tpu_dynamo_compiler::ir::GraphWithSources) -> R
     Ok(Entry { exe, stablehlo: lowered.text, inputs, outputs: lowered.outputs.iter().map(spec).collect() })
 }
 
+/// A resident input's device copy and the host `(data_ptr, version)` it was uploaded from.
+type Resident = Option<(usize, i64, Arc<Buffer>)>;
+
 /// A graph compiled for one concrete input signature.
 #[pyclass(frozen, module = "tpu_dynamo._native")]
 pub struct CompiledGraph {
     entry: Arc<Entry>,
     target: Arc<Target>,
-    /// Per input slot: the device copy of a resident input and the (data_ptr, version) it holds.
-    resident: Vec<Mutex<Option<(usize, i64, Arc<Buffer>)>>>,
+    /// Per input slot; stays `None` for user inputs.
+    resident: Vec<Mutex<Resident>>,
     #[pyo3(get)]
     graph_hash: String,
     #[pyo3(get)]

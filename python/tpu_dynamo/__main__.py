@@ -17,9 +17,9 @@ def main() -> int:
     print(f"devices:  {', '.join(info['devices'])}")
 
     def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(x * y + 1.0)
+        return torch.tanh(x @ y + 1.0)
 
-    x, y = torch.randn(4, 8), torch.randn(8)
+    x, y = torch.randn(4, 8), torch.randn(8, 3)
     compiled = torch.compile(f, backend="tpu", fullgraph=True)
     with torch.no_grad():
         start = time.perf_counter()
@@ -29,7 +29,7 @@ def main() -> int:
         compiled(x, y)
         second = time.perf_counter() - start
     diff = (got - f(x, y)).abs().max().item()
-    print(f"tanh(x * y + 1): max abs diff vs eager {diff:.2e}; first call {first * 1e3:.0f} ms"
+    print(f"tanh(x @ y + 1): max abs diff vs eager {diff:.2e}; first call {first * 1e3:.0f} ms"
           f" (compile), second {second * 1e3:.2f} ms")
     print(f"stats:    {tpu_dynamo.stats()}")
     ok = diff <= 1e-5
