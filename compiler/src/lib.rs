@@ -4,3 +4,6 @@
 //! bytecode) through MLIR, with one module per ATen op family.
 
 pub mod ir;
+pub mod lower;
+
+pub use lower::{lower, LowerError, LowerErrorKind, Lowered};

@@ -1,4 +1,34 @@
-"""tpu_dynamo: a torch.compile backend that lowers FX graphs to StableHLO and runs them on PJRT."""
-from ._native import __version__
+"""tpu_dynamo: a torch.compile backend that lowers FX graphs to StableHLO and runs them on PJRT.
 
-__all__ = ["__version__"]
+Use it as `torch.compile(model, backend="tpu")` (or `"tpu_dynamo"`); the names come from the
+package's `torch_dynamo_backends` entry points, so no import is needed.
+"""
+import os as _os
+import site as _site
+import sys as _sys
+
+# The Rust plugin discovery looks for PJRT plugins (xla-cpu-pjrt, libtpu) in these directories.
+_os.environ.setdefault(
+    "TPU_DYNAMO_SITE_PACKAGES",
+    _os.pathsep.join(dict.fromkeys([*_site.getsitepackages(), *filter(None, _sys.path)])),
+)
+
+from ._native import (  # noqa: E402
+    LowerError,
+    PjrtError,
+    PluginNotFoundError,
+    __version__,
+    device_info,
+    reset_stats,
+    stats,
+)
+
+__all__ = [
+    "LowerError",
+    "PjrtError",
+    "PluginNotFoundError",
+    "__version__",
+    "device_info",
+    "reset_stats",
+    "stats",
+]

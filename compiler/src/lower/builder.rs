@@ -1,0 +1,723 @@
+//! The one place that emits StableHLO: every op is built here with a result type we computed.
+//!
+//! StableHLO is not a registered dialect in our MLIR, so nothing checks these ops before the
+//! plugin compiles them; each helper therefore derives its result type from its operands the
+//! way the StableHLO spec does, and rules only combine helpers.
+
+use crate::ir::{DType, TensorType};
+use melior::{
+    ir::{
+        block::BlockLike, Attribute, Block, Identifier, Location,
+        OperationRef, Region, RegionLike, Type, Value,
+    },
+    ir::operation::OperationBuilder,
+    Context,
+};
+
+pub type R<T> = Result<T, String>;
+
+/// An SSA value together with the tensor type we gave it.
+#[derive(Clone)]
+pub struct Val<'a> {
+    pub v: Value<'a, 'a>,
+    pub ty: TensorType,
+}
+
+impl<'a> Val<'a> {
+    pub fn dtype(&self) -> DType {
+        self.ty.dtype
+    }
+    pub fn shape(&self) -> &[i64] {
+        &self.ty.shape
+    }
+    pub fn rank(&self) -> usize {
+        self.ty.rank()
+    }
+}
+
+/// A Python number as ATen passes it (`Scalar` in schemas).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Scalar {
+    Bool(bool),
+    Int(i64),
+    Float(f64),
+}
+
+impl Scalar {
+    pub fn as_f64(self) -> f64 {
+        match self {
+            Scalar::Bool(b) => b as i64 as f64,
+            Scalar::Int(i) => i as f64,
+            Scalar::Float(f) => f,
+        }
+    }
+    /// The dtype PyTorch gives a wrapped Python number (default float dtype is f32).
+    pub fn dtype(self) -> DType {
+        match self {
+            Scalar::Bool(_) => DType::Bool,
+            Scalar::Int(_) => DType::I64,
+            Scalar::Float(_) => DType::F32,
+        }
+    }
+}
+
+/// Body of a reduction: the combiner and its identity.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Combiner {
+    Add,
+    Max,
+    Min,
+    Or,
+    And,
+}
+
+impl Combiner {
+    fn op(self) -> &'static str {
+        match self {
+            Combiner::Add => "add",
+            Combiner::Max => "maximum",
+            Combiner::Min => "minimum",
+            Combiner::Or => "or",
+            Combiner::And => "and",
+        }
+    }
+    fn identity(self, dtype: DType) -> Scalar {
+        let inf = f64::INFINITY;
+        match (self, dtype.is_float()) {
+            (Combiner::Add, _) => Scalar::Int(0),
+            (Combiner::Or, _) => Scalar::Bool(false),
+            (Combiner::And, _) => Scalar::Bool(true),
+            (Combiner::Max, true) => Scalar::Float(-inf),
+            (Combiner::Min, true) => Scalar::Float(inf),
+            (Combiner::Max, false) => Scalar::Int(int_range(dtype).0),
+            (Combiner::Min, false) => Scalar::Int(int_range(dtype).1),
+        }
+    }
+}
+
+fn int_range(dtype: DType) -> (i64, i64) {
+    match dtype {
+        DType::Bool => (0, 1),
+        DType::U8 => (0, 255),
+        DType::I8 => (i8::MIN as i64, i8::MAX as i64),
+        DType::I16 => (i16::MIN as i64, i16::MAX as i64),
+        DType::I32 => (i32::MIN as i64, i32::MAX as i64),
+        _ => (i64::MIN, i64::MAX),
+    }
+}
+
+pub fn element_str(dtype: DType) -> &'static str {
+    match dtype {
+        DType::Bool => "i1",
+        DType::U8 => "ui8",
+        DType::I8 => "i8",
+        DType::I16 => "i16",
+        DType::I32 => "i32",
+        DType::I64 => "i64",
+        DType::F16 => "f16",
+        DType::Bf16 => "bf16",
+        DType::F32 => "f32",
+        DType::F64 => "f64",
+        DType::C64 => "complex<f32>",
+    }
+}
+
+/// MLIR spelling, e.g. `tensor<2x3xf32>`.
+pub fn tensor_str(ty: &TensorType) -> String {
+    let mut s = String::from("tensor<");
+    for d in &ty.shape {
+        s += &format!("{d}x");
+    }
+    s + element_str(ty.dtype) + ">"
+}
+
+pub fn mlir_type<'c>(ctx: &'c Context, ty: &TensorType) -> R<Type<'c>> {
+    let s = tensor_str(ty);
+    Type::parse(ctx, &s).ok_or_else(|| format!("cannot parse type {s}"))
+}
+
+/// Short spelling for messages, e.g. `f32[2, 3]`.
+pub fn type_str(ty: &TensorType) -> String {
+    let dims: Vec<String> = ty.shape.iter().map(|d| d.to_string()).collect();
+    format!("{}[{}]", dtype_name(ty.dtype), dims.join(", "))
+}
+
+pub fn dtype_name(dtype: DType) -> &'static str {
+    match dtype {
+        DType::Bool => "bool",
+        DType::C64 => "c64",
+        d => element_str(d),
+    }
+}
+
+/// `array<i64: 1, 2>` (empty: `array<i64>`).
+pub fn i64_array(values: &[i64]) -> String {
+    if values.is_empty() {
+        return "array<i64>".into();
+    }
+    let v: Vec<String> = values.iter().map(|x| x.to_string()).collect();
+    format!("array<i64: {}>", v.join(", "))
+}
+
+/// `[1, 2]`, as the dot/gather/scatter attributes spell dimension lists.
+pub fn list(values: &[i64]) -> String {
+    let v: Vec<String> = values.iter().map(|x| x.to_string()).collect();
+    format!("[{}]", v.join(", "))
+}
+
+/// `dense<[[lo, hi], ...]> : tensor<Nx2xi64>`, the padding form of convolution/reduce_window.
+pub fn padding_attr(pads: &[(i64, i64)]) -> String {
+    let rows: Vec<String> = pads.iter().map(|(l, h)| format!("[{l}, {h}]")).collect();
+    format!("dense<[{}]> : tensor<{}x2xi64>", rows.join(", "), pads.len())
+}
+
+/// Compute type PyTorch's CPU kernels use for a storage type ("opmath"): half types widen to f32.
+pub fn opmath(dtype: DType) -> DType {
+    match dtype {
+        DType::F16 | DType::Bf16 => DType::F32,
+        d => d,
+    }
+}
+
+fn category(dtype: DType) -> u8 {
+    if dtype == DType::Bool {
+        0
+    } else if dtype.is_integer() {
+        1
+    } else if dtype.is_float() {
+        2
+    } else {
+        3
+    }
+}
+
+/// `torch.promote_types`.
+pub fn promote_types(a: DType, b: DType) -> DType {
+    use DType::*;
+    if a == b {
+        return a;
+    }
+    let (ca, cb) = (category(a), category(b));
+    if ca != cb {
+        return if ca > cb { a } else { b };
+    }
+    match (a, b) {
+        (Bf16, F16) | (F16, Bf16) => F32,
+        (U8, I8) | (I8, U8) => I16,
+        _ => {
+            if a.size() > b.size() {
+                a
+            } else if b.size() > a.size() {
+                b
+            } else if a == U8 {
+                b
+            } else {
+                a
+            }
+        }
+    }
+}
+
+/// An operand of an elementwise op before promotion: a tensor or a Python number.
+#[derive(Clone)]
+pub enum Operand<'a> {
+    Tensor(Val<'a>),
+    Scalar(Scalar),
+}
+
+/// `torch.result_type` over tensors and numbers: dimensioned tensors win over 0-d tensors, which
+/// win over numbers, unless a lower-priority group has a higher category (bool < int < float).
+pub fn result_type(operands: &[&Operand]) -> DType {
+    let mut groups: [Option<DType>; 3] = [None, None, None];
+    for o in operands {
+        let (g, d) = match o {
+            Operand::Tensor(t) if t.rank() > 0 => (0, t.dtype()),
+            Operand::Tensor(t) => (1, t.dtype()),
+            Operand::Scalar(s) => (2, s.dtype()),
+        };
+        groups[g] = Some(groups[g].map_or(d, |p| promote_types(p, d)));
+    }
+    let mut result: Option<DType> = None;
+    for d in groups.into_iter().flatten() {
+        result = Some(match result {
+            None => d,
+            Some(r) if category(d) > category(r) => promote_types(r, d),
+            Some(r) => r,
+        });
+    }
+    result.unwrap_or(DType::F32)
+}
+
+/// numpy broadcasting of two shapes.
+pub fn broadcast_shapes(a: &[i64], b: &[i64]) -> R<Vec<i64>> {
+    let n = a.len().max(b.len());
+    let get = |s: &[i64], i: usize| if i + s.len() >= n { s[i + s.len() - n] } else { 1 };
+    (0..n)
+        .map(|i| match (get(a, i), get(b, i)) {
+            (x, y) if x == y => Ok(x),
+            (1, y) => Ok(y),
+            (x, 1) => Ok(x),
+            (x, y) => Err(format!("shapes {a:?} and {b:?} do not broadcast ({x} vs {y})")),
+        })
+        .collect()
+}
+
+/// A possibly negative dim index into a rank-`rank` tensor, checked.
+pub fn norm_dim(dim: i64, rank: usize) -> R<usize> {
+    let r = rank.max(1) as i64;
+    let d = if dim < 0 { dim + r } else { dim };
+    if d < 0 || d >= r {
+        return Err(format!("dim {dim} out of range for rank {rank}"));
+    }
+    Ok(d as usize)
+}
+
+/// Several dims normalized and sorted; an empty list means every dim (ATen's reduction rule).
+pub fn norm_dims(dims: &[i64], rank: usize) -> R<Vec<usize>> {
+    if dims.is_empty() {
+        return Ok((0..rank).collect());
+    }
+    let mut out = dims.iter().map(|&d| norm_dim(d, rank)).collect::<R<Vec<_>>>()?;
+    out.sort_unstable();
+    out.dedup();
+    Ok(out)
+}
+
+fn float_bits_text(dtype: DType, v: f64) -> String {
+    match dtype {
+        DType::F64 => format!("0x{:016X}", v.to_bits()),
+        _ => format!("0x{:08X}", (v as f32).to_bits()),
+    }
+}
+
+/// Emits StableHLO ops into one block at one location.
+#[derive(Clone, Copy)]
+pub struct Builder<'a> {
+    pub ctx: &'a Context,
+    block: &'a Block<'a>,
+    loc: Location<'a>,
+}
+
+impl<'a> Builder<'a> {
+    pub fn new(ctx: &'a Context, block: &'a Block<'a>, loc: Location<'a>) -> Self {
+        Builder { ctx, block, loc }
+    }
+
+    pub fn with_location(self, loc: Location<'a>) -> Self {
+        Builder { loc, ..self }
+    }
+
+    pub fn mlir_type(&self, ty: &TensorType) -> R<Type<'a>> {
+        mlir_type(self.ctx, ty)
+    }
+
+    fn attr(&self, text: &str) -> R<Attribute<'a>> {
+        Attribute::parse(self.ctx, text).ok_or_else(|| format!("cannot parse attribute {text}"))
+    }
+
+    /// The general op emitter: operands, attributes (as MLIR text), regions and result types.
+    pub fn op_regions(
+        &self,
+        name: &str,
+        operands: &[&Val<'a>],
+        attrs: &[(&str, String)],
+        regions: Vec<Region<'a>>,
+        results: Vec<TensorType>,
+    ) -> R<Vec<Val<'a>>> {
+        let values: Vec<Value> = operands.iter().map(|v| v.v).collect();
+        let types = results.iter().map(|t| self.mlir_type(t)).collect::<R<Vec<_>>>()?;
+        let attributes = attrs
+            .iter()
+            .map(|(k, v)| Ok((Identifier::new(self.ctx, k), self.attr(v)?)))
+            .collect::<R<Vec<_>>>()?;
+        let op = OperationBuilder::new(name, self.loc)
+            .add_operands(&values)
+            .add_attributes(&attributes)
+            .add_regions_vec(regions)
+            .add_results(&types)
+            .build()
+            .map_err(|e| format!("building {name}: {e}"))?;
+        let op: OperationRef<'a, 'a> = self.block.append_operation(op);
+        results
+            .into_iter()
+            .enumerate()
+            .map(|(i, ty)| {
+                let v = op.result(i).map_err(|e| e.to_string())?;
+                Ok(Val { v: v.into(), ty })
+            })
+            .collect()
+    }
+
+    pub fn op(&self, name: &str, operands: &[&Val<'a>], attrs: &[(&str, String)], result: TensorType) -> R<Val<'a>> {
+        Ok(self.op_regions(name, operands, attrs, vec![], vec![result])?.remove(0))
+    }
+
+    /// A one-block region whose arguments are 0-d tensors of `dtypes`; `body` returns the values
+    /// to `stablehlo.return`.
+    pub fn region<F>(&self, dtypes: &[DType], body: F) -> R<Region<'a>>
+    where
+        F: for<'x> FnOnce(Builder<'x>, Vec<Val<'x>>) -> R<Vec<Val<'x>>>,
+    {
+        let scalar = |d: DType| TensorType::new(d, vec![]);
+        let args = dtypes.iter().map(|&d| Ok((self.mlir_type(&scalar(d))?, self.loc))).collect::<R<Vec<_>>>()?;
+        let block = Block::new(&args);
+        {
+            let inner = Builder { ctx: self.ctx, block: &block, loc: self.loc };
+            let vals = dtypes
+                .iter()
+                .enumerate()
+                .map(|(i, &d)| Ok(Val { v: block.argument(i).map_err(|e| e.to_string())?.into(), ty: scalar(d) }))
+                .collect::<R<Vec<_>>>()?;
+            let ret = body(inner, vals)?;
+            let ret: Vec<Value> = ret.iter().map(|v| v.v).collect();
+            let op = OperationBuilder::new("stablehlo.return", self.loc)
+                .add_operands(&ret)
+                .build()
+                .map_err(|e| e.to_string())?;
+            block.append_operation(op);
+        }
+        let region = Region::new();
+        region.append_block(block);
+        Ok(region)
+    }
+
+    // ---- constants ----
+
+    /// A constant of type `ty` filled with `value` (converted as a cast in PyTorch would).
+    pub fn splat(&self, value: Scalar, ty: &TensorType) -> R<Val<'a>> {
+        let d = ty.dtype;
+        if matches!(d, DType::F16 | DType::Bf16) {
+            // MLIR parses half literals only as bit patterns; let XLA round an f32 constant.
+            let wide = self.splat(value, &TensorType::new(DType::F32, ty.shape.clone()))?;
+            return self.convert(&wide, d);
+        }
+        let text = match d {
+            DType::Bool => (value.as_f64() != 0.0).to_string(),
+            DType::F32 | DType::F64 => float_bits_text(d, value.as_f64()),
+            DType::C64 => return Err("complex constants are not supported".into()),
+            _ => match value {
+                Scalar::Float(f) => (f as i64).to_string(),
+                Scalar::Int(i) => i.to_string(),
+                Scalar::Bool(b) => (b as i64).to_string(),
+            },
+        };
+        let attr = format!("dense<{text}> : {}", tensor_str(ty));
+        self.op("stablehlo.constant", &[], &[("value", attr)], ty.clone())
+    }
+
+    pub fn scalar(&self, value: Scalar, dtype: DType) -> R<Val<'a>> {
+        self.splat(value, &TensorType::new(dtype, vec![]))
+    }
+
+    /// `value` as a tensor shaped like `like` (same dtype).
+    pub fn full_like(&self, value: Scalar, like: &Val<'a>) -> R<Val<'a>> {
+        self.splat(value, &like.ty)
+    }
+
+    /// Tensor operand as-is, number as a 0-d constant of `dtype`; then converted to `dtype`.
+    pub fn materialize(&self, o: &Operand<'a>, dtype: DType) -> R<Val<'a>> {
+        match o {
+            Operand::Tensor(t) => self.convert(t, dtype),
+            Operand::Scalar(s) => self.scalar(*s, dtype),
+        }
+    }
+
+    pub fn iota(&self, ty: &TensorType, dim: usize) -> R<Val<'a>> {
+        self.op("stablehlo.iota", &[], &[("iota_dimension", format!("{dim} : i64"))], ty.clone())
+    }
+
+    // ---- type and shape changes ----
+
+    /// Element type conversion with PyTorch cast semantics (to bool means `!= 0`).
+    pub fn convert(&self, x: &Val<'a>, dtype: DType) -> R<Val<'a>> {
+        if x.dtype() == dtype {
+            return Ok(x.clone());
+        }
+        if dtype == DType::Bool {
+            let zero = self.full_like(Scalar::Int(0), x)?;
+            return self.compare(x, &zero, "NE");
+        }
+        self.op("stablehlo.convert", &[x], &[], TensorType::new(dtype, x.ty.shape.clone()))
+    }
+
+    pub fn reshape(&self, x: &Val<'a>, shape: &[i64]) -> R<Val<'a>> {
+        if x.shape() == shape {
+            return Ok(x.clone());
+        }
+        let n: i64 = shape.iter().product();
+        if n != x.ty.numel() {
+            return Err(format!("cannot reshape {} to {shape:?}", type_str(&x.ty)));
+        }
+        self.op("stablehlo.reshape", &[x], &[], TensorType::new(x.dtype(), shape.to_vec()))
+    }
+
+    pub fn transpose(&self, x: &Val<'a>, perm: &[usize]) -> R<Val<'a>> {
+        if perm.iter().enumerate().all(|(i, &p)| i == p) {
+            return Ok(x.clone());
+        }
+        let shape = perm.iter().map(|&p| x.shape()[p]).collect();
+        let perm: Vec<i64> = perm.iter().map(|&p| p as i64).collect();
+        self.op("stablehlo.transpose", &[x], &[("permutation", i64_array(&perm))], TensorType::new(x.dtype(), shape))
+    }
+
+    /// `broadcast_in_dim`: operand dim i becomes result dim `dims[i]`.
+    pub fn broadcast_in_dim(&self, x: &Val<'a>, shape: &[i64], dims: &[usize]) -> R<Val<'a>> {
+        for (i, &d) in dims.iter().enumerate() {
+            if x.shape()[i] != 1 && x.shape()[i] != shape[d] {
+                return Err(format!("cannot broadcast {} to {shape:?}", type_str(&x.ty)));
+            }
+        }
+        let dims: Vec<i64> = dims.iter().map(|&d| d as i64).collect();
+        let ty = TensorType::new(x.dtype(), shape.to_vec());
+        self.op("stablehlo.broadcast_in_dim", &[x], &[("broadcast_dimensions", i64_array(&dims))], ty)
+    }
+
+    /// numpy-style broadcast to `shape` (trailing dims aligned).
+    pub fn broadcast_to(&self, x: &Val<'a>, shape: &[i64]) -> R<Val<'a>> {
+        if x.shape() == shape {
+            return Ok(x.clone());
+        }
+        if x.rank() > shape.len() {
+            return Err(format!("cannot broadcast {} to {shape:?}", type_str(&x.ty)));
+        }
+        let off = shape.len() - x.rank();
+        self.broadcast_in_dim(x, shape, &(off..shape.len()).collect::<Vec<_>>())
+    }
+
+    /// Converts every operand to `dtype` and broadcasts them to their common shape.
+    pub fn coerce(&self, operands: &[&Operand<'a>], dtype: DType) -> R<Vec<Val<'a>>> {
+        let vals = operands.iter().map(|o| self.materialize(o, dtype)).collect::<R<Vec<_>>>()?;
+        let mut shape = vec![];
+        for v in &vals {
+            shape = broadcast_shapes(&shape, v.shape())?;
+        }
+        vals.iter().map(|v| self.broadcast_to(v, &shape)).collect()
+    }
+
+    /// Static strided slice; `limit` is exclusive and already clamped.
+    pub fn slice(&self, x: &Val<'a>, start: &[i64], limit: &[i64], strides: &[i64]) -> R<Val<'a>> {
+        let shape = (0..x.rank())
+            .map(|i| ((limit[i] - start[i]).max(0) + strides[i] - 1) / strides[i])
+            .collect();
+        let attrs = [
+            ("start_indices", i64_array(start)),
+            ("limit_indices", i64_array(limit)),
+            ("strides", i64_array(strides)),
+        ];
+        self.op("stablehlo.slice", &[x], &attrs, TensorType::new(x.dtype(), shape))
+    }
+
+    /// Slice `[start, limit)` with `step` along one dim.
+    pub fn slice_dim(&self, x: &Val<'a>, dim: usize, start: i64, limit: i64, step: i64) -> R<Val<'a>> {
+        let mut starts = vec![0; x.rank()];
+        let mut limits = x.shape().to_vec();
+        let mut strides = vec![1; x.rank()];
+        starts[dim] = start;
+        limits[dim] = limit;
+        strides[dim] = step;
+        self.slice(x, &starts, &limits, &strides)
+    }
+
+    /// Pads each dim with `low`/`high` copies of the 0-d `fill` (negative amounts crop) and
+    /// `interior` copies between elements.
+    pub fn pad(&self, x: &Val<'a>, fill: &Val<'a>, low: &[i64], high: &[i64], interior: &[i64]) -> R<Val<'a>> {
+        let shape = (0..x.rank())
+            .map(|i| low[i] + high[i] + x.shape()[i] + (x.shape()[i] - 1).max(0) * interior[i])
+            .collect();
+        let attrs = [
+            ("edge_padding_low", i64_array(low)),
+            ("edge_padding_high", i64_array(high)),
+            ("interior_padding", i64_array(interior)),
+        ];
+        self.op("stablehlo.pad", &[x, fill], &attrs, TensorType::new(x.dtype(), shape))
+    }
+
+    pub fn reverse(&self, x: &Val<'a>, dims: &[usize]) -> R<Val<'a>> {
+        let dims: Vec<i64> = dims.iter().map(|&d| d as i64).collect();
+        self.op("stablehlo.reverse", &[x], &[("dimensions", i64_array(&dims))], x.ty.clone())
+    }
+
+    pub fn concat(&self, xs: &[&Val<'a>], dim: usize) -> R<Val<'a>> {
+        if xs.len() == 1 {
+            return Ok(xs[0].clone());
+        }
+        let mut shape = xs[0].shape().to_vec();
+        shape[dim] = xs.iter().map(|x| x.shape()[dim]).sum();
+        let ty = TensorType::new(xs[0].dtype(), shape);
+        self.op("stablehlo.concatenate", xs, &[("dimension", format!("{dim} : i64"))], ty)
+    }
+
+    // ---- elementwise ----
+
+    pub fn unary(&self, name: &str, x: &Val<'a>) -> R<Val<'a>> {
+        self.op(&format!("stablehlo.{name}"), &[x], &[], x.ty.clone())
+    }
+
+    /// Same-typed binary op (operands must already agree in shape and dtype).
+    pub fn binary(&self, name: &str, a: &Val<'a>, b: &Val<'a>) -> R<Val<'a>> {
+        if a.ty != b.ty {
+            return Err(format!("{name}: operand types differ: {} vs {}", type_str(&a.ty), type_str(&b.ty)));
+        }
+        self.op(&format!("stablehlo.{name}"), &[a, b], &[], a.ty.clone())
+    }
+
+    /// Binary op on two operands of the same dtype, broadcasting shapes.
+    pub fn binary_bcast(&self, name: &str, a: &Val<'a>, b: &Val<'a>) -> R<Val<'a>> {
+        let shape = broadcast_shapes(a.shape(), b.shape())?;
+        self.binary(name, &self.broadcast_to(a, &shape)?, &self.broadcast_to(b, &shape)?)
+    }
+
+    pub fn add(&self, a: &Val<'a>, b: &Val<'a>) -> R<Val<'a>> {
+        self.binary_bcast("add", a, b)
+    }
+    pub fn sub(&self, a: &Val<'a>, b: &Val<'a>) -> R<Val<'a>> {
+        self.binary_bcast("subtract", a, b)
+    }
+    pub fn mul(&self, a: &Val<'a>, b: &Val<'a>) -> R<Val<'a>> {
+        self.binary_bcast("multiply", a, b)
+    }
+    pub fn div(&self, a: &Val<'a>, b: &Val<'a>) -> R<Val<'a>> {
+        self.binary_bcast("divide", a, b)
+    }
+
+    /// `x * value` with `value` a constant of x's dtype.
+    pub fn mul_scalar(&self, x: &Val<'a>, value: f64) -> R<Val<'a>> {
+        self.binary("multiply", x, &self.full_like(Scalar::Float(value), x)?)
+    }
+    pub fn add_scalar(&self, x: &Val<'a>, value: f64) -> R<Val<'a>> {
+        self.binary("add", x, &self.full_like(Scalar::Float(value), x)?)
+    }
+
+    /// Comparison of same-dtype operands (broadcast), bool result.
+    pub fn compare(&self, a: &Val<'a>, b: &Val<'a>, direction: &str) -> R<Val<'a>> {
+        let shape = broadcast_shapes(a.shape(), b.shape())?;
+        let (a, b) = (self.broadcast_to(a, &shape)?, self.broadcast_to(b, &shape)?);
+        if a.dtype() != b.dtype() {
+            return Err(format!("compare: dtypes differ: {} vs {}", type_str(&a.ty), type_str(&b.ty)));
+        }
+        let kind = match a.dtype() {
+            d if d.is_float() => "FLOAT",
+            d if d.is_signed_integer() => "SIGNED",
+            _ => "UNSIGNED",
+        };
+        let attrs = [
+            ("comparison_direction", format!("#stablehlo<comparison_direction {direction}>")),
+            ("compare_type", format!("#stablehlo<comparison_type {kind}>")),
+        ];
+        self.op("stablehlo.compare", &[&a, &b], &attrs, TensorType::new(DType::Bool, shape))
+    }
+
+    /// `pred ? a : b`, broadcasting all three.
+    pub fn select(&self, pred: &Val<'a>, a: &Val<'a>, b: &Val<'a>) -> R<Val<'a>> {
+        let shape = broadcast_shapes(&broadcast_shapes(pred.shape(), a.shape())?, b.shape())?;
+        let p = self.broadcast_to(pred, &shape)?;
+        let (a, b) = (self.broadcast_to(a, &shape)?, self.broadcast_to(b, &shape)?);
+        let ty = a.ty.clone();
+        self.op("stablehlo.select", &[&p, &a, &b], &[], ty)
+    }
+
+    // ---- reductions ----
+
+    /// Reduces `dims` (sorted, unique) with `combiner`; `keepdim` keeps them as size 1.
+    pub fn reduce(&self, x: &Val<'a>, dims: &[usize], combiner: Combiner, keepdim: bool) -> R<Val<'a>> {
+        let d = x.dtype();
+        let init = self.scalar(combiner.identity(d), d)?;
+        let region = self.region(&[d, d], |b, args| Ok(vec![b.binary(combiner.op(), &args[0], &args[1])?]))?;
+        let kept: Vec<i64> = (0..x.rank()).filter(|i| !dims.contains(i)).map(|i| x.shape()[i]).collect();
+        let dims_i: Vec<i64> = dims.iter().map(|&i| i as i64).collect();
+        let out = self
+            .op_regions("stablehlo.reduce", &[x, &init], &[("dimensions", i64_array(&dims_i))], vec![region], vec![TensorType::new(d, kept)])?
+            .remove(0);
+        if keepdim {
+            self.reshape(&out, &keep_dims_shape(x.shape(), dims))
+        } else {
+            Ok(out)
+        }
+    }
+
+    /// `dot_general` with explicit batch/contracting dims; result element type `out` (lets bf16
+    /// inputs accumulate in f32 as PyTorch's CPU matmuls do).
+    pub fn dot_general(
+        &self,
+        a: &Val<'a>,
+        b: &Val<'a>,
+        batch: (&[i64], &[i64]),
+        contract: (&[i64], &[i64]),
+        out: DType,
+    ) -> R<Val<'a>> {
+        let free = |x: &Val, bd: &[i64], cd: &[i64]| -> Vec<i64> {
+            (0..x.rank() as i64).filter(|i| !bd.contains(i) && !cd.contains(i)).map(|i| x.shape()[i as usize]).collect()
+        };
+        let mut shape: Vec<i64> = batch.0.iter().map(|&i| a.shape()[i as usize]).collect();
+        shape.extend(free(a, batch.0, contract.0));
+        shape.extend(free(b, batch.1, contract.1));
+        for (&i, &j) in contract.0.iter().zip(contract.1).chain(batch.0.iter().zip(batch.1)) {
+            if a.shape()[i as usize] != b.shape()[j as usize] {
+                return Err(format!("dot: {} and {} disagree on dims {i}/{j}", type_str(&a.ty), type_str(&b.ty)));
+            }
+        }
+        let dn = format!(
+            "#stablehlo.dot<lhs_batching_dimensions = {}, rhs_batching_dimensions = {}, lhs_contracting_dimensions = {}, rhs_contracting_dimensions = {}>",
+            list(batch.0),
+            list(batch.1),
+            list(contract.0),
+            list(contract.1)
+        );
+        self.op("stablehlo.dot_general", &[a, b], &[("dot_dimension_numbers", dn)], TensorType::new(out, shape))
+    }
+}
+
+/// Index-space layout shared by `gather` and `scatter`: how the index vector and the window
+/// (slice) dims map onto the operand.
+pub struct IndexMap {
+    /// Result (gather) / update (scatter) dims that are window dims.
+    pub window_dims: Vec<i64>,
+    /// Operand dims of size 1 that the window drops.
+    pub collapsed: Vec<i64>,
+    pub index_to_operand: Vec<i64>,
+    pub index_vector_dim: usize,
+}
+
+impl<'a> Builder<'a> {
+    /// `stablehlo.gather` with `slice_sizes`, producing `shape`.
+    pub fn gather(&self, x: &Val<'a>, idx: &Val<'a>, map: &IndexMap, slice_sizes: &[i64], shape: Vec<i64>) -> R<Val<'a>> {
+        let dn = format!(
+            "#stablehlo.gather<offset_dims = {}, collapsed_slice_dims = {}, start_index_map = {}, index_vector_dim = {}>",
+            list(&map.window_dims),
+            list(&map.collapsed),
+            list(&map.index_to_operand),
+            map.index_vector_dim
+        );
+        let attrs = [("dimension_numbers", dn), ("slice_sizes", i64_array(slice_sizes)), ("indices_are_sorted", "false".into())];
+        self.op("stablehlo.gather", &[x, idx], &attrs, TensorType::new(x.dtype(), shape))
+    }
+
+    /// `stablehlo.scatter` of `updates` into `x`; `accumulate` adds, otherwise replaces.
+    pub fn scatter(&self, x: &Val<'a>, idx: &Val<'a>, updates: &Val<'a>, map: &IndexMap, accumulate: bool) -> R<Val<'a>> {
+        let dn = format!(
+            "#stablehlo.scatter<update_window_dims = {}, inserted_window_dims = {}, scatter_dims_to_operand_dims = {}, index_vector_dim = {}>",
+            list(&map.window_dims),
+            list(&map.collapsed),
+            list(&map.index_to_operand),
+            map.index_vector_dim
+        );
+        let d = x.dtype();
+        let region = self.region(&[d, d], |b, a| {
+            Ok(vec![if accumulate && d == DType::Bool {
+                b.binary("or", &a[0], &a[1])?
+            } else if accumulate {
+                b.binary("add", &a[0], &a[1])?
+            } else {
+                a[1].clone()
+            }])
+        })?;
+        let attrs = [("scatter_dimension_numbers", dn), ("indices_are_sorted", "false".into()), ("unique_indices", "false".into())];
+        let updates = self.convert(updates, d)?;
+        Ok(self.op_regions("stablehlo.scatter", &[x, idx, &updates], &attrs, vec![region], vec![x.ty.clone()])?.remove(0))
+    }
+}
+
+/// `shape` with the reduced `dims` set to 1.
+pub fn keep_dims_shape(shape: &[i64], dims: &[usize]) -> Vec<i64> {
+    shape.iter().enumerate().map(|(i, &s)| if dims.contains(&i) { 1 } else { s }).collect()
+}

@@ -1,0 +1,295 @@
+//! Elementwise math: binary arithmetic (tensor or number operands), unary functions, pow,
+//! activations, `where`.
+//!
+//! Like PyTorch's CPU kernels, half-precision results are computed in f32 ("opmath") and rounded
+//! once at the end; operands are promoted to the dtype FX recorded for the result.
+
+use super::builder::{opmath, Builder, Operand, Scalar, Val, R};
+use super::{NodeCtx, Registry, Res};
+use crate::ir::DType;
+
+pub fn register(r: &mut Registry) {
+    r.add(&["aten.add.Tensor", "aten.add.Scalar", "aten.sub.Tensor", "aten.sub.Scalar", "aten.rsub.Tensor", "aten.rsub.Scalar"], add_sub);
+    r.add(&["aten.mul.Tensor", "aten.mul.Scalar", "aten.div.Tensor", "aten.div.Scalar", "aten.true_divide.Tensor"], mul_div);
+    r.add(&["aten.div.Tensor_mode", "aten.div.Scalar_mode", "aten.floor_divide.default"], div_mode);
+    r.add(&["aten.remainder.Tensor", "aten.remainder.Scalar", "aten.fmod.Tensor", "aten.fmod.Scalar"], remainder);
+    r.add(&["aten.maximum.default", "aten.minimum.default", "aten.atan2.default"], binary_plain);
+    r.add(&["aten.pow.Tensor_Scalar", "aten.pow.Tensor_Tensor", "aten.pow.Scalar"], pow);
+    r.add(
+        &[
+            "aten.neg.default",
+            "aten.abs.default",
+            "aten.exp.default",
+            "aten.log.default",
+            "aten.log1p.default",
+            "aten.expm1.default",
+            "aten.sqrt.default",
+            "aten.rsqrt.default",
+            "aten.sin.default",
+            "aten.cos.default",
+            "aten.tan.default",
+            "aten.tanh.default",
+            "aten.sigmoid.default",
+            "aten.floor.default",
+            "aten.ceil.default",
+            "aten.round.default",
+            "aten.sign.default",
+            "aten.reciprocal.default",
+            "aten.relu.default",
+            "aten.erf.default",
+            "aten.gelu.default",
+            "aten.silu.default",
+            "aten.exp2.default",
+            "aten.log2.default",
+            "aten.trunc.default",
+        ],
+        unary,
+    );
+    r.add(&["aten.clamp.default", "aten.clamp.Tensor", "aten.clamp_min.default", "aten.clamp_max.default", "aten.hardtanh.default"], clamp);
+    r.add(&["aten.where.self", "aten.where.ScalarSelf", "aten.where.ScalarOther", "aten.where.Scalar"], where_);
+    r.add(&["aten.masked_fill.Scalar", "aten.masked_fill.Tensor"], masked_fill);
+}
+
+/// Promotes both operands to the compute type of the recorded result, applies `f`, and rounds
+/// back to the result dtype.
+fn arith<'a>(
+    n: &NodeCtx<'a>,
+    a: &Operand<'a>,
+    b: &Operand<'a>,
+    f: impl FnOnce(&Builder<'a>, &Val<'a>, &Val<'a>) -> R<Val<'a>>,
+) -> R<Val<'a>> {
+    let out = n.out_dtype()?;
+    let v = n.b.coerce(&[a, b], opmath(out))?;
+    n.b.convert(&f(&n.b, &v[0], &v[1])?, out)
+}
+
+/// `self ± alpha * other`; `rsub` is `other - alpha * self`.
+fn add_sub(n: NodeCtx<'_>) -> Res<'_> {
+    let (x, y) = (n.operand(0, "self")?, n.operand(1, "other")?);
+    let alpha = n.scalar_or(2, "alpha", Scalar::Int(1))?;
+    let rsub = n.op.starts_with("aten.rsub");
+    let name = if n.op.starts_with("aten.add") { "add" } else { "subtract" };
+    Ok(vec![arith(&n, &x, &y, |b, p, q| {
+        let (first, second) = if rsub { (q, p) } else { (p, q) };
+        if first.dtype() == DType::Bool {
+            return b.binary("or", first, second);
+        }
+        let second = match alpha.as_f64() {
+            1.0 => second.clone(),
+            _ => b.binary("multiply", second, &b.full_like(alpha, second)?)?,
+        };
+        b.binary(name, first, &second)
+    })?])
+}
+
+fn mul_div(n: NodeCtx<'_>) -> Res<'_> {
+    let (x, y) = (n.operand(0, "self")?, n.operand(1, "other")?);
+    let name = if n.op.starts_with("aten.mul") { "multiply" } else { "divide" };
+    Ok(vec![arith(&n, &x, &y, |b, p, q| if p.dtype() == DType::Bool { b.binary("and", p, q) } else { b.binary(name, p, q) })?])
+}
+
+/// `trunc(x)` for floats, which StableHLO lacks: floor toward zero.
+fn trunc<'a>(b: &Builder<'a>, x: &Val<'a>) -> R<Val<'a>> {
+    let neg = b.compare(x, &b.full_like(Scalar::Int(0), x)?, "LT")?;
+    b.select(&neg, &b.unary("ceil", x)?, &b.unary("floor", x)?)
+}
+
+/// Division with `rounding_mode` "trunc" or "floor" (None is true division).
+fn div_mode(n: NodeCtx<'_>) -> Res<'_> {
+    let (x, y) = (n.operand(0, "self")?, n.operand(1, "other")?);
+    let mode = if n.op == "aten.floor_divide.default" { "floor".to_string() } else { n.str_or(2, "rounding_mode", "true")? };
+    Ok(vec![arith(&n, &x, &y, |b, p, q| {
+        let quot = b.binary("divide", p, q)?;
+        match (mode.as_str(), p.dtype().is_float()) {
+            ("true", _) => Ok(quot),
+            ("trunc", true) => trunc(b, &quot),
+            (_, true) => b.unary("floor", &quot),
+            (_, false) if mode == "trunc" => Ok(quot),
+            // Integer division truncates; step down when the signs differ and it was inexact.
+            (_, false) => {
+                let zero = b.full_like(Scalar::Int(0), p)?;
+                let inexact = b.compare(&b.binary("remainder", p, q)?, &zero, "NE")?;
+                let signs = b.binary("xor", &b.compare(p, &zero, "LT")?, &b.compare(q, &zero, "LT")?)?;
+                let fix = b.binary("and", &inexact, &signs)?;
+                b.select(&fix, &b.binary("subtract", &quot, &b.full_like(Scalar::Int(1), &quot)?)?, &quot)
+            }
+        }
+    })?])
+}
+
+/// `remainder` takes the divisor's sign (Python `%`); `fmod` the dividend's (C `fmod`).
+fn remainder(n: NodeCtx<'_>) -> Res<'_> {
+    let (x, y) = (n.operand(0, "self")?, n.operand(1, "other")?);
+    let python = n.op.starts_with("aten.remainder");
+    Ok(vec![arith(&n, &x, &y, |b, p, q| {
+        let r = b.binary("remainder", p, q)?;
+        if !python {
+            return Ok(r);
+        }
+        let zero = b.full_like(Scalar::Int(0), p)?;
+        let nonzero = b.compare(&r, &zero, "NE")?;
+        let signs = b.compare(&b.compare(&r, &zero, "LT")?, &b.compare(q, &zero, "LT")?, "NE")?;
+        b.select(&b.binary("and", &nonzero, &signs)?, &b.binary("add", &r, q)?, &r)
+    })?])
+}
+
+fn binary_plain(n: NodeCtx<'_>) -> Res<'_> {
+    let (x, y) = (n.operand(0, "self")?, n.operand(1, "other")?);
+    let name = match n.op.as_str() {
+        "aten.maximum.default" => "maximum",
+        "aten.minimum.default" => "minimum",
+        _ => "atan2",
+    };
+    Ok(vec![arith(&n, &x, &y, |b, p, q| if p.dtype() == DType::Bool {
+        b.binary(if name == "maximum" { "or" } else { "and" }, p, q)
+    } else {
+        b.binary(name, p, q)
+    })?])
+}
+
+/// `x ** e` for a number `e`: small integer and ±0.5 exponents become multiplies / sqrt as in
+/// PyTorch's kernel (exact for negative bases), the rest `stablehlo.power`.
+fn pow_scalar<'a>(b: &Builder<'a>, x: &Val<'a>, e: f64) -> R<Val<'a>> {
+    let float = x.dtype().is_float();
+    match e {
+        0.5 if float => b.unary("sqrt", x),
+        -0.5 if float => b.unary("rsqrt", x),
+        e if e.fract() == 0.0 && e.abs() <= 4.0 && (e >= 0.0 || float) => {
+            let mut acc = b.full_like(Scalar::Int(1), x)?;
+            for _ in 0..e.abs() as i64 {
+                acc = b.binary("multiply", &acc, x)?;
+            }
+            if e < 0.0 {
+                acc = b.binary("divide", &b.full_like(Scalar::Int(1), x)?, &acc)?;
+            }
+            Ok(acc)
+        }
+        e => b.binary("power", x, &b.full_like(Scalar::Float(e), x)?),
+    }
+}
+
+fn pow(n: NodeCtx<'_>) -> Res<'_> {
+    let (x, y) = (n.operand(0, "self")?, n.operand(1, "exponent")?);
+    let exp = match &y {
+        Operand::Scalar(s) => Some(s.as_f64()),
+        Operand::Tensor(_) => None,
+    };
+    Ok(vec![arith(&n, &x, &y, |b, p, q| match exp {
+        Some(e) => pow_scalar(b, p, e),
+        None => b.binary("power", p, q),
+    })?])
+}
+
+/// erf by the rational approximation XLA and Eigen use for f32 (|error| < 1 ulp-ish on f32).
+fn erf<'a>(b: &Builder<'a>, x: &Val<'a>) -> R<Val<'a>> {
+    const ALPHA: [f64; 7] = [
+        -2.72614225801306e-10,
+        2.77068142495902e-08,
+        -2.10102402082508e-06,
+        -5.69250639462346e-05,
+        -7.34990630326855e-04,
+        -2.95459980854025e-03,
+        -1.60960333262415e-02,
+    ];
+    const BETA: [f64; 5] = [-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03, -1.42647390514189e-02];
+    let x = b.op("stablehlo.clamp", &[&b.full_like(Scalar::Float(-4.0), x)?, x, &b.full_like(Scalar::Float(4.0), x)?], &[], x.ty.clone())?;
+    let x2 = b.binary("multiply", &x, &x)?;
+    let horner = |coefs: &[f64]| -> R<Val<'a>> {
+        let mut acc = b.full_like(Scalar::Float(coefs[0]), &x2)?;
+        for &c in &coefs[1..] {
+            acc = b.add_scalar(&b.binary("multiply", &acc, &x2)?, c)?;
+        }
+        Ok(acc)
+    };
+    let p = b.binary("multiply", &x, &horner(&ALPHA)?)?;
+    b.binary("divide", &p, &horner(&BETA)?)
+}
+
+/// GELU, exact (`0.5 x (1 + erf(x/√2))`) or with `approximate="tanh"`.
+fn gelu<'a>(b: &Builder<'a>, x: &Val<'a>, approximate: &str) -> R<Val<'a>> {
+    let inner = if approximate == "tanh" {
+        let cube = b.binary("multiply", &b.binary("multiply", x, x)?, x)?;
+        let poly = b.binary("add", x, &b.mul_scalar(&cube, 0.044715)?)?;
+        b.unary("tanh", &b.mul_scalar(&poly, (2.0 / std::f64::consts::PI).sqrt())?)?
+    } else {
+        erf(b, &b.mul_scalar(x, std::f64::consts::FRAC_1_SQRT_2)?)?
+    };
+    let half_x = b.mul_scalar(x, 0.5)?;
+    b.binary("multiply", &half_x, &b.add_scalar(&inner, 1.0)?)
+}
+
+/// Unary functions; integer inputs of float functions are promoted (the recorded dtype says so).
+fn unary(n: NodeCtx<'_>) -> Res<'_> {
+    let out = n.out_dtype()?;
+    let b = &n.b;
+    let x = b.convert(&n.tensor(0, "self")?, opmath(out))?;
+    let one = || b.full_like(Scalar::Int(1), &x);
+    let name = n.op.trim_start_matches("aten.").trim_end_matches(".default");
+    let simple = match name {
+        "neg" => Some("negate"),
+        "abs" | "log" | "sqrt" | "rsqrt" | "tan" | "tanh" | "floor" | "ceil" | "sign" => Some(name),
+        "exp" => Some("exponential"),
+        "log1p" => Some("log_plus_one"),
+        "expm1" => Some("exponential_minus_one"),
+        "sin" => Some("sine"),
+        "cos" => Some("cosine"),
+        "sigmoid" => Some("logistic"),
+        "round" => Some("round_nearest_even"),
+        _ => None,
+    };
+    let y = match (simple, name) {
+        (Some("abs"), _) if x.dtype() == DType::Bool => x.clone(),
+        (Some(op), _) => b.unary(op, &x)?,
+        (_, "reciprocal") => b.binary("divide", &one()?, &x)?,
+        (_, "relu") => b.binary("maximum", &x, &b.full_like(Scalar::Int(0), &x)?)?,
+        (_, "erf") => erf(b, &x)?,
+        (_, "gelu") => gelu(b, &x, &n.str_or(1, "approximate", "none")?)?,
+        (_, "silu") => b.binary("multiply", &x, &b.unary("logistic", &x)?)?,
+        (_, "exp2") => b.binary("power", &b.full_like(Scalar::Int(2), &x)?, &x)?,
+        (_, "log2") => b.mul_scalar(&b.unary("log", &x)?, std::f64::consts::LOG2_E)?,
+        (_, "trunc") if x.dtype().is_float() => trunc(b, &x)?,
+        (_, "trunc") => x.clone(),
+        _ => return Err(format!("no unary rule for {}", n.op)),
+    };
+    Ok(vec![b.convert(&y, out)?])
+}
+
+/// `clamp(x, min, max)`; maximum/minimum propagate NaN like PyTorch.
+fn clamp(n: NodeCtx<'_>) -> Res<'_> {
+    let out = n.out_dtype()?;
+    let b = &n.b;
+    let x = b.convert(&n.tensor(0, "self")?, opmath(out))?;
+    let (lo, hi) = match n.op.as_str() {
+        "aten.clamp_min.default" => (Some(n.operand(1, "min")?), None),
+        "aten.clamp_max.default" => (None, Some(n.operand(1, "max")?)),
+        "aten.hardtanh.default" => (
+            Some(Operand::Scalar(Scalar::Float(n.float_or(1, "min_val", -1.0)?))),
+            Some(Operand::Scalar(Scalar::Float(n.float_or(2, "max_val", 1.0)?))),
+        ),
+        _ => (n.opt_operand(1, "min")?, n.opt_operand(2, "max")?),
+    };
+    let mut y = x;
+    for (bound, op) in [(lo, "maximum"), (hi, "minimum")] {
+        if let Some(bound) = bound {
+            y = b.binary_bcast(op, &y, &b.materialize(&bound, y.dtype())?)?;
+        }
+    }
+    Ok(vec![b.convert(&y, out)?])
+}
+
+fn where_(n: NodeCtx<'_>) -> Res<'_> {
+    let out = n.out_dtype()?;
+    let cond = n.b.convert(&n.tensor(0, "condition")?, DType::Bool)?;
+    let v = n.b.coerce(&[&n.operand(1, "self")?, &n.operand(2, "other")?], out)?;
+    Ok(vec![n.b.select(&cond, &v[0], &v[1])?])
+}
+
+fn masked_fill(n: NodeCtx<'_>) -> Res<'_> {
+    let x = n.tensor(0, "self")?;
+    let mask = n.b.convert(&n.tensor(1, "mask")?, DType::Bool)?;
+    let value = n.b.materialize(&n.operand(2, "value")?, x.dtype())?;
+    let value = n.b.broadcast_to(&value, x.shape())?;
+    let mask = n.b.broadcast_to(&mask, x.shape())?;
+    Ok(vec![n.b.select(&mask, &value, &x)?])
+}
+

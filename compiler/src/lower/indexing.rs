@@ -1,0 +1,202 @@
+//! Gathers and scatters: embedding, advanced indexing (`index`, `index_put`, `index_select`),
+//! `gather` / `scatter`, and the slice/select scatters.
+
+use super::builder::{broadcast_shapes, norm_dim, type_str, Builder, IndexMap, Operand, Scalar, Val, R};
+use super::{NodeCtx, Registry, Res};
+use crate::ir::{DType, TensorType};
+
+pub fn register(r: &mut Registry) {
+    r.add(&["aten.embedding.default"], embedding);
+    r.add(&["aten.index.Tensor", "aten.index_select.default"], index);
+    r.add(&["aten.index_put.default"], index_put);
+    r.add(&["aten.gather.default"], gather);
+    r.add(&["aten.scatter.value", "aten.scatter.src", "aten.scatter_add.default"], scatter);
+    r.add(&["aten.slice_scatter.default", "aten.select_scatter.default"], slice_scatter);
+}
+
+fn range(from: usize, to: usize) -> Vec<i64> {
+    (from as i64..to as i64).collect()
+}
+
+/// Integer indices as i64, with negative ones counted from the end of a dim of `size`.
+fn wrap_index<'a>(b: &Builder<'a>, idx: &Val<'a>, size: i64) -> R<Val<'a>> {
+    if idx.dtype() == DType::Bool || !idx.dtype().is_integer() {
+        return Err(format!("index tensors must be integers here, got {}", type_str(&idx.ty)));
+    }
+    let idx = b.convert(idx, DType::I64)?;
+    let neg = b.compare(&idx, &b.full_like(Scalar::Int(0), &idx)?, "LT")?;
+    b.select(&neg, &b.binary("add", &idx, &b.full_like(Scalar::Int(size), &idx)?)?, &idx)
+}
+
+/// `embedding(weight, indices)`: rows of `weight`, shape `indices.shape + [dim]`.
+fn embedding(n: NodeCtx<'_>) -> Res<'_> {
+    let (w, idx) = (n.tensor(0, "weight")?, n.tensor(1, "indices")?);
+    let r = idx.rank();
+    let map = IndexMap { window_dims: vec![r as i64], collapsed: vec![0], index_to_operand: vec![0], index_vector_dim: r };
+    let mut shape = idx.shape().to_vec();
+    shape.push(w.shape()[1]);
+    Ok(vec![n.b.gather(&w, &idx, &map, &[1, w.shape()[1]], shape)?])
+}
+
+/// Advanced indexing as one gather/scatter over the indexed dims moved to the front.
+struct Advanced<'a> {
+    /// `x` transposed to indexed dims first, then the rest in order.
+    xt: Val<'a>,
+    /// The broadcast index tensors stacked on a trailing dim: `B + [k]`.
+    indices: Val<'a>,
+    map: IndexMap,
+    /// Result shape in the transposed layout: `B + rest`.
+    shape: Vec<i64>,
+    /// Permutation from the transposed result layout to PyTorch's (identity unless the indexed
+    /// dims are adjacent and not leading, where PyTorch keeps `B` in their place).
+    result_perm: Vec<usize>,
+    /// Permutation that brought `x` into `xt`.
+    x_perm: Vec<usize>,
+}
+
+fn advanced<'a>(b: &Builder<'a>, x: &Val<'a>, indices: &[Option<Val<'a>>]) -> R<Advanced<'a>> {
+    let positions: Vec<usize> = (0..indices.len()).filter(|&i| indices[i].is_some()).collect();
+    let k = positions.len();
+    if k == 0 {
+        return Err("index with no index tensors".into());
+    }
+    let mut bshape = vec![];
+    for &p in &positions {
+        bshape = broadcast_shapes(&bshape, indices[p].as_ref().map_or(&[][..], |t| t.shape()))?;
+    }
+    let nb = bshape.len();
+    let mut column_shape = bshape.clone();
+    column_shape.push(1);
+    let columns = positions
+        .iter()
+        .map(|&p| {
+            let idx = wrap_index(b, indices[p].as_ref().ok_or("index")?, x.shape()[p])?;
+            b.reshape(&b.broadcast_to(&idx, &bshape)?, &column_shape)
+        })
+        .collect::<R<Vec<_>>>()?;
+    let stacked = b.concat(&columns.iter().collect::<Vec<_>>(), nb)?;
+    let rest: Vec<usize> = (0..x.rank()).filter(|d| !positions.contains(d)).collect();
+    let x_perm: Vec<usize> = positions.iter().chain(&rest).copied().collect();
+    let xt = b.transpose(x, &x_perm)?;
+    let mut shape = bshape.clone();
+    shape.extend(rest.iter().map(|&d| x.shape()[d]));
+    let adjacent = positions.windows(2).all(|w| w[1] == w[0] + 1);
+    let lead = if adjacent { positions[0] } else { 0 };
+    // Transposed layout is [B, pre, post]; PyTorch's is [pre, B, post] with |pre| = lead.
+    let result_perm: Vec<usize> = (nb..nb + lead).chain(0..nb).chain(nb + lead..shape.len()).collect();
+    let map = IndexMap { window_dims: range(nb, shape.len()), collapsed: range(0, k), index_to_operand: range(0, k), index_vector_dim: nb };
+    Ok(Advanced { xt, indices: stacked, map, shape, result_perm, x_perm })
+}
+
+fn inverse(perm: &[usize]) -> Vec<usize> {
+    let mut inv = vec![0; perm.len()];
+    for (i, &p) in perm.iter().enumerate() {
+        inv[p] = i;
+    }
+    inv
+}
+
+/// `x[indices]` (`index.Tensor`, with None for full dims) and `index_select(x, dim, index)`.
+fn index(n: NodeCtx<'_>) -> Res<'_> {
+    let x = n.tensor(0, "self")?;
+    let indices = if n.op == "aten.index_select.default" {
+        let dim = norm_dim(n.int(1, "dim")?, x.rank())?;
+        let mut v = vec![None; dim];
+        v.push(Some(n.tensor(2, "index")?));
+        v
+    } else {
+        n.opt_tensors(1, "indices")?
+    };
+    let b = &n.b;
+    let a = advanced(b, &x, &indices)?;
+    let mut slice_sizes = vec![1; a.map.collapsed.len()];
+    slice_sizes.extend(&a.xt.shape()[a.map.collapsed.len()..]);
+    let g = b.gather(&a.xt, &a.indices, &a.map, &slice_sizes, a.shape.clone())?;
+    Ok(vec![b.transpose(&g, &a.result_perm)?])
+}
+
+/// `index_put(x, indices, values, accumulate)`: the scatter form of [`index`].
+fn index_put(n: NodeCtx<'_>) -> Res<'_> {
+    let x = n.tensor(0, "self")?;
+    let b = &n.b;
+    let a = advanced(b, &x, &n.opt_tensors(1, "indices")?)?;
+    let values = n.tensor(2, "values")?;
+    let torch_shape: Vec<i64> = a.result_perm.iter().map(|&p| a.shape[p]).collect();
+    let updates = b.transpose(&b.broadcast_to(&values, &torch_shape)?, &inverse(&a.result_perm))?;
+    let y = b.scatter(&a.xt, &a.indices, &updates, &a.map, n.bool_or(3, "accumulate", false)?)?;
+    Ok(vec![b.transpose(&y, &inverse(&a.x_perm))?])
+}
+
+/// Full coordinates for `gather`/`scatter` along `dim`: `index` there, the position elsewhere;
+/// shape `index.shape + [rank]`.
+fn coordinates<'a>(b: &Builder<'a>, x: &Val<'a>, dim: usize, index: &Val<'a>) -> R<Val<'a>> {
+    let mut column = index.shape().to_vec();
+    column.push(1);
+    let cols = (0..x.rank())
+        .map(|d| {
+            let c = if d == dim { wrap_index(b, index, x.shape()[d])? } else { b.iota(&TensorType::new(DType::I64, index.shape().to_vec()), d)? };
+            b.reshape(&c, &column)
+        })
+        .collect::<R<Vec<_>>>()?;
+    b.concat(&cols.iter().collect::<Vec<_>>(), index.rank())
+}
+
+fn pointwise_map(rank: usize) -> IndexMap {
+    IndexMap { window_dims: vec![], collapsed: range(0, rank), index_to_operand: range(0, rank), index_vector_dim: rank }
+}
+
+/// `gather(x, dim, index)`: `out[i][j] = x[index[i][j]][j]` (for dim 0), shape of `index`.
+fn gather(n: NodeCtx<'_>) -> Res<'_> {
+    let x = n.tensor(0, "self")?;
+    let dim = norm_dim(n.int(1, "dim")?, x.rank())?;
+    let index = n.tensor(2, "index")?;
+    let coords = coordinates(&n.b, &x, dim, &index)?;
+    Ok(vec![n.b.gather(&x, &coords, &pointwise_map(x.rank()), &vec![1; x.rank()], index.shape().to_vec())?])
+}
+
+/// `scatter(x, dim, index, src|value)` and `scatter_add`: the inverse of [`gather`].
+fn scatter(n: NodeCtx<'_>) -> Res<'_> {
+    let x = n.tensor(0, "self")?;
+    let dim = norm_dim(n.int(1, "dim")?, x.rank())?;
+    let index = n.tensor(2, "index")?;
+    let b = &n.b;
+    let updates = match n.operand(3, "src")? {
+        Operand::Tensor(src) => {
+            let limit: Vec<i64> = index.shape().to_vec();
+            b.slice(&src, &vec![0; src.rank()], &limit, &vec![1; src.rank()])?
+        }
+        Operand::Scalar(v) => b.splat(v, &TensorType::new(x.dtype(), index.shape().to_vec()))?,
+    };
+    let coords = coordinates(b, &x, dim, &index)?;
+    Ok(vec![b.scatter(&x, &coords, &updates, &pointwise_map(x.rank()), n.op == "aten.scatter_add.default")?])
+}
+
+/// `slice_scatter(x, src, dim, start, end, step)` / `select_scatter(x, src, dim, index)`: pad
+/// `src` (and a mask) out to `x`'s shape with the step as interior padding, then select.
+fn slice_scatter(n: NodeCtx<'_>) -> Res<'_> {
+    let x = n.tensor(0, "self")?;
+    let src = n.tensor(1, "src")?;
+    let dim = norm_dim(n.int(2, "dim")?, x.rank())?;
+    let size = x.shape()[dim];
+    let b = &n.b;
+    let (src, start, step) = if n.op == "aten.select_scatter.default" {
+        let i = n.int(3, "index")?;
+        let mut shape = src.shape().to_vec();
+        shape.insert(dim, 1);
+        (b.reshape(&src, &shape)?, if i < 0 { i + size } else { i }, 1)
+    } else {
+        let s = n.int_or(3, "start", 0)?;
+        (src, if s < 0 { (s + size).max(0) } else { s.min(size) }, n.int_or(5, "step", 1)?)
+    };
+    let src = b.convert(&src, x.dtype())?;
+    let count = src.shape()[dim];
+    let (mut low, mut high, mut interior) = (vec![0; x.rank()], vec![0; x.rank()], vec![0; x.rank()]);
+    low[dim] = start;
+    interior[dim] = step - 1;
+    high[dim] = size - start - ((count - 1).max(0) * step + 1).min(size);
+    let fill = b.scalar(Scalar::Int(0), x.dtype())?;
+    let placed = b.pad(&src, &fill, &low, &high, &interior)?;
+    let ones = b.splat(Scalar::Bool(true), &TensorType::new(DType::Bool, src.shape().to_vec()))?;
+    let mask = b.pad(&ones, &b.scalar(Scalar::Bool(false), DType::Bool)?, &low, &high, &interior)?;
+    Ok(vec![b.select(&mask, &placed, &x)?])
+}

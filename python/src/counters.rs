@@ -1,0 +1,56 @@
+//! Process-wide counters behind `tpu_dynamo.stats()`; relaxed atomics, read as a snapshot.
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+#[derive(Default)]
+pub struct Stats {
+    pub compiles: AtomicU64,
+    pub memory_hits: AtomicU64,
+    pub compile_nanos: AtomicU64,
+    pub lower_nanos: AtomicU64,
+    pub executions: AtomicU64,
+    pub execute_nanos: AtomicU64,
+    pub uploads: AtomicU64,
+    pub resident_hits: AtomicU64,
+}
+
+pub static STATS: Stats = Stats {
+    compiles: AtomicU64::new(0),
+    memory_hits: AtomicU64::new(0),
+    compile_nanos: AtomicU64::new(0),
+    lower_nanos: AtomicU64::new(0),
+    executions: AtomicU64::new(0),
+    execute_nanos: AtomicU64::new(0),
+    uploads: AtomicU64::new(0),
+    resident_hits: AtomicU64::new(0),
+};
+
+pub fn add_time(counter: &AtomicU64, d: Duration) {
+    counter.fetch_add(d.as_nanos() as u64, Relaxed);
+}
+
+impl Stats {
+    fn all(&self) -> [(&'static str, &AtomicU64); 8] {
+        [
+            ("compiles", &self.compiles),
+            ("memory_hits", &self.memory_hits),
+            ("compile_seconds", &self.compile_nanos),
+            ("lower_seconds", &self.lower_nanos),
+            ("executions", &self.executions),
+            ("execute_seconds", &self.execute_nanos),
+            ("uploads", &self.uploads),
+            ("resident_hits", &self.resident_hits),
+        ]
+    }
+
+    /// `(name, value)` pairs; `*_seconds` entries hold nanoseconds.
+    pub fn snapshot(&self) -> Vec<(&'static str, u64)> {
+        self.all().into_iter().map(|(name, c)| (name, c.load(Relaxed))).collect()
+    }
+
+    pub fn reset(&self) {
+        for (_, c) in self.all() {
+            c.store(0, Relaxed);
+        }
+    }
+}

@@ -1,0 +1,137 @@
+"""The Dynamo backend: `torch.compile(m, backend="tpu")`.
+
+Registered through the `torch_dynamo_backends` entry points (`tpu`, `tpu_dynamo`), never by
+`register_backend`: TorchTPU registers "tpu" on import and Dynamo asserts on duplicates, so an
+entry point (looked up only when the name is not registered yet) is the only collision-free way.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch._decomp import core_aten_decompositions
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch._functorch._aot_autograd.descriptors import BufferAOTInput, ParamAOTInput, PlainAOTInput
+
+from . import options as options_mod
+from .convert import InputKind
+from .executable import compile_graph
+
+# Core ATen only: the compiler lowers core ATen ops (plus what the census shows survives it,
+# e.g. SDPA is decomposed by this table into bmm/_softmax).
+DECOMPOSITIONS = core_aten_decompositions()
+
+
+def _dynamo_kind(node: torch.fx.Node, value: Any) -> InputKind:
+    """Parameter/buffer/constant for the module state Dynamo lifted to inputs, else user.
+
+    With `inline_inbuilt_nn_modules` Dynamo passes parameters and buffers as graph inputs; their
+    source chain goes through `_parameters[...]` / `_buffers[...]`. Other tensors Dynamo treats
+    as static (plain tensor attributes, `mark_static_address`) are constants.
+    """
+    if isinstance(value, torch.nn.Parameter):
+        return InputKind.PARAMETER
+    source = getattr(node, "_dynamo_source", None)
+    while source is not None:
+        member = getattr(source, "member", None)
+        if member == "_buffers":
+            return InputKind.BUFFER
+        if member == "_parameters":
+            return InputKind.PARAMETER
+        source = getattr(source, "base", None)
+    if node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type"):
+        return InputKind.CONSTANT
+    return InputKind.USER
+
+
+def _aot_kinds(gm: torch.fx.GraphModule, dynamo_kinds: list[InputKind]) -> list[InputKind]:
+    """Maps AOTAutograd's placeholders (described by `meta["desc"]`) back to input kinds."""
+    kinds = []
+    for n in gm.graph.find_nodes(op="placeholder"):
+        desc = n.meta.get("desc")
+        if isinstance(desc, ParamAOTInput):
+            kinds.append(InputKind.PARAMETER)
+        elif isinstance(desc, BufferAOTInput):
+            kinds.append(InputKind.BUFFER)
+        elif isinstance(desc, PlainAOTInput):
+            kinds.append(dynamo_kinds[desc.idx])
+        else:
+            kinds.append(InputKind.USER)
+    return kinds
+
+
+def _check_inference(example_inputs: Sequence[Any]) -> None:
+    if torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
+    ):
+        raise NotImplementedError(
+            "tpu_dynamo: training (autograd through the compiled graph) is not supported yet;"
+            " run the model under torch.no_grad() or torch.inference_mode()"
+        )
+
+
+def _is_symbolic(example_inputs: Sequence[Any]) -> bool:
+    return any(
+        isinstance(x, torch.SymInt)
+        or (isinstance(x, torch.Tensor) and any(not isinstance(d, int) for d in x.shape))
+        for x in example_inputs
+    )
+
+
+def _aot_compile(
+    gm: torch.fx.GraphModule, args: Sequence[Any], dynamo_kinds: list[InputKind], opts: options_mod.Options
+) -> Callable[..., Any]:
+    def compiler(aten_gm: torch.fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
+        return compile_graph(aten_gm, _aot_kinds(aten_gm, dynamo_kinds), opts)
+
+    return aot_module_simplified(
+        gm,
+        list(args),
+        fw_compiler=compiler,
+        decompositions=DECOMPOSITIONS,
+        keep_inference_input_mutations=False,
+    )
+
+
+class _PerShape:
+    """Runs a graph Dynamo traced with symbolic sizes by specializing it per concrete signature.
+
+    The compiler needs static shapes; this gives one compile per distinct input signature (like
+    torch_xla), and a steady-state call only builds the signature tuple and looks it up.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, dynamo_kinds: list[InputKind], opts: options_mod.Options):
+        self.gm = gm
+        self.dynamo_kinds = dynamo_kinds
+        self.opts = opts
+        self.compiled: dict[tuple[Any, ...], Callable[..., Any]] = {}
+
+    def __call__(self, *args: Any) -> Any:
+        signature = tuple(
+            (a.dtype, tuple(a.shape)) if isinstance(a, torch.Tensor) else a for a in args
+        )
+        fn = self.compiled.get(signature)
+        if fn is None:
+            fn = _aot_compile(self.gm, args, self.dynamo_kinds, self.opts)
+            self.compiled[signature] = fn
+        return fn(*args)
+
+
+def tpu_backend(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    options: Mapping[str, Any] | None = None,
+    mode: str | None = None,
+    name: str | None = None,
+) -> Callable[..., Any]:
+    """Dynamo backend entry: AOTAutograd to core ATen, then StableHLO and PJRT (see README)."""
+    opts = options_mod.parse(options, mode, name)
+    _check_inference(example_inputs)
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    dynamo_kinds = [_dynamo_kind(n, v) for n, v in zip(placeholders, example_inputs)]
+    if _is_symbolic(example_inputs):
+        return _PerShape(gm, dynamo_kinds, opts)
+    return _aot_compile(gm, example_inputs, dynamo_kinds, opts)

@@ -1,0 +1,79 @@
+"""FX -> IR conversion: input kinds, canonical form, and determinism across processes."""
+import json
+import subprocess
+import sys
+import textwrap
+
+from tpu_dynamo import _native
+from tpu_dynamo.convert import InputKind
+
+# Captures the IR of every graph `backend="capture"` sees, without lowering it.
+CAPTURE = textwrap.dedent("""
+    import torch
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from tpu_dynamo.backend import DECOMPOSITIONS, _aot_kinds, _dynamo_kind
+    from tpu_dynamo.convert import convert
+
+    captured = []
+
+    def capture(gm, example_inputs):
+        phs = gm.graph.find_nodes(op="placeholder")
+        kinds = [_dynamo_kind(n, v) for n, v in zip(phs, example_inputs)]
+
+        def fw(aten_gm, _):
+            captured.append(convert(aten_gm, _aot_kinds(aten_gm, kinds)))
+            return aten_gm
+
+        return aot_module_simplified(gm, example_inputs, fw_compiler=fw, decompositions=DECOMPOSITIONS)
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 4)
+            self.register_buffer("scale", torch.full((4,), 0.5))
+            self.offset = torch.tensor([1.0, 2.0, 3.0, 4.0])
+
+        def forward(self, x):
+            h = torch.nn.functional.gelu(self.fc(x)) * self.scale + self.offset
+            return torch.softmax(h.to(torch.bfloat16), dim=-1), h.mean(dim=0, keepdim=True) * 0.1
+""")
+
+
+def capture(code: str):
+    scope: dict = {}
+    exec(CAPTURE + code, scope)
+    return scope["captured"]
+
+
+def test_input_kinds_and_canonical_json():
+    (g,) = capture("""
+with torch.no_grad():
+    torch.compile(M(), backend=capture, fullgraph=True)(torch.randn(2, 8))
+""")
+    ir = json.loads(g.json)["graph"]
+    assert sorted(g.kinds) == sorted([InputKind.PARAMETER, InputKind.PARAMETER, InputKind.BUFFER,
+                                      InputKind.CONSTANT, InputKind.USER])
+    ops = [n["op"] for n in ir["nodes"]]
+    assert "aten.addmm.default" in ops and "aten._to_copy.default" in ops
+    to_copy = next(n for n in ir["nodes"] if n["op"] == "aten._to_copy.default")
+    assert to_copy["kwargs"] == [["dtype", {"dtype": "bf16"}]]
+    # 0.1 as the IEEE-754 bits of the double
+    assert any({"float": 4591870180066957722} in n["args"] for n in ir["nodes"])
+    assert len(json.loads(g.json)["sources"]) == len(ir["nodes"])
+    assert len(_native.canonical_bytes(g.json)) > 0
+
+
+def test_same_model_same_hash_in_two_processes():
+    script = CAPTURE + textwrap.dedent("""
+        from tpu_dynamo import _native
+        torch.manual_seed(0)
+        with torch.no_grad():
+            torch.compile(M(), backend=capture, fullgraph=True)(torch.randn(2, 8))
+        print(_native.graph_hash(captured[0].json))
+    """)
+    hashes = [
+        subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True,
+                       env={"PYTHONHASHSEED": str(seed), "PATH": ""}).stdout.strip()
+        for seed in (1, 2)
+    ]
+    assert len(hashes[0]) == 64 and hashes[0] == hashes[1]

@@ -1,0 +1,58 @@
+"""Backend option validation: TorchTPU's keys, unknown keys, and mode=."""
+import pytest
+import torch
+
+from tpu_dynamo.options import Options, parse
+
+from conftest import backend_error
+
+
+def test_known_options_parse():
+    cb = lambda info: None  # noqa: E731
+    assert parse({"debug_callback": cb, "name": "g", "async_compile": False}, None, None) == Options(cb, "g")
+    assert parse(None, "default", "outer") == Options(None, "outer")
+
+
+def test_unknown_key_is_a_type_error_naming_it():
+    with pytest.raises(TypeError, match="'bogus'"):
+        parse({"bogus": 1}, None, None)
+
+
+@pytest.mark.parametrize("key,value", [("num_dynamic_buckets", 2), ("bucket_size", 128),
+                                       ("serializable", True), ("async_compile", True)])
+def test_unimplemented_options_are_rejected_when_not_default(key, value):
+    with pytest.raises(NotImplementedError, match=key):
+        parse({key: value}, None, None)
+
+
+def test_unknown_key_through_torch_compile():
+    f = torch.compile(lambda x: x + 1, backend="tpu", options={"bogus": 1})
+    with pytest.raises(Exception) as excinfo:
+        f(torch.randn(2))
+    assert isinstance(backend_error(excinfo), TypeError)
+    assert "bogus" in str(excinfo.value)
+
+
+def test_mode_is_rejected():
+    # torch.compile passes mode= to a custom backend only when it is not "default".
+    f = torch.compile(lambda x: x + 1, backend="tpu", mode="max-autotune")
+    with pytest.raises(Exception) as excinfo:
+        f(torch.randn(2))
+    assert isinstance(backend_error(excinfo), ValueError)
+    assert "mode='max-autotune'" in str(excinfo.value)
+
+
+def test_training_is_rejected():
+    m = torch.nn.Linear(3, 2)
+    with pytest.raises(Exception) as excinfo:
+        torch.compile(m, backend="tpu")(torch.randn(4, 3))
+    assert "training" in str(backend_error(excinfo))
+
+
+def test_backend_names_come_from_entry_points():
+    from torch._dynamo.backends.registry import lookup_backend
+
+    from tpu_dynamo.backend import tpu_backend
+
+    assert lookup_backend("tpu") is tpu_backend
+    assert lookup_backend("tpu_dynamo") is tpu_backend
