@@ -15,7 +15,7 @@ def report(name: str, eager: torch.Tensor, compiled: torch.Tensor, **extra) -> d
         "max_abs_diff": max_abs_diff(eager, compiled),
         "output_scale": eager.float().abs().max().item(),
         "compiles": stats["compiles"],
-        "memory_hits": stats["memory_hits"],
+        "executions": stats["executions"],
         **extra,
     }
     print("  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))

@@ -20,7 +20,7 @@ def relative_error(row: dict) -> float:
 def test_mlp_matches_eager():
     row = mlp.main()
     assert relative_error(row) <= 1e-5
-    assert row["compiles"] == 1 and row["memory_hits"] >= 1
+    assert row["compiles"] == 1 and row["executions"] == 2
 
 
 def test_gpt2_forward_and_generate_match_eager():

@@ -25,8 +25,8 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
     "c64": torch.complex64,
 }
 
-# FX code (shape-free) of every graph compiled so far; it tells "new graph" from "new shape".
-_seen_code: set[str] = set()
+# Op sequence (shape-free) of every graph compiled so far; it tells "new graph" from "new shape".
+_seen_op_sequences: set[tuple[str, ...]] = set()
 
 
 class Executable:
@@ -67,17 +67,18 @@ def compile_graph(gm: torch.fx.GraphModule, kinds: list[InputKind], options: Opt
     converted = convert(gm, kinds)
     native = _native.compile(converted.json)
     code = gm.code
+    ops = tuple(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
     if native.memory_hit:
         debug.log.info("%s: reused a compiled executable from memory", options.name or "graph")
     else:
-        reason = "new shape" if code in _seen_code else "new graph"
+        reason = "new shape" if ops in _seen_op_sequences else "new graph"
         debug.log.info(
             "%s: compiled (%s) in %.1f ms (%d ops)",
             options.name or "graph",
             reason,
             (time.perf_counter() - start) * 1e3,
-            sum(1 for n in gm.graph.nodes if n.op == "call_function"),
+            len(ops),
         )
-    _seen_code.add(code)
+    _seen_op_sequences.add(ops)
     debug.report(options, fx_code=code, stablehlo=native.stablehlo, graph_hash=native.graph_hash)
     return Executable(native, converted)
