@@ -13,6 +13,7 @@ setup:
 
 demo: setup
 	$(PY) -m tpu_dynamo
+	$(PY) examples/run_all.py
 
 test: setup
 	$(MAKE) --no-print-directory test-rust test-python
