@@ -218,6 +218,10 @@ impl CompiledGraph {
         *slot = Some((ptr, version, buf.clone()));
         Ok(buf)
     }
+
+    fn input_buffers(&self, inputs: &[(usize, usize, i64)]) -> Result<Vec<Arc<Buffer>>, RtError> {
+        inputs.iter().enumerate().map(|(i, &input)| self.input_buffer(i, input)).collect()
+    }
 }
 
 #[pymethods]
@@ -249,11 +253,7 @@ impl CompiledGraph {
         check_sizes("outputs", &self.entry.outputs, &outputs, |o| o.1)?;
         py.detach(|| -> Result<(), RtError> {
             let start = Instant::now();
-            let buffers = inputs
-                .iter()
-                .enumerate()
-                .map(|(i, &input)| self.input_buffer(i, input))
-                .collect::<Result<Vec<_>, _>>()?;
+            let buffers = self.input_buffers(&inputs)?;
             let args: Vec<&Buffer> = buffers.iter().map(|b| &**b).collect();
             let results = self.entry.exe.execute(&args)?;
             for (buf, &(ptr, nbytes)) in results.iter().zip(&outputs) {
@@ -263,6 +263,27 @@ impl CompiledGraph {
             STATS.executions.fetch_add(1, Relaxed);
             add_time(&STATS.execute_nanos, start.elapsed());
             Ok(())
+        })
+        .map_err(runtime_err)
+    }
+
+    /// Times the bare PJRT execute, `n` times, with every input uploaded once beforehand
+    /// (`inputs` as for `run`); returns seconds per execute. It is the baseline the benchmark
+    /// divides `run`'s time by to get the backend's per-call overhead.
+    fn bench_execute(&self, py: Python<'_>, inputs: Vec<(usize, usize, i64)>, n: usize) -> PyResult<Vec<f64>> {
+        check_sizes("inputs", &self.entry.inputs, &inputs, |i| i.1)?;
+        py.detach(|| -> Result<Vec<f64>, RtError> {
+            let buffers = self.input_buffers(&inputs)?;
+            let args: Vec<&Buffer> = buffers.iter().map(|b| &**b).collect();
+            (0..n)
+                .map(|_| {
+                    let start = Instant::now();
+                    let outputs = self.entry.exe.execute(&args)?;
+                    let seconds = start.elapsed().as_secs_f64();
+                    drop(outputs);
+                    Ok(seconds)
+                })
+                .collect()
         })
         .map_err(runtime_err)
     }

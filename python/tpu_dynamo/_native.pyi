@@ -30,6 +30,8 @@ class CompiledGraph:
     ) -> None:
         """inputs: (data_ptr, nbytes, version or -1); outputs: (data_ptr, nbytes). Unsafe on
         raw pointers: call it only through `tpu_dynamo.executable.Executable`."""
+    def bench_execute(self, inputs: Sequence[tuple[int, int, int]], n: int) -> list[float]:
+        """Seconds per bare PJRT execute, `n` times, inputs uploaded once (as for `run`)."""
 
 def compile(graph_json: str) -> CompiledGraph: ...
 def canonical_bytes(graph_json: str) -> bytes: ...

@@ -46,9 +46,9 @@ class Executable:
         self.template = converted.outputs
         self.out_types = [(_TORCH_DTYPES[d], tuple(s)) for d, s in native.output_types]
 
-    def __call__(self, args: list[Any]) -> tuple[torch.Tensor | None, ...]:
+    def _host_inputs(self, args: list[Any]) -> tuple[list[torch.Tensor], list[tuple[int, int, int]]]:
+        """The dense CPU tensors to keep alive during the call, and their `(ptr, nbytes, version)`."""
         tensors = [*(args[i] for i in self.tensor_args), *self.constants]
-        args.clear()  # boxed convention: let AOTAutograd's caller free inputs early
         held, ins = [], []
         for t, resident in zip(tensors, self.resident):
             if t.device.type != "cpu":
@@ -56,9 +56,19 @@ class Executable:
             t = t.contiguous()
             held.append(t)
             ins.append((t.data_ptr(), t.nbytes, t._version if resident else -1))
+        return held, ins
+
+    def __call__(self, args: list[Any]) -> tuple[torch.Tensor | None, ...]:
+        held, ins = self._host_inputs(args)
+        args.clear()  # boxed convention: let AOTAutograd's caller free inputs early
         outs = [torch.empty(shape, dtype=dtype) for dtype, shape in self.out_types]
         self.native.run(ins, [(o.data_ptr(), o.nbytes) for o in outs])
         return tuple(None if i is None else outs[i] for i in self.template)
+
+    def bench_execute(self, args: list[Any], n: int) -> list[float]:
+        """Seconds per bare PJRT execute on `args` (a call's inputs, uploaded once), `n` times."""
+        _held, ins = self._host_inputs(args)
+        return self.native.bench_execute(ins, n)
 
 
 def compile_graph(gm: torch.fx.GraphModule, kinds: list[InputKind], options: Options) -> Executable:

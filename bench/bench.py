@@ -1,0 +1,289 @@
+"""`make bench`: eager vs Inductor vs backend="tpu" on identical inputs, one process per model.
+
+    python bench/bench.py                              # every model, CPU, float32
+    python bench/bench.py --models gpt2-b1 micro       # a subset
+    python bench/bench.py --device cuda --dtype bf16   # eager and Inductor on CUDA; ours through the
+        # PJRT plugin TPU_DYNAMO_PJRT_PLUGIN names, fed CPU tensors (host->device->host included)
+
+Steady state: after warm-up, the median of `--calls` calls per backend, torch threads fixed.
+Cold first call (compile included): a fresh process per backend and model, Inductor with an
+empty TORCHINDUCTOR_CACHE_DIR. Backend overhead: our call / the bare PJRT execute of the same
+executables with device-resident inputs (`Executable.bench_execute`).
+Writes the table between the markers of bench/RESULTS.md (CPU f32; other runs write
+bench/RESULTS-<device>-<dtype>.md) and the ratio chart beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from models import COLD, MODELS, NEW_TOKENS, Case, build  # noqa: E402
+
+HERE = Path(__file__).parent
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+WARMUP = 5
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+
+
+def _sync(device: str) -> Callable[[], None]:
+    return torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+
+def median_ms(fn: Callable[[], Any], calls: int, sync: Callable[[], None]) -> float:
+    for _ in range(WARMUP):
+        fn()
+    times = []
+    for _ in range(calls):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def _tensor(out: Any) -> torch.Tensor:
+    for attr in ("logits", "sample"):
+        out = getattr(out, attr, out)
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    return out.detach().float().cpu()
+
+
+def _call(case: Case, fn: Callable[..., Any]) -> Callable[[], Any]:
+    return lambda: fn(*case.inputs)
+
+
+def _compiled(case: Case, backend: str) -> Callable[[], Any]:
+    """Compiles as a user would: the model's forward (for decode, the model under generate())."""
+    torch._dynamo.reset()
+    if case.decode:
+        case.module.model.compile(backend=backend, fullgraph=True)
+        return _call(case, case.module)
+    return _call(case, torch.compile(case.module, backend=backend, fullgraph=True))
+
+
+def _recorded_executions(fn: Callable[[], Any]) -> list[tuple[Any, list[Any]]]:
+    """Every (Executable, inputs) one call of `fn` runs, for timing their bare execute."""
+    from tpu_dynamo.executable import Executable
+
+    seen: list[tuple[Any, list[Any]]] = []
+    call = Executable.__call__
+
+    def recording(self: Executable, args: list[Any]) -> Any:
+        seen.append((self, list(args)))
+        return call(self, args)
+
+    Executable.__call__ = recording  # type: ignore[method-assign]
+    try:
+        fn()
+    finally:
+        Executable.__call__ = call  # type: ignore[method-assign]
+    return seen
+
+
+def steady(name: str, device: str, dtype: torch.dtype, calls: int) -> dict[str, Any]:
+    import tpu_dynamo
+
+    case = build(name, device, dtype)
+    sync = _sync(device)
+    row: dict[str, Any] = {"model": name, "decode": case.decode, "transformer": case.transformer}
+    with torch.no_grad():
+        eager_fn = _call(case, case.module)
+        reference = _tensor(eager_fn())
+        row["eager_ms"] = median_ms(eager_fn, calls, sync)
+        inductor_fn = _compiled(case, "inductor")
+        inductor_fn()
+        row["inductor_ms"] = median_ms(inductor_fn, calls, sync)
+
+        # Ours takes CPU tensors: on another device it runs on a CPU copy of the same model.
+        ours = case if device == "cpu" else build(name, "cpu", dtype)
+        tpu_fn = _compiled(ours, "tpu")
+        out = _tensor(tpu_fn())
+        compiles = tpu_dynamo.stats()["compiles"]
+        row["tpu_ms"] = median_ms(tpu_fn, calls, lambda: None)
+        row["recompiles"] = tpu_dynamo.stats()["compiles"] - compiles
+        row["graphs"] = compiles
+        if case.decode:
+            row["mismatch"] = int((out != reference).sum())
+        else:
+            row["max_abs_diff"] = float((out - reference).abs().max())
+            raw = [statistics.median(exe.bench_execute(args, calls)) for exe, args in _recorded_executions(tpu_fn)]
+            row["raw_ms"] = sum(raw) * 1e3
+    return row
+
+
+def cold(name: str, backend: str, device: str, dtype: torch.dtype) -> dict[str, Any]:
+    """First call of a fresh compile in a fresh process (imports and model build not counted)."""
+    import tpu_dynamo  # noqa: F401  (imported before the clock like torch)
+
+    case = build(name, device if backend != "tpu" else "cpu", dtype)
+    with torch.no_grad():
+        start = time.perf_counter()
+        _compiled(case, backend)()
+        _sync(device)()
+        return {"model": name, "backend": backend, "cold_s": time.perf_counter() - start}
+
+
+def _child(args: argparse.Namespace, *what: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, *what, "--device", args.device, "--dtype", args.dtype,
+           "--threads", str(args.threads), "--calls", str(args.calls)]
+    print("+", " ".join(cmd[1:]), flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout + proc.stderr)
+        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _fmt(x: float | None, digits: int = 2, suffix: str = "") -> str:
+    return "—" if x is None else f"{x:.{digits}f}{suffix}"
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a / b
+
+
+def table(rows: list[dict[str, Any]], colds: dict[tuple[str, str], float]) -> str:
+    head = ("| model | eager ms | Inductor ms | tpu ms | tpu/Inductor | tpu/eager | raw execute ms "
+            "| overhead (tpu/raw) | cold Inductor s | cold tpu s | cold tpu/Inductor | warm first call "
+            "| max abs diff | recompiles |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | error: {r['error']} |" + " |" * 12)
+            continue
+        ci, ct = colds.get((r["model"], "inductor")), colds.get((r["model"], "tpu"))
+        unit = " (per token)" if r["decode"] else ""
+        per = NEW_TOKENS if r["decode"] else 1
+        check = f"{r['mismatch']} tokens differ" if r["decode"] else f"{r['max_abs_diff']:.1e}"
+        lines.append(
+            f"| {r['model']}{unit} | {_fmt(r['eager_ms'] / per)} | {_fmt(r['inductor_ms'] / per)} "
+            f"| {_fmt(r['tpu_ms'] / per)} | {_fmt(_ratio(r['tpu_ms'], r['inductor_ms']))} "
+            f"| {_fmt(_ratio(r['tpu_ms'], r['eager_ms']))} | {_fmt(r.get('raw_ms'), 3)} "
+            f"| {_fmt(_ratio(r['tpu_ms'], r.get('raw_ms')))} | {_fmt(ci, 1)} | {_fmt(ct, 2)} "
+            f"| {_fmt(_ratio(ct, ci))} | pending #5 | {check} | {r['recompiles']} |"
+        )
+    decode = [r for r in rows if r.get("decode") and "error" not in r]
+    for r in decode:
+        tps = {k: NEW_TOKENS / (r[f"{k}_ms"] / 1e3) for k in ("eager", "inductor", "tpu")}
+        lines.append("")
+        lines.append(
+            f"{r['model']}: greedy `generate()` of {NEW_TOKENS} tokens, default dynamic cache: "
+            f"eager {tps['eager']:.0f} tokens/s, Inductor {tps['inductor']:.0f}, tpu {tps['tpu']:.0f} "
+            f"({r['graphs']} executables, one per sequence length)."
+        )
+    return "\n".join(lines)
+
+
+def chart(rows: list[dict[str, Any]], colds: dict[tuple[str, str], float], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "error" not in r]
+    series = {
+        "tpu / Inductor (target ≤ 1.0)": [_ratio(r["tpu_ms"], r["inductor_ms"]) for r in ok],
+        "tpu / eager (target ≤ 0.5)": [_ratio(r["tpu_ms"], r["eager_ms"]) for r in ok],
+        "overhead: tpu / raw execute (target ≤ 1.2, micro)": [_ratio(r["tpu_ms"], r.get("raw_ms")) for r in ok],
+        "cold first call tpu / Inductor (target ≤ 0.5)": [
+            _ratio(colds.get((r["model"], "tpu")), colds.get((r["model"], "inductor"))) for r in ok
+        ],
+    }
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    width = 0.8 / len(series)
+    for k, (label, values) in enumerate(series.items()):
+        xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(ok))]
+        ax.bar(xs, [v or 0 for v in values], width, label=label)
+    for y in (0.5, 1.0, 1.2):
+        ax.axhline(y, color="grey", lw=0.6, ls="--")
+    ax.set_xticks(range(len(ok)), [r["model"] for r in ok], rotation=20)
+    ax.set_yscale("log")
+    ax.set_ylabel("ratio (lower is better, log scale)")
+    ax.legend(fontsize=8)
+    ax.set_title("tpu_dynamo vs eager / Inductor")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def header(args: argparse.Namespace) -> str:
+    import diffusers
+    import transformers
+
+    import tpu_dynamo
+
+    info = tpu_dynamo.device_info()
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    ours = "CPU tensors in and out (host->device->host included)" if args.device != "cpu" else "CPU tensors"
+    return "\n".join([
+        f"- date: {datetime.date.today()}; command: `{' '.join(['python', 'bench/bench.py', *sys.argv[1:]])}`",
+        f"- machine: {platform.node()}, {cpu}, {os.cpu_count()} cores; device {args.device}, dtype {args.dtype}",
+        f"- torch threads: {args.threads} (`torch.set_num_threads`); the XLA CPU plugin sizes its own pool",
+        f"- versions: python {platform.python_version()}, torch {torch.__version__}, transformers "
+        f"{transformers.__version__}, diffusers {diffusers.__version__}, tpu_dynamo {tpu_dynamo.__version__}",
+        f"- PJRT plugin: `{info['identity']}`; ours: {ours}",
+        f"- steady state: median of {args.calls} calls after {WARMUP} warm-up calls; ms per call",
+    ])
+
+
+def write_results(args: argparse.Namespace, rows: list[dict[str, Any]], colds: dict[tuple[str, str], float]) -> None:
+    suffix = "" if (args.device, args.dtype) == ("cpu", "f32") else f"-{args.device}-{args.dtype}"
+    md, png = HERE / f"RESULTS{suffix}.md", HERE / f"ratios{suffix}.png"
+    body = f"{BEGIN}\n{header(args)}\n\n{table(rows, colds)}\n\n![ratios]({png.name})\n{END}"
+    text = md.read_text() if md.exists() else f"# Benchmarks\n\n{BEGIN}\n{END}\n"
+    start, end = text.index(BEGIN), text.index(END) + len(END)
+    md.write_text(text[:start] + body + text[end:])
+    (HERE / f"results{suffix}.json").write_text(json.dumps({"rows": rows, "cold": [
+        {"model": m, "backend": b, "cold_s": s} for (m, b), s in colds.items()]}, indent=1) + "\n")
+    chart(rows, colds, png)
+    print(table(rows, colds))
+    print(f"wrote {md} and {png}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="f32", choices=list(DTYPES))
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--calls", type=int, default=30)
+    p.add_argument("--no-cold", action="store_true", help="skip the cold first-call processes")
+    p.add_argument("--one", metavar="MODEL", help=argparse.SUPPRESS)
+    p.add_argument("--cold", nargs=2, metavar=("BACKEND", "MODEL"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype]
+    if args.one:
+        print(json.dumps(steady(args.one, args.device, dtype, max(args.calls, 20))))
+        return
+    if args.cold:
+        print(json.dumps(cold(args.cold[1], args.cold[0], args.device, dtype)))
+        return
+    rows = [{"model": m, **_child(args, "--one", m)} for m in args.models]
+    colds: dict[tuple[str, str], float] = {}
+    for m in [] if args.no_cold else [m for m in COLD if m in args.models]:
+        for backend in ("inductor", "tpu"):
+            with tempfile.TemporaryDirectory() as cache:
+                r = _child(args, "--cold", backend, m, env={"TORCHINDUCTOR_CACHE_DIR": cache})
+            if "cold_s" in r:
+                colds[(m, backend)] = r["cold_s"]
+    write_results(args, rows, colds)
+
+
+if __name__ == "__main__":
+    main()

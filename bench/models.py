@@ -1,0 +1,154 @@
+"""The benchmark's models: tiny random-weight configs (no downloads), built with fixed seeds so
+every backend and every process sees identical weights and inputs."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SEQ = 128
+PROMPT, NEW_TOKENS = 16, 32
+
+
+@dataclass
+class Case:
+    """`module(*inputs)` is one timed call; `decode` marks a `generate()` timed per token."""
+
+    module: torch.nn.Module
+    inputs: tuple[Any, ...]
+    decode: bool = False
+    transformer: bool = True
+
+
+def _gpt2(batch: int) -> Case:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=SEQ, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config)
+    return Case(model, (torch.randint(0, config.vocab_size, (batch, SEQ)),))
+
+
+def _llama_model() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _llama(batch: int) -> Case:
+    return Case(_llama_model(), (torch.randint(0, 1000, (batch, SEQ)),))
+
+
+class _Greedy(torch.nn.Module):
+    """Greedy `generate()` of NEW_TOKENS tokens with the default (dynamic) cache; only the
+    model's forward is compiled, as `model.compile()` does."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.generate(
+            input_ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+        )
+
+
+def _llama_decode() -> Case:
+    return Case(_Greedy(_llama_model()), (torch.randint(0, 1000, (1, PROMPT)),), decode=True)
+
+
+def _sd3() -> Case:
+    from diffusers import SD3Transformer2DModel
+
+    model = SD3Transformer2DModel(
+        sample_size=32, patch_size=2, in_channels=4, out_channels=4, num_layers=2,
+        attention_head_dim=8, num_attention_heads=4, joint_attention_dim=32,
+        caption_projection_dim=32, pooled_projection_dim=64,
+    )
+    inputs = (torch.randn(1, 4, 32, 32), torch.randn(1, 8, 32), torch.randn(1, 64), torch.tensor([500.0]))
+    return Case(model, inputs)
+
+
+def _flux() -> Case:
+    from diffusers import FluxTransformer2DModel
+
+    model = FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6),
+    )
+    image, text = 256, 8
+    inputs = (
+        torch.randn(1, image, 16), torch.randn(1, text, 32), torch.randn(1, 32), torch.tensor([0.5]),
+        torch.zeros(image, 3), torch.zeros(text, 3),
+    )
+    return Case(_Positional(model, "hidden_states encoder_hidden_states pooled_projections timestep img_ids txt_ids"), inputs)
+
+
+def _unet() -> Case:
+    from diffusers import UNet2DConditionModel
+
+    model = UNet2DConditionModel(
+        sample_size=32, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=32,
+    )
+    inputs = (torch.randn(1, 4, 32, 32), torch.tensor([500.0]), torch.randn(1, 8, 32))
+    return Case(model, inputs, transformer=False)
+
+
+class _Positional(torch.nn.Module):
+    """Calls a keyword-only diffusers forward with positional inputs; returns the tensor."""
+
+    def __init__(self, model: torch.nn.Module, names: str):
+        super().__init__()
+        self.model, self.names = model, names.split()
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.model(**dict(zip(self.names, inputs)), return_dict=False)[0]
+
+
+class _Micro(torch.nn.Module):
+    """Ten elementwise ops on 1 K elements: the compute is negligible, so the call measures
+    dispatch overhead."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 2.0 + 1.0
+        y = torch.sin(y) * torch.cos(x)
+        y = torch.exp(-y.abs()) - x
+        y = torch.tanh(y) / (1.0 + x * x)
+        return torch.relu(y)
+
+
+def _micro() -> Case:
+    return Case(_Micro(), (torch.randn(1024),), transformer=False)
+
+
+MODELS: dict[str, Callable[[], Case]] = {
+    "gpt2-b1": lambda: _gpt2(1),
+    "gpt2-b8": lambda: _gpt2(8),
+    "llama-b1": lambda: _llama(1),
+    "llama-b8": lambda: _llama(8),
+    "llama-decode": _llama_decode,
+    "sd3": _sd3,
+    "flux": _flux,
+    "unet": _unet,
+    "micro": _micro,
+}
+
+# Cold first calls are timed once per model (not per batch size): each Inductor one takes ~15 s.
+COLD = ["gpt2-b1", "llama-b1", "sd3", "flux", "unet", "micro"]
+
+
+def build(name: str, device: str, dtype: torch.dtype) -> Case:
+    torch.manual_seed(0)
+    case = MODELS[name]()
+    case.module = case.module.eval().to(device=device, dtype=dtype)
+    case.inputs = tuple(
+        t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype) for t in case.inputs
+    )
+    return case
