@@ -256,10 +256,9 @@ impl CompiledGraph {
             let buffers = self.input_buffers(&inputs)?;
             let args: Vec<&Buffer> = buffers.iter().map(|b| &**b).collect();
             let results = self.entry.exe.execute(&args)?;
-            for (buf, &(ptr, nbytes)) in results.iter().zip(&outputs) {
-                // SAFETY: the caller allocated `nbytes` writable bytes at `ptr` for this output.
-                buf.to_host(unsafe { host_slice_mut(ptr, nbytes) })?;
-            }
+            // SAFETY: the caller allocated `nbytes` writable bytes at `ptr` for each output.
+            let dsts = outputs.iter().map(|&(ptr, nbytes)| unsafe { host_slice_mut(ptr, nbytes) });
+            Buffer::to_host_all(results.iter().zip(dsts))?;
             STATS.executions.fetch_add(1, Relaxed);
             add_time(&STATS.execute_nanos, start.elapsed());
             Ok(())

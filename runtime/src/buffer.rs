@@ -97,6 +97,30 @@ impl Buffer {
     /// Copies the buffer, dense row-major, into `dst`, which must be exactly its host size.
     /// Waits for any pending computation producing the buffer and surfaces its error.
     pub fn to_host(&self, dst: &mut [u8]) -> Result<()> {
+        Buffer::to_host_all([(self, dst)])
+    }
+
+    /// [`Buffer::to_host`] for many buffers: every copy starts before any is awaited, so their
+    /// latencies overlap (on the XLA CPU plugin each awaited copy is a thread handoff, ~30 µs).
+    /// Every started copy is awaited before this returns, even after an error.
+    pub fn to_host_all<'a>(copies: impl IntoIterator<Item = (&'a Buffer, &'a mut [u8])>) -> Result<()> {
+        let mut events = Vec::new();
+        let mut started = Ok(());
+        for (buffer, dst) in copies {
+            match buffer.start_to_host(dst) {
+                Ok(event) => events.extend(event),
+                Err(e) => {
+                    started = Err(e);
+                    break;
+                }
+            }
+        }
+        let awaited = events.into_iter().map(event::Event::wait).fold(Ok(()), Result::and);
+        started.and(awaited)
+    }
+
+    /// Starts the copy into `dst`; the caller must await the event before `dst` is touched.
+    fn start_to_host(&self, dst: &mut [u8]) -> Result<Option<event::Event<'_>>> {
         let spec = self.spec()?;
         let expected = spec.byte_size()?;
         if dst.len() != expected {
@@ -111,7 +135,7 @@ impl Buffer {
         args.dst = dst.as_mut_ptr().cast();
         args.dst_size = dst.len();
         call!(plugin, PJRT_Buffer_ToHostBuffer, &mut args)?;
-        event::wait(plugin, args.event)
+        Ok(event::Event::adopt(plugin, args.event))
     }
 }
 
