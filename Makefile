@@ -1,4 +1,4 @@
-# The two commands of the README: `make demo` (main job) and `make test` (every test).
+# The commands of the README: `make demo` (main job), `make test` (every test), `make bench`.
 # Both run the idempotent setup first, so they work on a machine that has never seen the project.
 SHELL := /bin/bash
 VENV := $(CURDIR)/.venv
@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 export VIRTUAL_ENV := $(VENV)
 export PATH := $(VENV)/bin:$(PATH)
 
-.PHONY: setup demo test test-rust test-python
+.PHONY: setup demo test test-rust test-python bench
 
 setup:
 	@bash scripts/setup.sh
@@ -23,3 +23,7 @@ test-rust:
 
 test-python:
 	$(PY) -m pytest -q tests
+
+# Eager vs Inductor vs backend="tpu", one process per model: bench/RESULTS.md and bench/ratios.png.
+bench: setup
+	$(PY) bench/bench.py
