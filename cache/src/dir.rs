@@ -44,7 +44,12 @@ pub struct DiskConfig {
 impl DiskConfig {
     /// Read-write at `dir` with the default bound.
     pub fn new(dir: impl Into<PathBuf>) -> Self {
-        DiskConfig { dir: dir.into(), mode: Mode::ReadWrite, max_bytes: DEFAULT_MAX_BYTES, allow_shared: false }
+        DiskConfig {
+            dir: dir.into(),
+            mode: Mode::ReadWrite,
+            max_bytes: DEFAULT_MAX_BYTES,
+            allow_shared: false,
+        }
     }
 
     /// Parses the process environment (see the module docs). `Err` is a warning to log once;
@@ -56,26 +61,47 @@ impl DiskConfig {
     /// [`Self::from_env`] over any variable lookup, so parsing is testable without touching
     /// the process environment.
     pub fn from_vars(var: impl Fn(&str) -> Option<OsString>) -> Result<DiskConfig, String> {
-        let text = |name: &str| var(name).map(|v| v.to_string_lossy().trim().to_string()).filter(|v| !v.is_empty());
-        let mode = match text("TPU_DYNAMO_CACHE").map(|v| v.to_ascii_lowercase()).as_deref() {
+        let text = |name: &str| {
+            var(name)
+                .map(|v| v.to_string_lossy().trim().to_string())
+                .filter(|v| !v.is_empty())
+        };
+        let mode = match text("TPU_DYNAMO_CACHE")
+            .map(|v| v.to_ascii_lowercase())
+            .as_deref()
+        {
             None | Some("1" | "on" | "true" | "rw" | "readwrite") => Mode::ReadWrite,
             Some("0" | "off" | "false") => Mode::Off,
             Some("ro" | "readonly") => Mode::ReadOnly,
-            Some(other) => return Err(format!("TPU_DYNAMO_CACHE={other:?}: expected 1, 0 or readonly; disk cache off")),
+            Some(other) => {
+                return Err(format!(
+                    "TPU_DYNAMO_CACHE={other:?}: expected 1, 0 or readonly; disk cache off"
+                ))
+            }
         };
         let dir = var("TPU_DYNAMO_CACHE_DIR")
             .filter(|d| !d.is_empty())
             .map(PathBuf::from)
             .or_else(|| {
                 // The XDG spec says to ignore a relative XDG_CACHE_HOME.
-                let xdg = var("XDG_CACHE_HOME").map(PathBuf::from).filter(|d| d.is_absolute());
-                xdg.or_else(|| var("HOME").filter(|h| !h.is_empty()).map(|h| PathBuf::from(h).join(".cache")))
-                    .map(|base| base.join("tpu_dynamo"))
+                let xdg = var("XDG_CACHE_HOME")
+                    .map(PathBuf::from)
+                    .filter(|d| d.is_absolute());
+                xdg.or_else(|| {
+                    var("HOME")
+                        .filter(|h| !h.is_empty())
+                        .map(|h| PathBuf::from(h).join(".cache"))
+                })
+                .map(|base| base.join("tpu_dynamo"))
             });
         let dir = match (dir, mode) {
             (Some(dir), _) => dir,
             (None, Mode::Off) => PathBuf::new(),
-            (None, _) => return Err("no cache directory (set TPU_DYNAMO_CACHE_DIR or HOME); disk cache off".into()),
+            (None, _) => {
+                return Err(
+                    "no cache directory (set TPU_DYNAMO_CACHE_DIR or HOME); disk cache off".into(),
+                )
+            }
         };
         let max_bytes = match text("TPU_DYNAMO_CACHE_MAX_BYTES") {
             None => DEFAULT_MAX_BYTES,
@@ -83,7 +109,12 @@ impl DiskConfig {
                 .ok_or_else(|| format!("TPU_DYNAMO_CACHE_MAX_BYTES={v:?}: expected a positive size like 2G; disk cache off"))?,
         };
         let allow_shared = text("TPU_DYNAMO_CACHE_SHARED").as_deref() == Some("1");
-        Ok(DiskConfig { dir, mode, max_bytes, allow_shared })
+        Ok(DiskConfig {
+            dir,
+            mode,
+            max_bytes,
+            allow_shared,
+        })
     }
 }
 
@@ -105,22 +136,46 @@ pub(crate) fn prepare(config: &DiskConfig) -> (Mode, Option<String>) {
         return (Mode::Off, None);
     }
     if config.mode == Mode::ReadWrite {
-        if let Err(e) = DirBuilder::new().recursive(true).mode(0o700).create(&config.dir) {
+        if let Err(e) = DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&config.dir)
+        {
             return (Mode::Off, Some(format!("cannot create cache directory {dir}: {e}; executables are cached in memory only")));
         }
     }
     let meta = match fs::metadata(&config.dir) {
         Ok(m) if m.is_dir() => m,
-        Ok(_) => return (Mode::Off, Some(format!("cache path {dir} is not a directory; disk cache off"))),
-        Err(e) => return (Mode::Off, Some(format!("cannot use cache directory {dir}: {e}; disk cache off"))),
+        Ok(_) => {
+            return (
+                Mode::Off,
+                Some(format!(
+                    "cache path {dir} is not a directory; disk cache off"
+                )),
+            )
+        }
+        Err(e) => {
+            return (
+                Mode::Off,
+                Some(format!(
+                    "cannot use cache directory {dir}: {e}; disk cache off"
+                )),
+            )
+        }
     };
     if !config.allow_shared {
         // SAFETY: geteuid has no preconditions and cannot fail.
         let me = unsafe { libc::geteuid() };
         let why = if meta.uid() != me {
-            Some(format!("owned by uid {}, not by this user (uid {me})", meta.uid()))
+            Some(format!(
+                "owned by uid {}, not by this user (uid {me})",
+                meta.uid()
+            ))
         } else if meta.mode() & 0o022 != 0 {
-            Some(format!("writable by group or others (mode {:o})", meta.mode() & 0o7777))
+            Some(format!(
+                "writable by group or others (mode {:o})",
+                meta.mode() & 0o7777
+            ))
         } else {
             None
         };
@@ -153,7 +208,12 @@ pub(crate) fn create_temp(dir: &Path, stem: &str) -> io::Result<(PathBuf, File)>
     loop {
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
         let path = dir.join(format!(".{stem}.{}.{n}{TEMP_SUFFIX}", std::process::id()));
-        match OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path) {
+        match OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+        {
             Ok(file) => return Ok((path, file)),
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
             Err(e) => return Err(e),

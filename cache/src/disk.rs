@@ -50,10 +50,16 @@ impl std::fmt::Display for PutError {
         match self {
             PutError::NotWritable => f.write_str("the disk cache is not writable"),
             PutError::TooLarge { bytes, max_bytes } => {
-                write!(f, "entry of {bytes} bytes exceeds TPU_DYNAMO_CACHE_MAX_BYTES={max_bytes}")
+                write!(
+                    f,
+                    "entry of {bytes} bytes exceeds TPU_DYNAMO_CACHE_MAX_BYTES={max_bytes}"
+                )
             }
             PutError::Invalid(e) => write!(f, "cannot encode cache entry: {e}"),
-            PutError::Io(e) => write!(f, "cannot write to the disk cache ({e}); executables are cached in memory only"),
+            PutError::Io(e) => write!(
+                f,
+                "cannot write to the disk cache ({e}); executables are cached in memory only"
+            ),
         }
     }
 }
@@ -139,7 +145,10 @@ impl DiskCache {
         match DiskConfig::from_env() {
             Ok(config) => Self::open(config),
             Err(warning) => {
-                let mut off = Self::open(DiskConfig { mode: Mode::Off, ..DiskConfig::new("") });
+                let mut off = Self::open(DiskConfig {
+                    mode: Mode::Off,
+                    ..DiskConfig::new("")
+                });
                 off.warning = Some(warning);
                 off
             }
@@ -198,7 +207,9 @@ impl DiskCache {
         match Entry::decode(&bytes, key, plugin) {
             Ok(entry) => {
                 self.counters.hits.fetch_add(1, Relaxed);
-                self.counters.bytes_read.fetch_add(bytes.len() as u64, Relaxed);
+                self.counters
+                    .bytes_read
+                    .fetch_add(bytes.len() as u64, Relaxed);
                 if self.mode == Mode::ReadWrite {
                     // Recency for eviction. Best effort: a shared directory's files may be
                     // someone else's.
@@ -216,8 +227,9 @@ impl DiskCache {
         self.counters.rejects.fetch_add(1, Relaxed);
         self.counters.misses.fetch_add(1, Relaxed);
         if self.mode == Mode::ReadWrite {
-            let same = |now: &fs::Metadata| read.map_or(true, |r| (r.dev(), r.ino()) == (now.dev(), now.ino()));
-            if fs::symlink_metadata(path).is_ok_and(|now| same(&now)) {
+            let id = |m: &fs::Metadata| (m.dev(), m.ino());
+            let now = fs::symlink_metadata(path).ok().map(|m| id(&m));
+            if now.is_some() && (read.is_none() || read.map(id) == now) {
                 let _ = fs::remove_file(path);
             }
         }
@@ -233,8 +245,13 @@ impl DiskCache {
         let path = self.path(key);
         let (temp, file) = create_temp(&self.dir, &key.to_hex()).map_err(|e| self.failed(e))?;
         let outcome = match write_synced(file, key, entry) {
-            Ok(bytes) if bytes > self.max_bytes => Err(PutError::TooLarge { bytes, max_bytes: self.max_bytes }),
-            Ok(bytes) => fs::rename(&temp, &path).map(|()| bytes).map_err(|e| self.failed(e)),
+            Ok(bytes) if bytes > self.max_bytes => Err(PutError::TooLarge {
+                bytes,
+                max_bytes: self.max_bytes,
+            }),
+            Ok(bytes) => fs::rename(&temp, &path)
+                .map(|()| bytes)
+                .map_err(|e| self.failed(e)),
             Err(e) => Err(self.failed(e)),
         };
         if outcome.is_err() {
@@ -284,7 +301,9 @@ impl DiskCache {
     /// The entries on disk (files named `<64 hex>.tpuexe`), in no particular order. With
     /// `sweep`, also removes temp files older than [`STALE_TEMP`].
     fn scan(&self, sweep: bool) -> Vec<Listed> {
-        let Ok(dir) = fs::read_dir(&self.dir) else { return vec![] };
+        let Ok(dir) = fs::read_dir(&self.dir) else {
+            return vec![];
+        };
         let now = SystemTime::now();
         let mut found = vec![];
         for item in dir.flatten() {
@@ -296,14 +315,27 @@ impl DiskCache {
             }
             let last_used = meta.modified().unwrap_or(SystemTime::UNIX_EPOCH);
             if sweep && name.starts_with('.') && name.ends_with(TEMP_SUFFIX) {
-                if now.duration_since(last_used).is_ok_and(|age| age > STALE_TEMP) {
+                if now
+                    .duration_since(last_used)
+                    .is_ok_and(|age| age > STALE_TEMP)
+                {
                     let _ = fs::remove_file(item.path());
                 }
                 continue;
             }
-            let Some(hex) = name.strip_suffix(EXTENSION).and_then(|s| s.strip_suffix('.')) else { continue };
+            let Some(hex) = name
+                .strip_suffix(EXTENSION)
+                .and_then(|s| s.strip_suffix('.'))
+            else {
+                continue;
+            };
             if hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit()) {
-                found.push(Listed { key_hex: hex.to_string(), path: item.path(), bytes: meta.len(), last_used });
+                found.push(Listed {
+                    key_hex: hex.to_string(),
+                    path: item.path(),
+                    bytes: meta.len(),
+                    last_used,
+                });
             }
         }
         found
@@ -336,7 +368,12 @@ impl DiskCache {
     pub fn clear(&self) -> io::Result<usize> {
         match self.mode {
             Mode::Off => return Ok(0),
-            Mode::ReadOnly => return Err(io::Error::new(io::ErrorKind::PermissionDenied, "the disk cache is read-only")),
+            Mode::ReadOnly => {
+                return Err(io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    "the disk cache is read-only",
+                ))
+            }
             Mode::ReadWrite => {}
         }
         let mut removed = 0;
@@ -369,6 +406,9 @@ impl DiskCache {
 fn write_synced(file: File, key: &Key, entry: &Entry) -> io::Result<u64> {
     let mut writer = BufWriter::new(file);
     let bytes = entry.write_to(key, &mut writer)?;
-    writer.into_inner().map_err(io::IntoInnerError::into_error)?.sync_all()?;
+    writer
+        .into_inner()
+        .map_err(io::IntoInnerError::into_error)?
+        .sync_all()?;
     Ok(bytes)
 }

@@ -67,7 +67,11 @@ impl PluginIdentity {
 
     /// Names the first field where `stored` differs from `self`, for the rejection message.
     fn mismatch(&self, stored: &PluginIdentity) -> Option<&'static str> {
-        self.fields().into_iter().zip(stored.fields()).find(|(a, b)| a.1 != b.1).map(|(a, _)| a.0)
+        self.fields()
+            .into_iter()
+            .zip(stored.fields())
+            .find(|(a, b)| a.1 != b.1)
+            .map(|(a, _)| a.0)
     }
 }
 
@@ -80,7 +84,10 @@ pub struct TensorSig {
 
 impl TensorSig {
     pub fn new(dtype: impl Into<String>, dims: impl Into<Vec<i64>>) -> Self {
-        TensorSig { dtype: dtype.into(), dims: dims.into() }
+        TensorSig {
+            dtype: dtype.into(),
+            dims: dims.into(),
+        }
     }
 }
 
@@ -129,11 +136,16 @@ impl fmt::Display for Reject {
         match self {
             Reject::Truncated(n) => write!(f, "truncated ({n} bytes)"),
             Reject::WrongMagic => f.write_str("not a tpu_dynamo cache entry (bad magic)"),
-            Reject::ForeignVersion(v) => write!(f, "format version {v}, this build reads {FORMAT_VERSION}"),
+            Reject::ForeignVersion(v) => {
+                write!(f, "format version {v}, this build reads {FORMAT_VERSION}")
+            }
             Reject::Checksum => f.write_str("checksum mismatch (corrupted or truncated)"),
             Reject::Malformed(why) => write!(f, "malformed metadata: {why}"),
             Reject::WrongKey => f.write_str("entry belongs to a different key"),
-            Reject::OtherPlugin(field) => write!(f, "compiled for a different plugin or host ({field} differs)"),
+            Reject::OtherPlugin(field) => write!(
+                f,
+                "compiled for a different plugin or host ({field} differs)"
+            ),
             Reject::TooLarge(n) => write!(f, "{n} bytes exceeds the cache size limit"),
             Reject::Unreadable(why) => write!(f, "unreadable: {why}"),
         }
@@ -149,11 +161,20 @@ impl Entry {
             inputs: self.inputs.clone(),
             outputs: self.outputs.clone(),
         };
-        let invalid = |why: String| io::Error::new(io::ErrorKind::InvalidInput, format!("cache entry metadata: {why}"));
-        let meta = bincode::serde::encode_to_vec(&meta, bincode_config()).map_err(|e| invalid(e.to_string()))?;
+        let invalid = |why: String| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("cache entry metadata: {why}"),
+            )
+        };
+        let meta = bincode::serde::encode_to_vec(&meta, bincode_config())
+            .map_err(|e| invalid(e.to_string()))?;
         // The limit binds decoding only; refuse here what could never be read back.
         if meta.len() > META_LIMIT {
-            return Err(invalid(format!("{} bytes, over the {META_LIMIT} limit", meta.len())));
+            return Err(invalid(format!(
+                "{} bytes, over the {META_LIMIT} limit",
+                meta.len()
+            )));
         }
         let mut header = [0u8; HEADER_LEN];
         header[..8].copy_from_slice(&MAGIC);
@@ -188,13 +209,19 @@ impl Entry {
         let meta_len = u32::from_le_bytes(body[12..16].try_into().expect("4 bytes")) as usize;
         let rest = &body[HEADER_LEN..];
         if meta_len > META_LIMIT || meta_len > rest.len() {
-            return Err(Reject::Malformed(format!("meta length {meta_len} out of bounds")));
+            return Err(Reject::Malformed(format!(
+                "meta length {meta_len} out of bounds"
+            )));
         }
         let (meta_bytes, executable) = rest.split_at(meta_len);
-        let (meta, used): (Meta, usize) = bincode::serde::decode_from_slice(meta_bytes, bincode_config())
-            .map_err(|e| Reject::Malformed(e.to_string()))?;
+        let (meta, used): (Meta, usize) =
+            bincode::serde::decode_from_slice(meta_bytes, bincode_config())
+                .map_err(|e| Reject::Malformed(e.to_string()))?;
         if used != meta_len {
-            return Err(Reject::Malformed(format!("{} trailing meta bytes", meta_len - used)));
+            return Err(Reject::Malformed(format!(
+                "{} trailing meta bytes",
+                meta_len - used
+            )));
         }
         if meta.key != key.0 {
             return Err(Reject::WrongKey);
@@ -202,7 +229,12 @@ impl Entry {
         if let Some(field) = plugin.mismatch(&meta.plugin) {
             return Err(Reject::OtherPlugin(field));
         }
-        Ok(Entry { plugin: meta.plugin, inputs: meta.inputs, outputs: meta.outputs, executable: executable.to_vec() })
+        Ok(Entry {
+            plugin: meta.plugin,
+            inputs: meta.inputs,
+            outputs: meta.outputs,
+            executable: executable.to_vec(),
+        })
     }
 }
 

@@ -43,7 +43,11 @@ fn decode(bytes: &[u8]) -> Result<Entry, Reject> {
     PEAK.with(|p| p.set(0));
     let result = Entry::decode(bytes, &key("k"), &plugin());
     let peak = PEAK.with(|p| p.get());
-    assert!(peak <= bytes.len().max(META_LIMIT), "allocated {peak} bytes decoding {} bytes", bytes.len());
+    assert!(
+        peak <= bytes.len().max(META_LIMIT),
+        "allocated {peak} bytes decoding {} bytes",
+        bytes.len()
+    );
     result
 }
 
@@ -57,7 +61,14 @@ const LIBRARY_HASH_LEN_AT: usize = 16 + 32;
 /// Offset of the input list's length: after the six short plugin strings (1-byte lengths).
 fn inputs_len_at() -> usize {
     let p = plugin();
-    let strings = [&p.library_hash, &p.pjrt_api_version, &p.xla_version, &p.platform, &p.platform_version, &p.cpu_features];
+    let strings = [
+        &p.library_hash,
+        &p.pjrt_api_version,
+        &p.xla_version,
+        &p.platform,
+        &p.platform_version,
+        &p.cpu_features,
+    ];
     LIBRARY_HASH_LEN_AT + strings.iter().map(|s| 1 + s.len()).sum::<usize>()
 }
 
@@ -79,7 +90,11 @@ fn set_meta_len(len: u32) -> Vec<u8> {
 }
 
 fn malformed(bytes: &[u8]) {
-    assert!(matches!(decode(bytes), Err(Reject::Malformed(_))), "{:?}", decode(bytes));
+    assert!(
+        matches!(decode(bytes), Err(Reject::Malformed(_))),
+        "{:?}",
+        decode(bytes)
+    );
 }
 
 #[test]
@@ -104,19 +119,31 @@ fn damage_is_rejected() {
     assert_eq!(decode(&magic), Err(Reject::WrongMagic));
     let mut version = good.clone();
     version[8..12].copy_from_slice(&(FORMAT_VERSION + 1).to_le_bytes());
-    assert_eq!(decode(&version), Err(Reject::ForeignVersion(FORMAT_VERSION + 1)));
+    assert_eq!(
+        decode(&version),
+        Err(Reject::ForeignVersion(FORMAT_VERSION + 1))
+    );
 }
 
 #[test]
 fn binding_to_key_and_plugin() {
     let good = valid();
-    assert_eq!(Entry::decode(&good, &key("other"), &plugin()), Err(Reject::WrongKey));
+    assert_eq!(
+        Entry::decode(&good, &key("other"), &plugin()),
+        Err(Reject::WrongKey)
+    );
     let mut newer_xla = plugin();
     newer_xla.xla_version.push('+');
-    assert_eq!(Entry::decode(&good, &key("k"), &newer_xla), Err(Reject::OtherPlugin("xla_version")));
+    assert_eq!(
+        Entry::decode(&good, &key("k"), &newer_xla),
+        Err(Reject::OtherPlugin("xla_version"))
+    );
     let mut other_host = plugin();
     other_host.cpu_features = "sse2".into();
-    assert_eq!(Entry::decode(&good, &key("k"), &other_host), Err(Reject::OtherPlugin("cpu_features")));
+    assert_eq!(
+        Entry::decode(&good, &key("k"), &other_host),
+        Err(Reject::OtherPlugin("cpu_features"))
+    );
 }
 
 #[test]
@@ -127,9 +154,18 @@ fn hostile_lengths_are_rejected_without_allocating() {
     let whole = valid().len() as u32 - 16 - 32;
     malformed(&set_meta_len(whole));
     // A string claiming 2^40 bytes, one claiming just under the limit, a list claiming 2^64 - 1.
-    malformed(&splice_varint(LIBRARY_HASH_LEN_AT, &[[253].as_slice(), &(1u64 << 40).to_le_bytes()].concat()));
-    malformed(&splice_varint(LIBRARY_HASH_LEN_AT, &[[252].as_slice(), &(META_LIMIT as u32 - 1).to_le_bytes()].concat()));
-    malformed(&splice_varint(inputs_len_at(), &[[253].as_slice(), &u64::MAX.to_le_bytes()].concat()));
+    malformed(&splice_varint(
+        LIBRARY_HASH_LEN_AT,
+        &[[253].as_slice(), &(1u64 << 40).to_le_bytes()].concat(),
+    ));
+    malformed(&splice_varint(
+        LIBRARY_HASH_LEN_AT,
+        &[[252].as_slice(), &(META_LIMIT as u32 - 1).to_le_bytes()].concat(),
+    ));
+    malformed(&splice_varint(
+        inputs_len_at(),
+        &[[253].as_slice(), &u64::MAX.to_le_bytes()].concat(),
+    ));
     // Sanity: the offsets point at the fields (a harmless same-length rewrite still decodes).
     assert!(decode(&splice_varint(inputs_len_at(), &[2])).is_ok());
 }
@@ -147,8 +183,12 @@ fn mutations_never_panic_or_over_allocate() {
                 0 => bytes[at] ^= 1 << rng.below(8),
                 1 => bytes[at] = [0, 0xFB, 0xFC, 0xFD, 0xFE, 0xFF][rng.below(6)],
                 2 => bytes.truncate(at),
-                3 => bytes.splice(at..at, (0..1 + rng.below(16)).map(|_| rng.next() as u8)).for_each(drop),
-                4 => bytes.drain(at..(at + 1 + rng.below(16)).min(bytes.len())).for_each(drop),
+                3 => bytes
+                    .splice(at..at, (0..1 + rng.below(16)).map(|_| rng.next() as u8))
+                    .for_each(drop),
+                4 => bytes
+                    .drain(at..(at + 1 + rng.below(16)).min(bytes.len()))
+                    .for_each(drop),
                 _ => bytes[12..16].copy_from_slice(&(rng.next() as u32 % 512).to_le_bytes()),
             }
             if bytes.len() < 48 {
@@ -162,11 +202,16 @@ fn mutations_never_panic_or_over_allocate() {
         }
         match decode(&bytes) {
             Ok(_) if !sealed => assert_eq!(bytes, good, "damage passed the checksum"),
-            Err(Reject::Malformed(_) | Reject::WrongKey | Reject::OtherPlugin(_)) => reached_meta += 1,
+            Err(Reject::Malformed(_) | Reject::WrongKey | Reject::OtherPlugin(_)) => {
+                reached_meta += 1
+            }
             _ => {}
         }
     }
-    assert!(reached_meta > 1000, "only {reached_meta} mutations reached the metadata decoder");
+    assert!(
+        reached_meta > 1000,
+        "only {reached_meta} mutations reached the metadata decoder"
+    );
     // Random bytes behind a valid header.
     for _ in 0..1000 {
         let mut bytes = good[..12].to_vec();
