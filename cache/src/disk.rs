@@ -201,7 +201,10 @@ impl DiskCache {
         }
         // The length is bounded just above; `take` guards against the file growing meanwhile.
         let mut bytes = Vec::with_capacity(meta.len() as usize);
-        if let Err(e) = (&mut file).take(self.max_bytes.saturating_add(1)).read_to_end(&mut bytes) {
+        if let Err(e) = (&mut file)
+            .take(self.max_bytes.saturating_add(1))
+            .read_to_end(&mut bytes)
+        {
             return self.reject(&path, Some(&meta), Reject::Unreadable(e.to_string()));
         }
         match Entry::decode(&bytes, key, plugin) {
