@@ -219,7 +219,8 @@ enum Source {
 
 /// Key: canonical graph bytes (which include every input's shape and dtype), plugin identity
 /// (the plugin file's hash included, so another build never even opens this entry), the MLIR
-/// release, compile options and this crate's version.
+/// release, compile options and this crate's version. `plugin` is `None` without a disk cache:
+/// a key that never leaves the process needs no file hash.
 fn cache_key(canonical: &[u8], target: &Target, plugin: Option<&PluginIdentity>) -> Key {
     let plugin_file = plugin.map_or("", |p| &p.library_hash);
     KeyBuilder::new()
@@ -236,11 +237,13 @@ fn cache_key(canonical: &[u8], target: &Target, plugin: Option<&PluginIdentity>)
 
 /// Process-wide map, then disk, then compile (and write to disk).
 fn find_or_build(target: &Target, json: &GraphWithSources, canonical: &[u8], warnings: &mut Vec<String>) -> Result<(Arc<Entry>, Source), Failure> {
-    let plugin = target.identity(|e| warnings.push(e.to_string())).ok();
+    let disk = disk_cache(warnings);
+    // Hashing the plugin file is only worth it when there is a disk cache to check against.
+    let plugin = if disk.mode() == Mode::Off { None } else { target.identity(|e| warnings.push(e.to_string())).ok() };
+    let disk = plugin.map(|p| (disk, p));
     let key = cache_key(canonical, target, plugin);
     let mut source = Source::Compiled;
     let (entry, memory_hit) = EXECUTABLES.get_or_try_insert(key, || {
-        let disk = plugin.map(|p| (disk_cache(warnings), p)).filter(|(d, _)| d.mode() != Mode::Off);
         if let Some(disk) = &disk {
             if let Some(entry) = load(target, disk, &key, warnings) {
                 source = Source::Disk;

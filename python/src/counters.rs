@@ -26,6 +26,8 @@ pub struct Stats {
     pub load_nanos: AtomicU64,
     /// Serializing and writing new entries.
     pub store_nanos: AtomicU64,
+    /// Building the plugin identity (hashing the plugin file), once per process.
+    pub identity_nanos: AtomicU64,
 }
 
 pub static STATS: Stats = Stats {
@@ -45,6 +47,7 @@ pub static STATS: Stats = Stats {
     disk_bytes_written: AtomicU64::new(0),
     load_nanos: AtomicU64::new(0),
     store_nanos: AtomicU64::new(0),
+    identity_nanos: AtomicU64::new(0),
 };
 
 pub fn add_time(counter: &AtomicU64, d: Duration) {
@@ -52,7 +55,7 @@ pub fn add_time(counter: &AtomicU64, d: Duration) {
 }
 
 impl Stats {
-    fn all(&self) -> [(&'static str, &AtomicU64); 16] {
+    fn all(&self) -> [(&'static str, &AtomicU64); 17] {
         [
             ("compiles", &self.compiles),
             ("memory_hits", &self.memory_hits),
@@ -70,6 +73,7 @@ impl Stats {
             ("disk_bytes_written", &self.disk_bytes_written),
             ("load_seconds", &self.load_nanos),
             ("store_seconds", &self.store_nanos),
+            ("plugin_identity_seconds", &self.identity_nanos),
         ]
     }
 

@@ -1,9 +1,12 @@
 //! The process-wide PJRT client: one per process, created on first use. A failed discovery is
 //! not remembered, so installing a plugin and retrying works without a restart.
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Instant;
 
 use tpu_dynamo_cache::{hash_file, host_cpu_features, PluginIdentity};
 use tpu_dynamo_runtime::{Client, ClientOptions, Device, Error, Plugin};
+
+use crate::counters::{add_time, STATS};
 
 pub struct Target {
     pub client: Client,
@@ -19,7 +22,9 @@ impl Target {
     pub fn identity(&self, on_first_error: impl FnOnce(&str)) -> Result<&PluginIdentity, &str> {
         self.identity
             .get_or_init(|| {
+                let start = Instant::now();
                 let identity = plugin_identity(&self.client);
+                add_time(&STATS.identity_nanos, start.elapsed());
                 if let Err(e) = &identity {
                     on_first_error(e);
                 }
