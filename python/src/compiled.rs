@@ -9,7 +9,9 @@ use std::time::Instant;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use tpu_dynamo_cache::{DiskCache, Entry as DiskEntry, Key, KeyBuilder, Lookup, MemoryStore, Mode, PluginIdentity, PutError, TensorSig};
+use tpu_dynamo_cache::{
+    DiskCache, Entry as DiskEntry, Key, KeyBuilder, Lookup, MemoryStore, Mode, PluginIdentity, PutError, TensorSig,
+};
 use tpu_dynamo_compiler::ir::{DType as IrDType, GraphWithSources, TensorType};
 use tpu_dynamo_compiler::{lower, LowerError as CompilerLowerError, Lowered, MLIR_VERSION};
 use tpu_dynamo_runtime::{Buffer, CompileOptions, DType, Error as RtError, Executable, Program, ProgramCode, TensorSpec};
@@ -33,7 +35,12 @@ struct Entry {
 
 impl Entry {
     /// Checks the executable against the signature it was compiled or stored with.
-    fn new(exe: Executable, stablehlo: Option<Arc<str>>, inputs: Vec<TensorSpec>, outputs: Vec<TensorSpec>) -> Result<Entry, RtError> {
+    fn new(
+        exe: Executable,
+        stablehlo: Option<Arc<str>>,
+        inputs: Vec<TensorSpec>,
+        outputs: Vec<TensorSpec>,
+    ) -> Result<Entry, RtError> {
         if exe.num_outputs() != outputs.len() {
             return Err(RtError::InvalidArgument(format!(
                 "the executable has {} outputs, its signature declares {}",
@@ -184,7 +191,9 @@ fn store((disk, plugin): &Disk, key: &Key, entry: &Entry, warnings: &mut Vec<Str
         return;
     }
     let start = Instant::now();
-    let written = entry.exe.serialize().map_err(|e| format!("cannot serialize the executable for the disk cache: {e}")).and_then(|executable| {
+    let serialized = entry.exe.serialize();
+    let written = serialized.map_err(|e| format!("cannot serialize the executable for the disk cache: {e}"));
+    let written = written.and_then(|executable| {
         let bytes = executable.len() as u64;
         let stored = DiskEntry {
             plugin: (*plugin).clone(),
@@ -222,13 +231,15 @@ enum Source {
 /// release, compile options and this crate's version. `plugin` is `None` without a disk cache:
 /// a key that never leaves the process needs no file hash.
 fn cache_key(canonical: &[u8], target: &Target, plugin: Option<&PluginIdentity>) -> Key {
-    let plugin_file = plugin.map_or("", |p| &p.library_hash);
+    // The rest of the identity is in `Plugin::identity()`.
+    let (file_hash, platform_version, cpu_features) =
+        plugin.map_or(("", "", ""), |p| (&*p.library_hash, &*p.platform_version, &*p.cpu_features));
     KeyBuilder::new()
         .field(canonical)
         .field(target.client.plugin().identity().as_bytes())
-        .field(plugin_file.as_bytes())
-        .field(plugin.map_or("", |p| &p.platform_version).as_bytes())
-        .field(plugin.map_or("", |p| &p.cpu_features).as_bytes())
+        .field(file_hash.as_bytes())
+        .field(platform_version.as_bytes())
+        .field(cpu_features.as_bytes())
         .field(MLIR_VERSION.as_bytes())
         .field(format!("{:?}", CompileOptions::default()).as_bytes())
         .field(CACHE_VERSION.as_bytes())
@@ -236,10 +247,18 @@ fn cache_key(canonical: &[u8], target: &Target, plugin: Option<&PluginIdentity>)
 }
 
 /// Process-wide map, then disk, then compile (and write to disk).
-fn find_or_build(target: &Target, json: &GraphWithSources, canonical: &[u8], warnings: &mut Vec<String>) -> Result<(Arc<Entry>, Source), Failure> {
+fn find_or_build(
+    target: &Target,
+    json: &GraphWithSources,
+    canonical: &[u8],
+    warnings: &mut Vec<String>,
+) -> Result<(Arc<Entry>, Source), Failure> {
     let disk = disk_cache(warnings);
     // Hashing the plugin file is only worth it when there is a disk cache to check against.
-    let plugin = if disk.mode() == Mode::Off { None } else { target.identity(|e| warnings.push(e.to_string())).ok() };
+    let plugin = match disk.mode() {
+        Mode::Off => None,
+        _ => target.identity(|e| warnings.push(e.to_string())).ok(),
+    };
     let disk = plugin.map(|p| (disk, p));
     let key = cache_key(canonical, target, plugin);
     let mut source = Source::Compiled;

@@ -37,8 +37,9 @@ impl Target {
 
 fn plugin_identity(client: &Client) -> Result<PluginIdentity, String> {
     let plugin = client.plugin();
-    let library_hash = hash_file(plugin.path())
-        .map_err(|e| format!("cannot hash the PJRT plugin {}: {e}; disk cache off", plugin.path().display()))?;
+    let path = plugin.path().display();
+    let library_hash =
+        hash_file(plugin.path()).map_err(|e| format!("cannot hash the PJRT plugin {path}: {e}; disk cache off"))?;
     let platform = client.platform_name().map_err(|e| e.to_string())?;
     let (major, minor) = plugin.api_version();
     Ok(PluginIdentity {
