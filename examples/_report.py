@@ -15,6 +15,7 @@ def report(name: str, eager: torch.Tensor, compiled: torch.Tensor, **extra) -> d
         "max_abs_diff": max_abs_diff(eager, compiled),
         "output_scale": eager.float().abs().max().item(),
         "compiles": stats["compiles"],
+        "disk_hits": stats["disk_hits"],
         "executions": stats["executions"],
         **extra,
     }

@@ -6,11 +6,16 @@ import tpu_dynamo
 from _report import report
 
 
-def main() -> dict:
+def build() -> tuple[GPT2LMHeadModel, torch.Tensor]:
+    """The model (seeded, so every process builds the same weights) and a batch of token ids."""
     torch.manual_seed(0)
     config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=128)
     model = GPT2LMHeadModel(config).eval()
-    input_ids = torch.randint(0, config.vocab_size, (1, 16))
+    return model, torch.randint(0, config.vocab_size, (1, 16))
+
+
+def main() -> dict:
+    model, input_ids = build()
     with torch.no_grad():
         eager_logits = model(input_ids).logits
         eager_tokens = model.generate(input_ids, max_new_tokens=8, do_sample=False, pad_token_id=0)

@@ -1,12 +1,26 @@
-"""Shared fixtures: a clean Dynamo and tpu_dynamo state per test."""
+"""Shared fixtures: a clean Dynamo and tpu_dynamo state per test, and a hermetic disk cache."""
+import os
+import tempfile
+
 import pytest
 import torch
 
 import tpu_dynamo
 
+# Set before any test compiles (and inherited by subprocesses) so the suite never reads or
+# writes a user's ~/.cache/tpu_dynamo, whatever their TPU_DYNAMO_CACHE* settings.
+for _name in ("TPU_DYNAMO_CACHE", "TPU_DYNAMO_CACHE_MAX_BYTES", "TPU_DYNAMO_CACHE_SHARED"):
+    os.environ.pop(_name, None)
+_SESSION_CACHE = tempfile.TemporaryDirectory(prefix="tpu_dynamo_test_cache_")
+os.environ["TPU_DYNAMO_CACHE_DIR"] = _SESSION_CACHE.name
+
 
 @pytest.fixture(autouse=True)
-def fresh_state():
+def fresh_state(tmp_path_factory, monkeypatch):
+    """Each test also gets its own cache directory (the process reopens the cache when the
+    variable changes), so an executable one test wrote never turns another's compile into a
+    disk hit."""
+    monkeypatch.setenv("TPU_DYNAMO_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
     torch._dynamo.reset()
     tpu_dynamo.reset_stats()
     yield

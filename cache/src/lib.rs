@@ -1,12 +1,24 @@
-//! tpu-dynamo-cache: the shape-keyed executable cache (in memory now, on disk in a later issue).
+//! tpu-dynamo-cache: the shape-keyed executable cache, in memory and on disk.
 //!
 //! A [`Key`] is a blake3 digest over length-prefixed fields, so `("ab", "c")` and `("a", "bc")`
 //! never collide. A [`MemoryStore`] maps keys to shared values; callers keep one per process
 //! (a `static`) so identical graphs compiled from different Dynamo frames share one executable.
+//! A [`DiskCache`] persists serialized executables across processes (see `disk`, `entry` for the
+//! file format and `dir` for the environment variables and the directory trust rules). This
+//! crate stores opaque bytes; the caller serializes, deserializes and fills the
+//! [`PluginIdentity`].
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use dashmap::DashMap;
+
+pub mod dir;
+pub mod disk;
+pub mod entry;
+
+pub use dir::{DiskConfig, Mode};
+pub use disk::{DiskCache, Info, Listed, Lookup, PutError, Stats};
+pub use entry::{host_cpu_features, hash_file, Entry, PluginIdentity, Reject, TensorSig};
 
 /// A 32-byte cache key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -7,3 +7,7 @@ pub mod ir;
 pub mod lower;
 
 pub use lower::{lower, LowerError, LowerErrorKind, Lowered};
+
+/// The LLVM/MLIR release this build links (`llvm-config --version` at build time). The lowering's
+/// output depends on it, so it is part of the executable cache key.
+pub const MLIR_VERSION: &str = env!("TPU_DYNAMO_MLIR_VERSION");

@@ -1,5 +1,6 @@
-//! `compile()`: IR JSON -> lowered StableHLO -> PJRT executable, shared through a process-wide
-//! cache; and `CompiledGraph.run()`, the per-call path (upload, execute, download).
+//! `compile()`: IR JSON -> lowered StableHLO -> PJRT executable, found in (or added to) the
+//! process-wide and disk caches; and `CompiledGraph.run()`, the per-call path (upload, execute,
+//! download).
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::NonNull;
 use std::sync::atomic::Ordering::Relaxed;
@@ -8,14 +9,17 @@ use std::time::Instant;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use tpu_dynamo_cache::{KeyBuilder, MemoryStore};
-use tpu_dynamo_compiler::ir::{DType as IrDType, TensorType};
-use tpu_dynamo_compiler::{lower, LowerError as CompilerLowerError};
+use tpu_dynamo_cache::{
+    DiskCache, Entry as DiskEntry, Key, KeyBuilder, Lookup, MemoryStore, Mode, PluginIdentity, PutError, TensorSig,
+};
+use tpu_dynamo_compiler::ir::{DType as IrDType, GraphWithSources, TensorType};
+use tpu_dynamo_compiler::{lower, LowerError as CompilerLowerError, Lowered, MLIR_VERSION};
 use tpu_dynamo_runtime::{Buffer, CompileOptions, DType, Error as RtError, Executable, Program, ProgramCode, TensorSpec};
 
 use crate::device::{target, Target};
 use crate::errors::{lower_err, runtime_err, LowerError};
 use crate::counters::{add_time, STATS};
+use crate::persist::{disk_cache, log_warnings};
 
 /// Bumped when anything that shapes an executable changes without changing the IR bytes.
 const CACHE_VERSION: &str = concat!("tpu_dynamo ", env!("CARGO_PKG_VERSION"), " cache v1");
@@ -23,9 +27,29 @@ const CACHE_VERSION: &str = concat!("tpu_dynamo ", env!("CARGO_PKG_VERSION"), " 
 /// One compiled graph, shared by every `CompiledGraph` with the same key.
 struct Entry {
     exe: Executable,
-    stablehlo: String,
+    /// `None` when loaded from disk: the text is only lowered again if someone asks for it.
+    stablehlo: Option<Arc<str>>,
     inputs: Vec<TensorSpec>,
     outputs: Vec<TensorSpec>,
+}
+
+impl Entry {
+    /// Checks the executable against the signature it was compiled or stored with.
+    fn new(
+        exe: Executable,
+        stablehlo: Option<Arc<str>>,
+        inputs: Vec<TensorSpec>,
+        outputs: Vec<TensorSpec>,
+    ) -> Result<Entry, RtError> {
+        if exe.num_outputs() != outputs.len() {
+            return Err(RtError::InvalidArgument(format!(
+                "the executable has {} outputs, its signature declares {}",
+                exe.num_outputs(),
+                outputs.len()
+            )));
+        }
+        Ok(Entry { exe, stablehlo, inputs, outputs })
+    }
 }
 
 static EXECUTABLES: LazyLock<MemoryStore<Arc<Entry>>> = LazyLock::new(MemoryStore::new);
@@ -77,7 +101,19 @@ fn dtype_name(d: DType) -> &'static str {
     }
 }
 
-fn build(target: &Target, json: &tpu_dynamo_compiler::ir::GraphWithSources) -> Result<Entry, Failure> {
+fn sig(s: &TensorSpec) -> TensorSig {
+    TensorSig::new(dtype_name(s.dtype), s.dims.clone())
+}
+
+fn spec_of_sig(s: &TensorSig) -> Result<TensorSpec, RtError> {
+    let dtype = DType::ALL
+        .into_iter()
+        .find(|&d| dtype_name(d) == s.dtype)
+        .ok_or_else(|| RtError::InvalidArgument(format!("unknown dtype {:?}", s.dtype)))?;
+    Ok(TensorSpec::new(dtype, s.dims.clone()))
+}
+
+fn lower_graph(json: &GraphWithSources) -> Result<Lowered, Failure> {
     let start = Instant::now();
     // A panic in a lowering rule is a compiler bug; it must surface as an exception, not abort.
     let lowered = catch_unwind(AssertUnwindSafe(|| lower(&json.graph, &json.sources)))
@@ -91,17 +127,155 @@ fn build(target: &Target, json: &tpu_dynamo_compiler::ir::GraphWithSources) -> R
         })?
         .map_err(Failure::Lower)?;
     add_time(&STATS.lower_nanos, start.elapsed());
+    Ok(lowered)
+}
+
+fn build(target: &Target, json: &GraphWithSources) -> Result<Entry, Failure> {
+    let start = Instant::now();
+    let lowered = lower_graph(json)?;
     let inputs: Vec<TensorSpec> = lowered.inputs.iter().map(spec).collect();
     let program = Program { code: ProgramCode::MlirBytecode(&lowered.bytecode), inputs: inputs.clone() };
     let exe = target.client.compile(&program, &CompileOptions::default()).map_err(Failure::Runtime)?;
-    if exe.num_outputs() != lowered.outputs.len() {
-        return Err(Failure::Runtime(RtError::InvalidArgument(format!(
-            "the executable has {} outputs, the lowering declared {}",
-            exe.num_outputs(),
-            lowered.outputs.len()
-        ))));
+    let outputs = lowered.outputs.iter().map(spec).collect();
+    let entry = Entry::new(exe, Some(lowered.text.into()), inputs, outputs).map_err(Failure::Runtime)?;
+    STATS.compiles.fetch_add(1, Relaxed);
+    add_time(&STATS.compile_nanos, start.elapsed());
+    Ok(entry)
+}
+
+/// The disk cache and the plugin identity its entries are checked against.
+type Disk<'a> = (Arc<DiskCache>, &'a PluginIdentity);
+
+/// `key`'s executable from disk, loaded onto the device without compiling; `None` on a miss or
+/// an unusable entry (reported in `warnings`; the caller compiles and overwrites it).
+fn load(target: &Target, (disk, plugin): &Disk, key: &Key, warnings: &mut Vec<String>) -> Option<Entry> {
+    let start = Instant::now();
+    let rejected = |why: String| {
+        STATS.disk_rejects.fetch_add(1, Relaxed);
+        format!("disk cache entry {} {why}; compiling it again", disk.path(key).display())
+    };
+    // Err(None): a plain miss; Err(Some(warning)): an unusable entry.
+    let loaded = match disk.get(key, plugin) {
+        Lookup::Hit(stored) => deserialize(target, &stored)
+            .map(|entry| (entry, stored.executable.len()))
+            .map_err(|e| Some(rejected(format!("could not be loaded ({e})")))),
+        Lookup::Miss => Err(None),
+        Lookup::Rejected(why) => Err(Some(rejected(format!("rejected: {why}")))),
+    };
+    add_time(&STATS.load_nanos, start.elapsed());
+    match loaded {
+        Ok((entry, bytes)) => {
+            STATS.disk_hits.fetch_add(1, Relaxed);
+            STATS.disk_bytes_read.fetch_add(bytes as u64, Relaxed);
+            Some(entry)
+        }
+        Err(warning) => {
+            STATS.disk_misses.fetch_add(1, Relaxed);
+            warnings.extend(warning);
+            None
+        }
     }
-    Ok(Entry { exe, stablehlo: lowered.text, inputs, outputs: lowered.outputs.iter().map(spec).collect() })
+}
+
+fn deserialize(target: &Target, stored: &DiskEntry) -> Result<Entry, RtError> {
+    let inputs = stored.inputs.iter().map(spec_of_sig).collect::<Result<Vec<_>, _>>()?;
+    let outputs = stored.outputs.iter().map(spec_of_sig).collect::<Result<Vec<_>, _>>()?;
+    let exe = target.client.deserialize_executable(&stored.executable, inputs.clone())?;
+    Entry::new(exe, None, inputs, outputs)
+}
+
+/// Writes a freshly compiled executable to disk. Failures cost the disk copy only: expected
+/// ones (read-only cache) pass silently, the rest go to `warnings`.
+fn store((disk, plugin): &Disk, key: &Key, entry: &Entry, warnings: &mut Vec<String>) {
+    if disk.mode() != Mode::ReadWrite {
+        return;
+    }
+    let start = Instant::now();
+    let serialized = entry.exe.serialize();
+    let written = serialized.map_err(|e| format!("cannot serialize the executable for the disk cache: {e}"));
+    let written = written.and_then(|executable| {
+        let bytes = executable.len() as u64;
+        let stored = DiskEntry {
+            plugin: (*plugin).clone(),
+            inputs: entry.inputs.iter().map(sig).collect(),
+            outputs: entry.outputs.iter().map(sig).collect(),
+            executable,
+        };
+        match disk.put(key, &stored) {
+            Ok(()) => Ok(Some(bytes)),
+            Err(PutError::NotWritable) => Ok(None),
+            Err(e) => Err(e.to_string()),
+        }
+    });
+    add_time(&STATS.store_nanos, start.elapsed());
+    match written {
+        Ok(Some(bytes)) => {
+            STATS.disk_writes.fetch_add(1, Relaxed);
+            STATS.disk_bytes_written.fetch_add(bytes, Relaxed);
+        }
+        Ok(None) => {}
+        Err(warning) => warnings.push(warning),
+    }
+}
+
+/// Where a `CompiledGraph`'s executable came from.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Source {
+    Memory,
+    Disk,
+    Compiled,
+}
+
+/// Key: canonical graph bytes (which include every input's shape and dtype), plugin identity
+/// (the plugin file's hash included, so another build never even opens this entry), the MLIR
+/// release, compile options and this crate's version. `plugin` is `None` without a disk cache:
+/// a key that never leaves the process needs no file hash.
+fn cache_key(canonical: &[u8], target: &Target, plugin: Option<&PluginIdentity>) -> Key {
+    // The rest of the identity is in `Plugin::identity()`.
+    let (file_hash, platform_version, cpu_features) =
+        plugin.map_or(("", "", ""), |p| (&*p.library_hash, &*p.platform_version, &*p.cpu_features));
+    KeyBuilder::new()
+        .field(canonical)
+        .field(target.client.plugin().identity().as_bytes())
+        .field(file_hash.as_bytes())
+        .field(platform_version.as_bytes())
+        .field(cpu_features.as_bytes())
+        .field(MLIR_VERSION.as_bytes())
+        .field(format!("{:?}", CompileOptions::default()).as_bytes())
+        .field(CACHE_VERSION.as_bytes())
+        .finish()
+}
+
+/// Process-wide map, then disk, then compile (and write to disk).
+fn find_or_build(
+    target: &Target,
+    json: &GraphWithSources,
+    canonical: &[u8],
+    warnings: &mut Vec<String>,
+) -> Result<(Arc<Entry>, Source), Failure> {
+    let disk = disk_cache(warnings);
+    // Hashing the plugin file is only worth it when there is a disk cache to check against.
+    let plugin = match disk.mode() {
+        Mode::Off => None,
+        _ => target.identity(|e| warnings.push(e.to_string())).ok(),
+    };
+    let disk = plugin.map(|p| (disk, p));
+    let key = cache_key(canonical, target, plugin);
+    let mut source = Source::Compiled;
+    let (entry, memory_hit) = EXECUTABLES.get_or_try_insert(key, || {
+        if let Some(disk) = &disk {
+            if let Some(entry) = load(target, disk, &key, warnings) {
+                source = Source::Disk;
+                return Ok(Arc::new(entry));
+            }
+        }
+        let entry = build(target, json)?;
+        if let Some(disk) = &disk {
+            store(disk, &key, &entry, warnings);
+        }
+        Ok(Arc::new(entry))
+    })?;
+    Ok((entry, if memory_hit { Source::Memory } else { source }))
 }
 
 /// A resident input's device copy and the host `(data_ptr, version)` it was uploaded from.
@@ -114,44 +288,53 @@ pub struct CompiledGraph {
     target: Arc<Target>,
     /// Per input slot; stays `None` for user inputs.
     resident: Vec<Mutex<Resident>>,
+    stablehlo: Option<Arc<str>>,
     #[pyo3(get)]
     graph_hash: String,
     #[pyo3(get)]
     memory_hit: bool,
+    #[pyo3(get)]
+    disk_hit: bool,
 }
 
 /// Lowers and compiles `graph_json` (a `GraphWithSources`), or reuses the executable of an
-/// identical graph. Key: canonical graph bytes (which include every input's shape and dtype),
-/// plugin identity, compile options and this crate's version.
+/// identical graph from this process or the disk cache. A disk hit skips lowering, so its
+/// StableHLO text exists only if `need_stablehlo` asks for it (lowering again, no compile).
 #[pyfunction]
-pub fn compile(py: Python<'_>, graph_json: &str) -> PyResult<CompiledGraph> {
+#[pyo3(signature = (graph_json, need_stablehlo = false))]
+pub fn compile(py: Python<'_>, graph_json: &str, need_stablehlo: bool) -> PyResult<CompiledGraph> {
     let json = crate::parse(graph_json)?;
     let canonical = json.graph.canonical_bytes();
     let graph_hash = blake3::hash(&canonical).to_hex().to_string();
     let target = target().map_err(runtime_err)?;
-    let options = CompileOptions::default();
-    let key = KeyBuilder::new()
-        .field(&canonical)
-        .field(target.client.plugin().identity().as_bytes())
-        .field(format!("{options:?}").as_bytes())
-        .field(CACHE_VERSION.as_bytes())
-        .finish();
-    let start = Instant::now();
-    let (entry, memory_hit) = py
-        .detach(|| EXECUTABLES.get_or_try_insert(key, || build(&target, &json).map(Arc::new)))
-        .map_err(|f| match f {
-            Failure::Lower(e) => lower_err(e),
-            Failure::Panic(msg) => LowerError::new_err(format!("tpu_dynamo: internal compiler error (panic): {msg}")),
-            Failure::Runtime(e) => runtime_err(e),
-        })?;
-    if memory_hit {
+    let mut warnings = vec![];
+    let found = py.detach(|| {
+        let (entry, source) = find_or_build(&target, &json, &canonical, &mut warnings)?;
+        let stablehlo = match &entry.stablehlo {
+            None if need_stablehlo => Some(lower_graph(&json)?.text.into()),
+            text => text.clone(),
+        };
+        Ok((entry, source, stablehlo))
+    });
+    log_warnings(py, &warnings)?;
+    let (entry, source, stablehlo) = found.map_err(|f| match f {
+        Failure::Lower(e) => lower_err(e),
+        Failure::Panic(msg) => LowerError::new_err(format!("tpu_dynamo: internal compiler error (panic): {msg}")),
+        Failure::Runtime(e) => runtime_err(e),
+    })?;
+    if source == Source::Memory {
         STATS.memory_hits.fetch_add(1, Relaxed);
-    } else {
-        STATS.compiles.fetch_add(1, Relaxed);
-        add_time(&STATS.compile_nanos, start.elapsed());
     }
     let resident = entry.inputs.iter().map(|_| Mutex::new(None)).collect();
-    Ok(CompiledGraph { entry, target, resident, graph_hash, memory_hit })
+    Ok(CompiledGraph {
+        entry,
+        target,
+        resident,
+        stablehlo,
+        graph_hash,
+        memory_hit: source == Source::Memory,
+        disk_hit: source == Source::Disk,
+    })
 }
 
 /// A byte slice over caller-owned memory; a null pointer is fine for zero bytes.
@@ -226,10 +409,11 @@ impl CompiledGraph {
 
 #[pymethods]
 impl CompiledGraph {
-    /// StableHLO text of the compiled module.
+    /// StableHLO text of the compiled module; `None` after a disk hit unless `compile` was
+    /// asked for it.
     #[getter]
-    fn stablehlo(&self) -> &str {
-        &self.entry.stablehlo
+    fn stablehlo(&self) -> Option<&str> {
+        self.stablehlo.as_deref()
     }
 
     /// `(dtype name, shape)` of every output, in order.

@@ -12,6 +12,22 @@ pub struct Stats {
     pub execute_nanos: AtomicU64,
     pub uploads: AtomicU64,
     pub resident_hits: AtomicU64,
+    /// Disk cache lookups that loaded an executable (no compile).
+    pub disk_hits: AtomicU64,
+    /// Disk cache lookups that found nothing usable; includes `disk_rejects`.
+    pub disk_misses: AtomicU64,
+    /// Entries found but unusable (damaged, foreign, undeserializable), logged and recompiled.
+    pub disk_rejects: AtomicU64,
+    pub disk_writes: AtomicU64,
+    /// Serialized executable bytes loaded / stored.
+    pub disk_bytes_read: AtomicU64,
+    pub disk_bytes_written: AtomicU64,
+    /// Disk lookups including deserialize-and-load onto the device.
+    pub load_nanos: AtomicU64,
+    /// Serializing and writing new entries.
+    pub store_nanos: AtomicU64,
+    /// Building the plugin identity (hashing the plugin file), once per process.
+    pub identity_nanos: AtomicU64,
 }
 
 pub static STATS: Stats = Stats {
@@ -23,6 +39,15 @@ pub static STATS: Stats = Stats {
     execute_nanos: AtomicU64::new(0),
     uploads: AtomicU64::new(0),
     resident_hits: AtomicU64::new(0),
+    disk_hits: AtomicU64::new(0),
+    disk_misses: AtomicU64::new(0),
+    disk_rejects: AtomicU64::new(0),
+    disk_writes: AtomicU64::new(0),
+    disk_bytes_read: AtomicU64::new(0),
+    disk_bytes_written: AtomicU64::new(0),
+    load_nanos: AtomicU64::new(0),
+    store_nanos: AtomicU64::new(0),
+    identity_nanos: AtomicU64::new(0),
 };
 
 pub fn add_time(counter: &AtomicU64, d: Duration) {
@@ -30,7 +55,7 @@ pub fn add_time(counter: &AtomicU64, d: Duration) {
 }
 
 impl Stats {
-    fn all(&self) -> [(&'static str, &AtomicU64); 8] {
+    fn all(&self) -> [(&'static str, &AtomicU64); 17] {
         [
             ("compiles", &self.compiles),
             ("memory_hits", &self.memory_hits),
@@ -40,6 +65,15 @@ impl Stats {
             ("execute_seconds", &self.execute_nanos),
             ("uploads", &self.uploads),
             ("resident_hits", &self.resident_hits),
+            ("disk_hits", &self.disk_hits),
+            ("disk_misses", &self.disk_misses),
+            ("disk_rejects", &self.disk_rejects),
+            ("disk_writes", &self.disk_writes),
+            ("disk_bytes_read", &self.disk_bytes_read),
+            ("disk_bytes_written", &self.disk_bytes_written),
+            ("load_seconds", &self.load_nanos),
+            ("store_seconds", &self.store_nanos),
+            ("plugin_identity_seconds", &self.identity_nanos),
         ]
     }
 

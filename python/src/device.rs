@@ -1,12 +1,56 @@
 //! The process-wide PJRT client: one per process, created on first use. A failed discovery is
 //! not remembered, so installing a plugin and retrying works without a restart.
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Instant;
 
+use tpu_dynamo_cache::{hash_file, host_cpu_features, PluginIdentity};
 use tpu_dynamo_runtime::{Client, ClientOptions, Device, Error, Plugin};
+
+use crate::counters::{add_time, STATS};
 
 pub struct Target {
     pub client: Client,
     pub device: Device,
+    /// Built on first use: hashing the plugin file (tens of MB) is paid once per process and
+    /// only by processes that compile or inspect the cache.
+    identity: OnceLock<Result<PluginIdentity, String>>,
+}
+
+impl Target {
+    /// What disk cache entries made here are bound to; `Err` (the plugin file is unreadable)
+    /// means no disk cache. `on_first_error` sees that error once per process, to log it.
+    pub fn identity(&self, on_first_error: impl FnOnce(&str)) -> Result<&PluginIdentity, &str> {
+        self.identity
+            .get_or_init(|| {
+                let start = Instant::now();
+                let identity = plugin_identity(&self.client);
+                add_time(&STATS.identity_nanos, start.elapsed());
+                if let Err(e) = &identity {
+                    on_first_error(e);
+                }
+                identity
+            })
+            .as_ref()
+            .map_err(String::as_str)
+    }
+}
+
+fn plugin_identity(client: &Client) -> Result<PluginIdentity, String> {
+    let plugin = client.plugin();
+    let path = plugin.path().display();
+    let library_hash =
+        hash_file(plugin.path()).map_err(|e| format!("cannot hash the PJRT plugin {path}: {e}; disk cache off"))?;
+    let platform = client.platform_name().map_err(|e| e.to_string())?;
+    let (major, minor) = plugin.api_version();
+    Ok(PluginIdentity {
+        library_hash,
+        pjrt_api_version: format!("{major}.{minor}"),
+        xla_version: plugin.attribute_str("xla_version").unwrap_or_default(),
+        platform_version: client.platform_version().map_err(|e| e.to_string())?,
+        // XLA:CPU code uses the compiling host's ISA extensions.
+        cpu_features: if platform == "cpu" { host_cpu_features() } else { String::new() },
+        platform,
+    })
 }
 
 static TARGET: Mutex<Option<Arc<Target>>> = Mutex::new(None);
@@ -22,7 +66,7 @@ pub fn target() -> Result<Arc<Target>, Error> {
         .into_iter()
         .next()
         .ok_or_else(|| Error::InvalidArgument("the PJRT plugin reports no devices".into()))?;
-    let t = Arc::new(Target { client, device });
+    let t = Arc::new(Target { client, device, identity: OnceLock::new() });
     *slot = Some(t.clone());
     Ok(t)
 }

@@ -3,6 +3,7 @@ mod compiled;
 mod counters;
 mod device;
 mod errors;
+mod persist;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -50,7 +51,7 @@ fn stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     Ok(d)
 }
 
-/// Zeroes the counters and empties the in-memory executable cache.
+/// Zeroes the counters and empties the in-memory executable cache (the disk cache stays).
 #[pyfunction]
 fn reset_stats() {
     STATS.reset();
@@ -84,5 +85,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(reset_stats, m)?)?;
     m.add_function(wrap_pyfunction!(device_info, m)?)?;
     m.add_function(wrap_pyfunction!(supported_ops, m)?)?;
+    m.add("MLIR_VERSION", tpu_dynamo_compiler::MLIR_VERSION)?;
+    m.add_function(wrap_pyfunction!(persist::cache_info, m)?)?;
+    m.add_function(wrap_pyfunction!(persist::cache_list, m)?)?;
+    m.add_function(wrap_pyfunction!(persist::cache_clear, m)?)?;
+    m.add_function(wrap_pyfunction!(persist::plugin_identity, m)?)?;
     Ok(())
 }

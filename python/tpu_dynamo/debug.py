@@ -11,9 +11,14 @@ from .options import Options
 log = logging.getLogger("tpu_dynamo")
 
 
-def report(options: Options, *, fx_code: str, stablehlo: str, graph_hash: str) -> None:
+def wanted(options: Options) -> bool:
+    """Whether `report` will use the StableHLO text (a disk cache hit only lowers for it then)."""
+    return bool(os.environ.get("TPU_DYNAMO_DUMP_DIR")) or options.debug_callback is not None
+
+
+def report(options: Options, *, fx_code: str, stablehlo: str | None, graph_hash: str) -> None:
     """Writes the graph's FX code and StableHLO to `$TPU_DYNAMO_DUMP_DIR` (if set) and hands
-    them to the `debug_callback` option (if given)."""
+    them to the `debug_callback` option (if given); `stablehlo` is set whenever `wanted`."""
     name = options.name or "graph"
     dump_dir = os.environ.get("TPU_DYNAMO_DUMP_DIR")
     if dump_dir:

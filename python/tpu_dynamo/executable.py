@@ -72,14 +72,21 @@ class Executable:
 
 
 def compile_graph(gm: torch.fx.GraphModule, kinds: list[InputKind], options: Options) -> Executable:
-    """Converts, lowers and compiles one ATen graph with static shapes (or finds it cached)."""
+    """Converts, lowers and compiles one ATen graph with static shapes (or finds it cached in
+    memory or on disk)."""
     start = time.perf_counter()
     converted = convert(gm, kinds)
-    native = _native.compile(converted.json)
+    native = _native.compile(converted.json, need_stablehlo=debug.wanted(options))
     code = gm.code
     ops = tuple(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
     if native.memory_hit:
         debug.log.info("%s: reused a compiled executable from memory", options.name or "graph")
+    elif native.disk_hit:
+        debug.log.info(
+            "%s: loaded a compiled executable from the disk cache in %.1f ms",
+            options.name or "graph",
+            (time.perf_counter() - start) * 1e3,
+        )
     else:
         reason = "new shape" if ops in _seen_op_sequences else "new graph"
         debug.log.info(

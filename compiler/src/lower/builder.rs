@@ -6,11 +6,11 @@
 
 use crate::ir::{DType, TensorType};
 use melior::{
-    ir::{
-        block::BlockLike, Attribute, Block, Identifier, Location,
-        OperationRef, Region, RegionLike, Type, Value,
-    },
     ir::operation::OperationBuilder,
+    ir::{
+        block::BlockLike, Attribute, Block, Identifier, Location, OperationRef, Region, RegionLike,
+        Type, Value,
+    },
     Context,
 };
 
@@ -168,7 +168,11 @@ pub fn list(values: &[i64]) -> String {
 /// `dense<[[lo, hi], ...]> : tensor<Nx2xi64>`, the padding form of convolution/reduce_window.
 pub fn padding_attr(pads: &[(i64, i64)]) -> String {
     let rows: Vec<String> = pads.iter().map(|(l, h)| format!("[{l}, {h}]")).collect();
-    format!("dense<[{}]> : tensor<{}x2xi64>", rows.join(", "), pads.len())
+    format!(
+        "dense<[{}]> : tensor<{}x2xi64>",
+        rows.join(", "),
+        pads.len()
+    )
 }
 
 /// Compute type PyTorch's CPU kernels use for a storage type ("opmath"): half types widen to f32.
@@ -204,17 +208,8 @@ pub fn promote_types(a: DType, b: DType) -> DType {
     match (a, b) {
         (Bf16, F16) | (F16, Bf16) => F32,
         (U8, I8) | (I8, U8) => I16,
-        _ => {
-            if a.size() > b.size() {
-                a
-            } else if b.size() > a.size() {
-                b
-            } else if a == U8 {
-                b
-            } else {
-                a
-            }
-        }
+        _ if a.size() >= b.size() => a,
+        _ => b,
     }
 }
 
@@ -251,13 +246,21 @@ pub fn result_type(operands: &[&Operand]) -> DType {
 /// numpy broadcasting of two shapes.
 pub fn broadcast_shapes(a: &[i64], b: &[i64]) -> R<Vec<i64>> {
     let n = a.len().max(b.len());
-    let get = |s: &[i64], i: usize| if i + s.len() >= n { s[i + s.len() - n] } else { 1 };
+    let get = |s: &[i64], i: usize| {
+        if i + s.len() >= n {
+            s[i + s.len() - n]
+        } else {
+            1
+        }
+    };
     (0..n)
         .map(|i| match (get(a, i), get(b, i)) {
             (x, y) if x == y => Ok(x),
             (1, y) => Ok(y),
             (x, 1) => Ok(x),
-            (x, y) => Err(format!("shapes {a:?} and {b:?} do not broadcast ({x} vs {y})")),
+            (x, y) => Err(format!(
+                "shapes {a:?} and {b:?} do not broadcast ({x} vs {y})"
+            )),
         })
         .collect()
 }
@@ -277,7 +280,10 @@ pub fn norm_dims(dims: &[i64], rank: usize) -> R<Vec<usize>> {
     if dims.is_empty() {
         return Ok((0..rank).collect());
     }
-    let mut out = dims.iter().map(|&d| norm_dim(d, rank)).collect::<R<Vec<_>>>()?;
+    let mut out = dims
+        .iter()
+        .map(|&d| norm_dim(d, rank))
+        .collect::<R<Vec<_>>>()?;
     out.sort_unstable();
     out.dedup();
     Ok(out)
@@ -325,7 +331,10 @@ impl<'a> Builder<'a> {
         results: Vec<TensorType>,
     ) -> R<Vec<Val<'a>>> {
         let values: Vec<Value> = operands.iter().map(|v| v.v).collect();
-        let types = results.iter().map(|t| self.mlir_type(t)).collect::<R<Vec<_>>>()?;
+        let types = results
+            .iter()
+            .map(|t| self.mlir_type(t))
+            .collect::<R<Vec<_>>>()?;
         let attributes = attrs
             .iter()
             .map(|(k, v)| Ok((Identifier::new(self.ctx, k), self.attr(v)?)))
@@ -348,8 +357,16 @@ impl<'a> Builder<'a> {
             .collect()
     }
 
-    pub fn op(&self, name: &str, operands: &[&Val<'a>], attrs: &[(&str, String)], result: TensorType) -> R<Val<'a>> {
-        Ok(self.op_regions(name, operands, attrs, vec![], vec![result])?.remove(0))
+    pub fn op(
+        &self,
+        name: &str,
+        operands: &[&Val<'a>],
+        attrs: &[(&str, String)],
+        result: TensorType,
+    ) -> R<Val<'a>> {
+        Ok(self
+            .op_regions(name, operands, attrs, vec![], vec![result])?
+            .remove(0))
     }
 
     /// A one-block region whose arguments are 0-d tensors of `dtypes`; `body` returns the values
@@ -359,14 +376,26 @@ impl<'a> Builder<'a> {
         F: for<'x> FnOnce(Builder<'x>, Vec<Val<'x>>) -> R<Vec<Val<'x>>>,
     {
         let scalar = |d: DType| TensorType::new(d, vec![]);
-        let args = dtypes.iter().map(|&d| Ok((self.mlir_type(&scalar(d))?, self.loc))).collect::<R<Vec<_>>>()?;
+        let args = dtypes
+            .iter()
+            .map(|&d| Ok((self.mlir_type(&scalar(d))?, self.loc)))
+            .collect::<R<Vec<_>>>()?;
         let block = Block::new(&args);
         {
-            let inner = Builder { ctx: self.ctx, block: &block, loc: self.loc };
+            let inner = Builder {
+                ctx: self.ctx,
+                block: &block,
+                loc: self.loc,
+            };
             let vals = dtypes
                 .iter()
                 .enumerate()
-                .map(|(i, &d)| Ok(Val { v: block.argument(i).map_err(|e| e.to_string())?.into(), ty: scalar(d) }))
+                .map(|(i, &d)| {
+                    Ok(Val {
+                        v: block.argument(i).map_err(|e| e.to_string())?.into(),
+                        ty: scalar(d),
+                    })
+                })
                 .collect::<R<Vec<_>>>()?;
             let ret = body(inner, vals)?;
             let ret: Vec<Value> = ret.iter().map(|v| v.v).collect();
@@ -423,7 +452,12 @@ impl<'a> Builder<'a> {
     }
 
     pub fn iota(&self, ty: &TensorType, dim: usize) -> R<Val<'a>> {
-        self.op("stablehlo.iota", &[], &[("iota_dimension", format!("{dim} : i64"))], ty.clone())
+        self.op(
+            "stablehlo.iota",
+            &[],
+            &[("iota_dimension", format!("{dim} : i64"))],
+            ty.clone(),
+        )
     }
 
     // ---- type and shape changes ----
@@ -437,7 +471,12 @@ impl<'a> Builder<'a> {
             let zero = self.full_like(Scalar::Int(0), x)?;
             return self.compare(x, &zero, "NE");
         }
-        self.op("stablehlo.convert", &[x], &[], TensorType::new(dtype, x.ty.shape.clone()))
+        self.op(
+            "stablehlo.convert",
+            &[x],
+            &[],
+            TensorType::new(dtype, x.ty.shape.clone()),
+        )
     }
 
     pub fn reshape(&self, x: &Val<'a>, shape: &[i64]) -> R<Val<'a>> {
@@ -448,7 +487,12 @@ impl<'a> Builder<'a> {
         if n != x.ty.numel() {
             return Err(format!("cannot reshape {} to {shape:?}", type_str(&x.ty)));
         }
-        self.op("stablehlo.reshape", &[x], &[], TensorType::new(x.dtype(), shape.to_vec()))
+        self.op(
+            "stablehlo.reshape",
+            &[x],
+            &[],
+            TensorType::new(x.dtype(), shape.to_vec()),
+        )
     }
 
     pub fn transpose(&self, x: &Val<'a>, perm: &[usize]) -> R<Val<'a>> {
@@ -457,7 +501,12 @@ impl<'a> Builder<'a> {
         }
         let shape = perm.iter().map(|&p| x.shape()[p]).collect();
         let perm: Vec<i64> = perm.iter().map(|&p| p as i64).collect();
-        self.op("stablehlo.transpose", &[x], &[("permutation", i64_array(&perm))], TensorType::new(x.dtype(), shape))
+        self.op(
+            "stablehlo.transpose",
+            &[x],
+            &[("permutation", i64_array(&perm))],
+            TensorType::new(x.dtype(), shape),
+        )
     }
 
     /// `broadcast_in_dim`: operand dim i becomes result dim `dims[i]`.
@@ -469,7 +518,12 @@ impl<'a> Builder<'a> {
         }
         let dims: Vec<i64> = dims.iter().map(|&d| d as i64).collect();
         let ty = TensorType::new(x.dtype(), shape.to_vec());
-        self.op("stablehlo.broadcast_in_dim", &[x], &[("broadcast_dimensions", i64_array(&dims))], ty)
+        self.op(
+            "stablehlo.broadcast_in_dim",
+            &[x],
+            &[("broadcast_dimensions", i64_array(&dims))],
+            ty,
+        )
     }
 
     /// numpy-style broadcast to `shape` (trailing dims aligned).
@@ -486,7 +540,10 @@ impl<'a> Builder<'a> {
 
     /// Converts every operand to `dtype` and broadcasts them to their common shape.
     pub fn coerce(&self, operands: &[&Operand<'a>], dtype: DType) -> R<Vec<Val<'a>>> {
-        let vals = operands.iter().map(|o| self.materialize(o, dtype)).collect::<R<Vec<_>>>()?;
+        let vals = operands
+            .iter()
+            .map(|o| self.materialize(o, dtype))
+            .collect::<R<Vec<_>>>()?;
         let mut shape = vec![];
         for v in &vals {
             shape = broadcast_shapes(&shape, v.shape())?;
@@ -504,11 +561,23 @@ impl<'a> Builder<'a> {
             ("limit_indices", i64_array(limit)),
             ("strides", i64_array(strides)),
         ];
-        self.op("stablehlo.slice", &[x], &attrs, TensorType::new(x.dtype(), shape))
+        self.op(
+            "stablehlo.slice",
+            &[x],
+            &attrs,
+            TensorType::new(x.dtype(), shape),
+        )
     }
 
     /// Slice `[start, limit)` with `step` along one dim.
-    pub fn slice_dim(&self, x: &Val<'a>, dim: usize, start: i64, limit: i64, step: i64) -> R<Val<'a>> {
+    pub fn slice_dim(
+        &self,
+        x: &Val<'a>,
+        dim: usize,
+        start: i64,
+        limit: i64,
+        step: i64,
+    ) -> R<Val<'a>> {
         let mut starts = vec![0; x.rank()];
         let mut limits = x.shape().to_vec();
         let mut strides = vec![1; x.rank()];
@@ -520,7 +589,14 @@ impl<'a> Builder<'a> {
 
     /// Pads each dim with `low`/`high` copies of the 0-d `fill` (negative amounts crop) and
     /// `interior` copies between elements.
-    pub fn pad(&self, x: &Val<'a>, fill: &Val<'a>, low: &[i64], high: &[i64], interior: &[i64]) -> R<Val<'a>> {
+    pub fn pad(
+        &self,
+        x: &Val<'a>,
+        fill: &Val<'a>,
+        low: &[i64],
+        high: &[i64],
+        interior: &[i64],
+    ) -> R<Val<'a>> {
         let shape = (0..x.rank())
             .map(|i| low[i] + high[i] + x.shape()[i] + (x.shape()[i] - 1).max(0) * interior[i])
             .collect();
@@ -529,12 +605,22 @@ impl<'a> Builder<'a> {
             ("edge_padding_high", i64_array(high)),
             ("interior_padding", i64_array(interior)),
         ];
-        self.op("stablehlo.pad", &[x, fill], &attrs, TensorType::new(x.dtype(), shape))
+        self.op(
+            "stablehlo.pad",
+            &[x, fill],
+            &attrs,
+            TensorType::new(x.dtype(), shape),
+        )
     }
 
     pub fn reverse(&self, x: &Val<'a>, dims: &[usize]) -> R<Val<'a>> {
         let dims: Vec<i64> = dims.iter().map(|&d| d as i64).collect();
-        self.op("stablehlo.reverse", &[x], &[("dimensions", i64_array(&dims))], x.ty.clone())
+        self.op(
+            "stablehlo.reverse",
+            &[x],
+            &[("dimensions", i64_array(&dims))],
+            x.ty.clone(),
+        )
     }
 
     pub fn concat(&self, xs: &[&Val<'a>], dim: usize) -> R<Val<'a>> {
@@ -544,7 +630,12 @@ impl<'a> Builder<'a> {
         let mut shape = xs[0].shape().to_vec();
         shape[dim] = xs.iter().map(|x| x.shape()[dim]).sum();
         let ty = TensorType::new(xs[0].dtype(), shape);
-        self.op("stablehlo.concatenate", xs, &[("dimension", format!("{dim} : i64"))], ty)
+        self.op(
+            "stablehlo.concatenate",
+            xs,
+            &[("dimension", format!("{dim} : i64"))],
+            ty,
+        )
     }
 
     // ---- elementwise ----
@@ -556,7 +647,11 @@ impl<'a> Builder<'a> {
     /// Same-typed binary op (operands must already agree in shape and dtype).
     pub fn binary(&self, name: &str, a: &Val<'a>, b: &Val<'a>) -> R<Val<'a>> {
         if a.ty != b.ty {
-            return Err(format!("{name}: operand types differ: {} vs {}", type_str(&a.ty), type_str(&b.ty)));
+            return Err(format!(
+                "{name}: operand types differ: {} vs {}",
+                type_str(&a.ty),
+                type_str(&b.ty)
+            ));
         }
         self.op(&format!("stablehlo.{name}"), &[a, b], &[], a.ty.clone())
     }
@@ -564,7 +659,11 @@ impl<'a> Builder<'a> {
     /// Binary op on two operands of the same dtype, broadcasting shapes.
     pub fn binary_bcast(&self, name: &str, a: &Val<'a>, b: &Val<'a>) -> R<Val<'a>> {
         let shape = broadcast_shapes(a.shape(), b.shape())?;
-        self.binary(name, &self.broadcast_to(a, &shape)?, &self.broadcast_to(b, &shape)?)
+        self.binary(
+            name,
+            &self.broadcast_to(a, &shape)?,
+            &self.broadcast_to(b, &shape)?,
+        )
     }
 
     pub fn add(&self, a: &Val<'a>, b: &Val<'a>) -> R<Val<'a>> {
@@ -593,7 +692,11 @@ impl<'a> Builder<'a> {
         let shape = broadcast_shapes(a.shape(), b.shape())?;
         let (a, b) = (self.broadcast_to(a, &shape)?, self.broadcast_to(b, &shape)?);
         if a.dtype() != b.dtype() {
-            return Err(format!("compare: dtypes differ: {} vs {}", type_str(&a.ty), type_str(&b.ty)));
+            return Err(format!(
+                "compare: dtypes differ: {} vs {}",
+                type_str(&a.ty),
+                type_str(&b.ty)
+            ));
         }
         let kind = match a.dtype() {
             d if d.is_float() => "FLOAT",
@@ -601,10 +704,21 @@ impl<'a> Builder<'a> {
             _ => "UNSIGNED",
         };
         let attrs = [
-            ("comparison_direction", format!("#stablehlo<comparison_direction {direction}>")),
-            ("compare_type", format!("#stablehlo<comparison_type {kind}>")),
+            (
+                "comparison_direction",
+                format!("#stablehlo<comparison_direction {direction}>"),
+            ),
+            (
+                "compare_type",
+                format!("#stablehlo<comparison_type {kind}>"),
+            ),
         ];
-        self.op("stablehlo.compare", &[&a, &b], &attrs, TensorType::new(DType::Bool, shape))
+        self.op(
+            "stablehlo.compare",
+            &[&a, &b],
+            &attrs,
+            TensorType::new(DType::Bool, shape),
+        )
     }
 
     /// `pred ? a : b`, broadcasting all three.
@@ -619,14 +733,31 @@ impl<'a> Builder<'a> {
     // ---- reductions ----
 
     /// Reduces `dims` (sorted, unique) with `combiner`; `keepdim` keeps them as size 1.
-    pub fn reduce(&self, x: &Val<'a>, dims: &[usize], combiner: Combiner, keepdim: bool) -> R<Val<'a>> {
+    pub fn reduce(
+        &self,
+        x: &Val<'a>,
+        dims: &[usize],
+        combiner: Combiner,
+        keepdim: bool,
+    ) -> R<Val<'a>> {
         let d = x.dtype();
         let init = self.scalar(combiner.identity(d), d)?;
-        let region = self.region(&[d, d], |b, args| Ok(vec![b.binary(combiner.op(), &args[0], &args[1])?]))?;
-        let kept: Vec<i64> = (0..x.rank()).filter(|i| !dims.contains(i)).map(|i| x.shape()[i]).collect();
+        let region = self.region(&[d, d], |b, args| {
+            Ok(vec![b.binary(combiner.op(), &args[0], &args[1])?])
+        })?;
+        let kept: Vec<i64> = (0..x.rank())
+            .filter(|i| !dims.contains(i))
+            .map(|i| x.shape()[i])
+            .collect();
         let dims_i: Vec<i64> = dims.iter().map(|&i| i as i64).collect();
         let out = self
-            .op_regions("stablehlo.reduce", &[x, &init], &[("dimensions", i64_array(&dims_i))], vec![region], vec![TensorType::new(d, kept)])?
+            .op_regions(
+                "stablehlo.reduce",
+                &[x, &init],
+                &[("dimensions", i64_array(&dims_i))],
+                vec![region],
+                vec![TensorType::new(d, kept)],
+            )?
             .remove(0);
         if keepdim {
             self.reshape(&out, &keep_dims_shape(x.shape(), dims))
@@ -646,14 +777,26 @@ impl<'a> Builder<'a> {
         out: DType,
     ) -> R<Val<'a>> {
         let free = |x: &Val, bd: &[i64], cd: &[i64]| -> Vec<i64> {
-            (0..x.rank() as i64).filter(|i| !bd.contains(i) && !cd.contains(i)).map(|i| x.shape()[i as usize]).collect()
+            (0..x.rank() as i64)
+                .filter(|i| !bd.contains(i) && !cd.contains(i))
+                .map(|i| x.shape()[i as usize])
+                .collect()
         };
         let mut shape: Vec<i64> = batch.0.iter().map(|&i| a.shape()[i as usize]).collect();
         shape.extend(free(a, batch.0, contract.0));
         shape.extend(free(b, batch.1, contract.1));
-        for (&i, &j) in contract.0.iter().zip(contract.1).chain(batch.0.iter().zip(batch.1)) {
+        for (&i, &j) in contract
+            .0
+            .iter()
+            .zip(contract.1)
+            .chain(batch.0.iter().zip(batch.1))
+        {
             if a.shape()[i as usize] != b.shape()[j as usize] {
-                return Err(format!("dot: {} and {} disagree on dims {i}/{j}", type_str(&a.ty), type_str(&b.ty)));
+                return Err(format!(
+                    "dot: {} and {} disagree on dims {i}/{j}",
+                    type_str(&a.ty),
+                    type_str(&b.ty)
+                ));
             }
         }
         let dn = format!(
@@ -663,7 +806,12 @@ impl<'a> Builder<'a> {
             list(contract.0),
             list(contract.1)
         );
-        self.op("stablehlo.dot_general", &[a, b], &[("dot_dimension_numbers", dn)], TensorType::new(out, shape))
+        self.op(
+            "stablehlo.dot_general",
+            &[a, b],
+            &[("dot_dimension_numbers", dn)],
+            TensorType::new(out, shape),
+        )
     }
 }
 
@@ -678,29 +826,66 @@ pub struct IndexMap {
     pub index_vector_dim: usize,
 }
 
+impl IndexMap {
+    /// The dimension-numbers attribute; gather and scatter name the same fields differently.
+    fn attr(&self, scatter: bool) -> String {
+        let [kind, window, collapsed, to_operand] = if scatter {
+            [
+                "scatter",
+                "update_window_dims",
+                "inserted_window_dims",
+                "scatter_dims_to_operand_dims",
+            ]
+        } else {
+            [
+                "gather",
+                "offset_dims",
+                "collapsed_slice_dims",
+                "start_index_map",
+            ]
+        };
+        format!(
+            "#stablehlo.{kind}<{window} = {}, {collapsed} = {}, {to_operand} = {}, index_vector_dim = {}>",
+            list(&self.window_dims),
+            list(&self.collapsed),
+            list(&self.index_to_operand),
+            self.index_vector_dim
+        )
+    }
+}
+
 impl<'a> Builder<'a> {
     /// `stablehlo.gather` with `slice_sizes`, producing `shape`.
-    pub fn gather(&self, x: &Val<'a>, idx: &Val<'a>, map: &IndexMap, slice_sizes: &[i64], shape: Vec<i64>) -> R<Val<'a>> {
-        let dn = format!(
-            "#stablehlo.gather<offset_dims = {}, collapsed_slice_dims = {}, start_index_map = {}, index_vector_dim = {}>",
-            list(&map.window_dims),
-            list(&map.collapsed),
-            list(&map.index_to_operand),
-            map.index_vector_dim
-        );
-        let attrs = [("dimension_numbers", dn), ("slice_sizes", i64_array(slice_sizes)), ("indices_are_sorted", "false".into())];
-        self.op("stablehlo.gather", &[x, idx], &attrs, TensorType::new(x.dtype(), shape))
+    pub fn gather(
+        &self,
+        x: &Val<'a>,
+        idx: &Val<'a>,
+        map: &IndexMap,
+        slice_sizes: &[i64],
+        shape: Vec<i64>,
+    ) -> R<Val<'a>> {
+        let attrs = [
+            ("dimension_numbers", map.attr(false)),
+            ("slice_sizes", i64_array(slice_sizes)),
+            ("indices_are_sorted", "false".into()),
+        ];
+        self.op(
+            "stablehlo.gather",
+            &[x, idx],
+            &attrs,
+            TensorType::new(x.dtype(), shape),
+        )
     }
 
     /// `stablehlo.scatter` of `updates` into `x`; `accumulate` adds, otherwise replaces.
-    pub fn scatter(&self, x: &Val<'a>, idx: &Val<'a>, updates: &Val<'a>, map: &IndexMap, accumulate: bool) -> R<Val<'a>> {
-        let dn = format!(
-            "#stablehlo.scatter<update_window_dims = {}, inserted_window_dims = {}, scatter_dims_to_operand_dims = {}, index_vector_dim = {}>",
-            list(&map.window_dims),
-            list(&map.collapsed),
-            list(&map.index_to_operand),
-            map.index_vector_dim
-        );
+    pub fn scatter(
+        &self,
+        x: &Val<'a>,
+        idx: &Val<'a>,
+        updates: &Val<'a>,
+        map: &IndexMap,
+        accumulate: bool,
+    ) -> R<Val<'a>> {
         let d = x.dtype();
         let region = self.region(&[d, d], |b, a| {
             Ok(vec![if accumulate && d == DType::Bool {
@@ -711,13 +896,82 @@ impl<'a> Builder<'a> {
                 a[1].clone()
             }])
         })?;
-        let attrs = [("scatter_dimension_numbers", dn), ("indices_are_sorted", "false".into()), ("unique_indices", "false".into())];
+        let attrs = [
+            ("scatter_dimension_numbers", map.attr(true)),
+            ("indices_are_sorted", "false".into()),
+            ("unique_indices", "false".into()),
+        ];
         let updates = self.convert(updates, d)?;
-        Ok(self.op_regions("stablehlo.scatter", &[x, idx, &updates], &attrs, vec![region], vec![x.ty.clone()])?.remove(0))
+        Ok(self
+            .op_regions(
+                "stablehlo.scatter",
+                &[x, idx, &updates],
+                &attrs,
+                vec![region],
+                vec![x.ty.clone()],
+            )?
+            .remove(0))
     }
 }
 
 /// `shape` with the reduced `dims` set to 1.
 pub fn keep_dims_shape(shape: &[i64], dims: &[usize]) -> Vec<i64> {
-    shape.iter().enumerate().map(|(i, &s)| if dims.contains(&i) { 1 } else { s }).collect()
+    shape
+        .iter()
+        .enumerate()
+        .map(|(i, &s)| if dims.contains(&i) { 1 } else { s })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use DType::*;
+
+    #[test]
+    fn promotion_follows_torch() {
+        assert_eq!(promote_types(Bf16, F16), F32);
+        assert_eq!(promote_types(U8, I8), I16);
+        assert_eq!(promote_types(I32, F16), F16);
+        assert_eq!(promote_types(Bool, I8), I8);
+        let t = |d, shape: Vec<i64>| TensorType::new(d, shape);
+        let ctx = Context::new();
+        ctx.set_allow_unregistered_dialects(true);
+        let block = Block::new(&[(
+            mlir_type(&ctx, &t(Bf16, vec![2])).unwrap(),
+            Location::unknown(&ctx),
+        )]);
+        let arg = |ty: TensorType| {
+            Operand::Tensor(Val {
+                v: block.argument(0).unwrap().into(),
+                ty,
+            })
+        };
+        // A 0-d f32 tensor does not widen a bf16 tensor; a Python float makes i32 f32, not f64.
+        assert_eq!(
+            result_type(&[&arg(t(Bf16, vec![2])), &arg(t(F32, vec![]))]),
+            Bf16
+        );
+        assert_eq!(
+            result_type(&[&arg(t(I32, vec![2])), &Operand::Scalar(Scalar::Float(0.5))]),
+            F32
+        );
+        assert_eq!(
+            result_type(&[&arg(t(I32, vec![2])), &Operand::Scalar(Scalar::Int(3))]),
+            I32
+        );
+    }
+
+    #[test]
+    fn shapes_and_dims() {
+        assert_eq!(
+            broadcast_shapes(&[2, 1, 3], &[4, 1]).unwrap(),
+            vec![2, 4, 3]
+        );
+        assert!(broadcast_shapes(&[2], &[3]).is_err());
+        assert_eq!(norm_dims(&[-1, 0, -1], 3).unwrap(), vec![0, 2]);
+        assert!(norm_dim(3, 3).is_err());
+        assert_eq!(tensor_str(&TensorType::new(Bool, vec![])), "tensor<i1>");
+        assert_eq!(i64_array(&[]), "array<i64>");
+    }
 }

@@ -8,11 +8,21 @@ pub fn register(r: &mut Registry) {
     let mut cmp = vec![];
     for op in ["eq", "ne", "lt", "le", "gt", "ge"] {
         for overload in ["Scalar", "Tensor"] {
-            cmp.push(&*Box::leak(format!("aten.{op}.{overload}").into_boxed_str()));
+            cmp.push(&*Box::leak(
+                format!("aten.{op}.{overload}").into_boxed_str(),
+            ));
         }
     }
     r.add(&cmp, compare);
-    r.add(&["aten.logical_and.default", "aten.logical_or.default", "aten.logical_xor.default", "aten.logical_not.default"], logical);
+    r.add(
+        &[
+            "aten.logical_and.default",
+            "aten.logical_or.default",
+            "aten.logical_xor.default",
+            "aten.logical_not.default",
+        ],
+        logical,
+    );
     r.add(
         &[
             "aten.bitwise_and.Tensor",
@@ -57,18 +67,24 @@ fn logical(n: NodeCtx<'_>) -> Res<'_> {
 
 fn bitwise(n: NodeCtx<'_>) -> Res<'_> {
     let out = n.out_dtype()?;
-    let name = n.op["aten.bitwise_".len()..].split('.').next().unwrap_or_default();
+    let name = n.op["aten.bitwise_".len()..]
+        .split('.')
+        .next()
+        .unwrap_or_default();
     if name == "not" {
         return Ok(vec![n.b.unary("not", &n.tensor(0, "self")?)?]);
     }
-    let v = n.b.coerce(&[&n.operand(0, "self")?, &n.operand(1, "other")?], out)?;
+    let v =
+        n.b.coerce(&[&n.operand(0, "self")?, &n.operand(1, "other")?], out)?;
     Ok(vec![n.b.binary(name, &v[0], &v[1])?])
 }
 
 fn classify(n: NodeCtx<'_>) -> Res<'_> {
     let x = n.tensor(0, "self")?;
     if !x.dtype().is_float() {
-        return Ok(vec![n.b.splat(Scalar::Bool(false), &n.b.convert(&x, DType::Bool)?.ty)?]);
+        return Ok(vec![n
+            .b
+            .splat(Scalar::Bool(false), &n.b.convert(&x, DType::Bool)?.ty)?]);
     }
     if n.op == "aten.isnan.default" {
         return Ok(vec![n.b.compare(&x, &x, "NE")?]);

@@ -3,7 +3,14 @@
 use super::{NodeCtx, Registry, Res};
 
 pub fn register(r: &mut Registry) {
-    r.add(&["aten._to_copy.default", "prims.convert_element_type.default", "aten.to.dtype"], to_dtype);
+    r.add(
+        &[
+            "aten._to_copy.default",
+            "prims.convert_element_type.default",
+            "aten.to.dtype",
+        ],
+        to_dtype,
+    );
     r.add(&["aten.copy.default", "aten.copy_.default"], copy);
 }
 

@@ -9,12 +9,60 @@ use super::{NodeCtx, Registry, Res};
 use crate::ir::DType;
 
 pub fn register(r: &mut Registry) {
-    r.add(&["aten.add.Tensor", "aten.add.Scalar", "aten.sub.Tensor", "aten.sub.Scalar", "aten.rsub.Tensor", "aten.rsub.Scalar"], add_sub);
-    r.add(&["aten.mul.Tensor", "aten.mul.Scalar", "aten.div.Tensor", "aten.div.Scalar", "aten.true_divide.Tensor"], mul_div);
-    r.add(&["aten.div.Tensor_mode", "aten.div.Scalar_mode", "aten.floor_divide.default"], div_mode);
-    r.add(&["aten.remainder.Tensor", "aten.remainder.Scalar", "aten.fmod.Tensor", "aten.fmod.Scalar"], remainder);
-    r.add(&["aten.maximum.default", "aten.minimum.default", "aten.atan2.default"], binary_plain);
-    r.add(&["aten.pow.Tensor_Scalar", "aten.pow.Tensor_Tensor", "aten.pow.Scalar"], pow);
+    r.add(
+        &[
+            "aten.add.Tensor",
+            "aten.add.Scalar",
+            "aten.sub.Tensor",
+            "aten.sub.Scalar",
+            "aten.rsub.Tensor",
+            "aten.rsub.Scalar",
+        ],
+        add_sub,
+    );
+    r.add(
+        &[
+            "aten.mul.Tensor",
+            "aten.mul.Scalar",
+            "aten.div.Tensor",
+            "aten.div.Scalar",
+            "aten.true_divide.Tensor",
+        ],
+        mul_div,
+    );
+    r.add(
+        &[
+            "aten.div.Tensor_mode",
+            "aten.div.Scalar_mode",
+            "aten.floor_divide.default",
+        ],
+        div_mode,
+    );
+    r.add(
+        &[
+            "aten.remainder.Tensor",
+            "aten.remainder.Scalar",
+            "aten.fmod.Tensor",
+            "aten.fmod.Scalar",
+        ],
+        remainder,
+    );
+    r.add(
+        &[
+            "aten.maximum.default",
+            "aten.minimum.default",
+            "aten.atan2.default",
+        ],
+        binary_plain,
+    );
+    r.add(
+        &[
+            "aten.pow.Tensor_Scalar",
+            "aten.pow.Tensor_Tensor",
+            "aten.pow.Scalar",
+        ],
+        pow,
+    );
     r.add(
         &[
             "aten.neg.default",
@@ -45,9 +93,29 @@ pub fn register(r: &mut Registry) {
         ],
         unary,
     );
-    r.add(&["aten.clamp.default", "aten.clamp.Tensor", "aten.clamp_min.default", "aten.clamp_max.default", "aten.hardtanh.default"], clamp);
-    r.add(&["aten.where.self", "aten.where.ScalarSelf", "aten.where.ScalarOther", "aten.where.Scalar"], where_);
-    r.add(&["aten.masked_fill.Scalar", "aten.masked_fill.Tensor"], masked_fill);
+    r.add(
+        &[
+            "aten.clamp.default",
+            "aten.clamp.Tensor",
+            "aten.clamp_min.default",
+            "aten.clamp_max.default",
+            "aten.hardtanh.default",
+        ],
+        clamp,
+    );
+    r.add(
+        &[
+            "aten.where.self",
+            "aten.where.ScalarSelf",
+            "aten.where.ScalarOther",
+            "aten.where.Scalar",
+        ],
+        where_,
+    );
+    r.add(
+        &["aten.masked_fill.Scalar", "aten.masked_fill.Tensor"],
+        masked_fill,
+    );
 }
 
 /// Promotes both operands to the compute type of the recorded result, applies `f`, and rounds
@@ -68,7 +136,11 @@ fn add_sub(n: NodeCtx<'_>) -> Res<'_> {
     let (x, y) = (n.operand(0, "self")?, n.operand(1, "other")?);
     let alpha = n.scalar_or(2, "alpha", Scalar::Int(1))?;
     let rsub = n.op.starts_with("aten.rsub");
-    let name = if n.op.starts_with("aten.add") { "add" } else { "subtract" };
+    let name = if n.op.starts_with("aten.add") {
+        "add"
+    } else {
+        "subtract"
+    };
     Ok(vec![arith(&n, &x, &y, |b, p, q| {
         let (first, second) = if rsub { (q, p) } else { (p, q) };
         if first.dtype() == DType::Bool {
@@ -84,8 +156,18 @@ fn add_sub(n: NodeCtx<'_>) -> Res<'_> {
 
 fn mul_div(n: NodeCtx<'_>) -> Res<'_> {
     let (x, y) = (n.operand(0, "self")?, n.operand(1, "other")?);
-    let name = if n.op.starts_with("aten.mul") { "multiply" } else { "divide" };
-    Ok(vec![arith(&n, &x, &y, |b, p, q| if p.dtype() == DType::Bool { b.binary("and", p, q) } else { b.binary(name, p, q) })?])
+    let name = if n.op.starts_with("aten.mul") {
+        "multiply"
+    } else {
+        "divide"
+    };
+    Ok(vec![arith(&n, &x, &y, |b, p, q| {
+        if p.dtype() == DType::Bool {
+            b.binary("and", p, q)
+        } else {
+            b.binary(name, p, q)
+        }
+    })?])
 }
 
 /// `trunc(x)` for floats, which StableHLO lacks: floor toward zero.
@@ -97,7 +179,11 @@ fn trunc<'a>(b: &Builder<'a>, x: &Val<'a>) -> R<Val<'a>> {
 /// Division with `rounding_mode` "trunc" or "floor" (None is true division).
 fn div_mode(n: NodeCtx<'_>) -> Res<'_> {
     let (x, y) = (n.operand(0, "self")?, n.operand(1, "other")?);
-    let mode = if n.op == "aten.floor_divide.default" { "floor".to_string() } else { n.str_or(2, "rounding_mode", "true")? };
+    let mode = if n.op == "aten.floor_divide.default" {
+        "floor".to_string()
+    } else {
+        n.str_or(2, "rounding_mode", "true")?
+    };
     Ok(vec![arith(&n, &x, &y, |b, p, q| {
         let quot = b.binary("divide", p, q)?;
         match (mode.as_str(), p.dtype().is_float()) {
@@ -109,9 +195,17 @@ fn div_mode(n: NodeCtx<'_>) -> Res<'_> {
             (_, false) => {
                 let zero = b.full_like(Scalar::Int(0), p)?;
                 let inexact = b.compare(&b.binary("remainder", p, q)?, &zero, "NE")?;
-                let signs = b.binary("xor", &b.compare(p, &zero, "LT")?, &b.compare(q, &zero, "LT")?)?;
+                let signs = b.binary(
+                    "xor",
+                    &b.compare(p, &zero, "LT")?,
+                    &b.compare(q, &zero, "LT")?,
+                )?;
                 let fix = b.binary("and", &inexact, &signs)?;
-                b.select(&fix, &b.binary("subtract", &quot, &b.full_like(Scalar::Int(1), &quot)?)?, &quot)
+                b.select(
+                    &fix,
+                    &b.binary("subtract", &quot, &b.full_like(Scalar::Int(1), &quot)?)?,
+                    &quot,
+                )
             }
         }
     })?])
@@ -128,8 +222,16 @@ fn remainder(n: NodeCtx<'_>) -> Res<'_> {
         }
         let zero = b.full_like(Scalar::Int(0), p)?;
         let nonzero = b.compare(&r, &zero, "NE")?;
-        let signs = b.compare(&b.compare(&r, &zero, "LT")?, &b.compare(q, &zero, "LT")?, "NE")?;
-        b.select(&b.binary("and", &nonzero, &signs)?, &b.binary("add", &r, q)?, &r)
+        let signs = b.compare(
+            &b.compare(&r, &zero, "LT")?,
+            &b.compare(q, &zero, "LT")?,
+            "NE",
+        )?;
+        b.select(
+            &b.binary("and", &nonzero, &signs)?,
+            &b.binary("add", &r, q)?,
+            &r,
+        )
     })?])
 }
 
@@ -140,10 +242,12 @@ fn binary_plain(n: NodeCtx<'_>) -> Res<'_> {
         "aten.minimum.default" => "minimum",
         _ => "atan2",
     };
-    Ok(vec![arith(&n, &x, &y, |b, p, q| if p.dtype() == DType::Bool {
-        b.binary(if name == "maximum" { "or" } else { "and" }, p, q)
-    } else {
-        b.binary(name, p, q)
+    Ok(vec![arith(&n, &x, &y, |b, p, q| {
+        if p.dtype() == DType::Bool {
+            b.binary(if name == "maximum" { "or" } else { "and" }, p, q)
+        } else {
+            b.binary(name, p, q)
+        }
     })?])
 }
 
@@ -191,8 +295,23 @@ fn erf<'a>(b: &Builder<'a>, x: &Val<'a>) -> R<Val<'a>> {
         -2.95459980854025e-03,
         -1.60960333262415e-02,
     ];
-    const BETA: [f64; 5] = [-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03, -1.42647390514189e-02];
-    let x = b.op("stablehlo.clamp", &[&b.full_like(Scalar::Float(-4.0), x)?, x, &b.full_like(Scalar::Float(4.0), x)?], &[], x.ty.clone())?;
+    const BETA: [f64; 5] = [
+        -1.45660718464996e-05,
+        -2.13374055278905e-04,
+        -1.68282697438203e-03,
+        -7.37332916720468e-03,
+        -1.42647390514189e-02,
+    ];
+    let x = b.op(
+        "stablehlo.clamp",
+        &[
+            &b.full_like(Scalar::Float(-4.0), x)?,
+            x,
+            &b.full_like(Scalar::Float(4.0), x)?,
+        ],
+        &[],
+        x.ty.clone(),
+    )?;
     let x2 = b.binary("multiply", &x, &x)?;
     let horner = |coefs: &[f64]| -> R<Val<'a>> {
         let mut acc = b.full_like(Scalar::Float(coefs[0]), &x2)?;
@@ -210,7 +329,10 @@ fn gelu<'a>(b: &Builder<'a>, x: &Val<'a>, approximate: &str) -> R<Val<'a>> {
     let inner = if approximate == "tanh" {
         let cube = b.binary("multiply", &b.binary("multiply", x, x)?, x)?;
         let poly = b.binary("add", x, &b.mul_scalar(&cube, 0.044715)?)?;
-        b.unary("tanh", &b.mul_scalar(&poly, (2.0 / std::f64::consts::PI).sqrt())?)?
+        b.unary(
+            "tanh",
+            &b.mul_scalar(&poly, (2.0 / std::f64::consts::PI).sqrt())?,
+        )?
     } else {
         erf(b, &b.mul_scalar(x, std::f64::consts::FRAC_1_SQRT_2)?)?
     };
@@ -224,7 +346,9 @@ fn unary(n: NodeCtx<'_>) -> Res<'_> {
     let b = &n.b;
     let x = b.convert(&n.tensor(0, "self")?, opmath(out))?;
     let one = || b.full_like(Scalar::Int(1), &x);
-    let name = n.op.trim_start_matches("aten.").trim_end_matches(".default");
+    let name =
+        n.op.trim_start_matches("aten.")
+            .trim_end_matches(".default");
     let simple = match name {
         "neg" => Some("negate"),
         "abs" | "log" | "sqrt" | "rsqrt" | "tan" | "tanh" | "floor" | "ceil" | "sign" => Some(name),
@@ -263,8 +387,12 @@ fn clamp(n: NodeCtx<'_>) -> Res<'_> {
         "aten.clamp_min.default" => (Some(n.operand(1, "min")?), None),
         "aten.clamp_max.default" => (None, Some(n.operand(1, "max")?)),
         "aten.hardtanh.default" => (
-            Some(Operand::Scalar(Scalar::Float(n.float_or(1, "min_val", -1.0)?))),
-            Some(Operand::Scalar(Scalar::Float(n.float_or(2, "max_val", 1.0)?))),
+            Some(Operand::Scalar(Scalar::Float(
+                n.float_or(1, "min_val", -1.0)?,
+            ))),
+            Some(Operand::Scalar(Scalar::Float(
+                n.float_or(2, "max_val", 1.0)?,
+            ))),
         ),
         _ => (n.opt_operand(1, "min")?, n.opt_operand(2, "max")?),
     };
@@ -280,7 +408,8 @@ fn clamp(n: NodeCtx<'_>) -> Res<'_> {
 fn where_(n: NodeCtx<'_>) -> Res<'_> {
     let out = n.out_dtype()?;
     let cond = n.b.convert(&n.tensor(0, "condition")?, DType::Bool)?;
-    let v = n.b.coerce(&[&n.operand(1, "self")?, &n.operand(2, "other")?], out)?;
+    let v =
+        n.b.coerce(&[&n.operand(1, "self")?, &n.operand(2, "other")?], out)?;
     Ok(vec![n.b.select(&cond, &v[0], &v[1])?])
 }
 
@@ -292,4 +421,3 @@ fn masked_fill(n: NodeCtx<'_>) -> Res<'_> {
     let mask = n.b.broadcast_to(&mask, x.shape())?;
     Ok(vec![n.b.select(&mask, &value, &x)?])
 }
-

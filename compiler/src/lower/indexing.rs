@@ -1,7 +1,9 @@
 //! Gathers and scatters: embedding, advanced indexing (`index`, `index_put`, `index_select`),
 //! `gather` / `scatter`, and the slice/select scatters.
 
-use super::builder::{broadcast_shapes, norm_dim, type_str, Builder, IndexMap, Operand, Scalar, Val, R};
+use super::builder::{
+    broadcast_shapes, norm_dim, type_str, Builder, IndexMap, Operand, Scalar, Val, R,
+};
 use super::{NodeCtx, Registry, Res};
 use crate::ir::{DType, TensorType};
 
@@ -10,8 +12,18 @@ pub fn register(r: &mut Registry) {
     r.add(&["aten.index.Tensor", "aten.index_select.default"], index);
     r.add(&["aten.index_put.default"], index_put);
     r.add(&["aten.gather.default"], gather);
-    r.add(&["aten.scatter.value", "aten.scatter.src", "aten.scatter_add.default"], scatter);
-    r.add(&["aten.slice_scatter.default", "aten.select_scatter.default"], slice_scatter);
+    r.add(
+        &[
+            "aten.scatter.value",
+            "aten.scatter.src",
+            "aten.scatter_add.default",
+        ],
+        scatter,
+    );
+    r.add(
+        &["aten.slice_scatter.default", "aten.select_scatter.default"],
+        slice_scatter,
+    );
 }
 
 fn range(from: usize, to: usize) -> Vec<i64> {
@@ -21,21 +33,39 @@ fn range(from: usize, to: usize) -> Vec<i64> {
 /// Integer indices as i64, with negative ones counted from the end of a dim of `size`.
 fn wrap_index<'a>(b: &Builder<'a>, idx: &Val<'a>, size: i64) -> R<Val<'a>> {
     if idx.dtype() == DType::Bool || !idx.dtype().is_integer() {
-        return Err(format!("index tensors must be integers here, got {}", type_str(&idx.ty)));
+        return Err(format!(
+            "index tensors must be integers here, got {}",
+            type_str(&idx.ty)
+        ));
     }
     let idx = b.convert(idx, DType::I64)?;
     let neg = b.compare(&idx, &b.full_like(Scalar::Int(0), &idx)?, "LT")?;
-    b.select(&neg, &b.binary("add", &idx, &b.full_like(Scalar::Int(size), &idx)?)?, &idx)
+    b.select(
+        &neg,
+        &b.binary("add", &idx, &b.full_like(Scalar::Int(size), &idx)?)?,
+        &idx,
+    )
 }
 
 /// `embedding(weight, indices)`: rows of `weight`, shape `indices.shape + [dim]`.
 fn embedding(n: NodeCtx<'_>) -> Res<'_> {
     let (w, idx) = (n.tensor(0, "weight")?, n.tensor(1, "indices")?);
     let r = idx.rank();
-    let map = IndexMap { window_dims: vec![r as i64], collapsed: vec![0], index_to_operand: vec![0], index_vector_dim: r };
+    let map = IndexMap {
+        window_dims: vec![r as i64],
+        collapsed: vec![0],
+        index_to_operand: vec![0],
+        index_vector_dim: r,
+    };
     let mut shape = idx.shape().to_vec();
     shape.push(w.shape()[1]);
-    Ok(vec![n.b.gather(&w, &idx, &map, &[1, w.shape()[1]], shape)?])
+    Ok(vec![n.b.gather(
+        &w,
+        &idx,
+        &map,
+        &[1, w.shape()[1]],
+        shape,
+    )?])
 }
 
 /// Advanced indexing as one gather/scatter over the indexed dims moved to the front.
@@ -55,7 +85,9 @@ struct Advanced<'a> {
 }
 
 fn advanced<'a>(b: &Builder<'a>, x: &Val<'a>, indices: &[Option<Val<'a>>]) -> R<Advanced<'a>> {
-    let positions: Vec<usize> = (0..indices.len()).filter(|&i| indices[i].is_some()).collect();
+    let positions: Vec<usize> = (0..indices.len())
+        .filter(|&i| indices[i].is_some())
+        .collect();
     let k = positions.len();
     if k == 0 {
         return Err("index with no index tensors".into());
@@ -83,9 +115,24 @@ fn advanced<'a>(b: &Builder<'a>, x: &Val<'a>, indices: &[Option<Val<'a>>]) -> R<
     let adjacent = positions.windows(2).all(|w| w[1] == w[0] + 1);
     let lead = if adjacent { positions[0] } else { 0 };
     // Transposed layout is [B, pre, post]; PyTorch's is [pre, B, post] with |pre| = lead.
-    let result_perm: Vec<usize> = (nb..nb + lead).chain(0..nb).chain(nb + lead..shape.len()).collect();
-    let map = IndexMap { window_dims: range(nb, shape.len()), collapsed: range(0, k), index_to_operand: range(0, k), index_vector_dim: nb };
-    Ok(Advanced { xt, indices: stacked, map, shape, result_perm, x_perm })
+    let result_perm: Vec<usize> = (nb..nb + lead)
+        .chain(0..nb)
+        .chain(nb + lead..shape.len())
+        .collect();
+    let map = IndexMap {
+        window_dims: range(nb, shape.len()),
+        collapsed: range(0, k),
+        index_to_operand: range(0, k),
+        index_vector_dim: nb,
+    };
+    Ok(Advanced {
+        xt,
+        indices: stacked,
+        map,
+        shape,
+        result_perm,
+        x_perm,
+    })
 }
 
 fn inverse(perm: &[usize]) -> Vec<usize> {
@@ -122,8 +169,17 @@ fn index_put(n: NodeCtx<'_>) -> Res<'_> {
     let a = advanced(b, &x, &n.opt_tensors(1, "indices")?)?;
     let values = n.tensor(2, "values")?;
     let torch_shape: Vec<i64> = a.result_perm.iter().map(|&p| a.shape[p]).collect();
-    let updates = b.transpose(&b.broadcast_to(&values, &torch_shape)?, &inverse(&a.result_perm))?;
-    let y = b.scatter(&a.xt, &a.indices, &updates, &a.map, n.bool_or(3, "accumulate", false)?)?;
+    let updates = b.transpose(
+        &b.broadcast_to(&values, &torch_shape)?,
+        &inverse(&a.result_perm),
+    )?;
+    let y = b.scatter(
+        &a.xt,
+        &a.indices,
+        &updates,
+        &a.map,
+        n.bool_or(3, "accumulate", false)?,
+    )?;
     Ok(vec![b.transpose(&y, &inverse(&a.x_perm))?])
 }
 
@@ -134,7 +190,11 @@ fn coordinates<'a>(b: &Builder<'a>, x: &Val<'a>, dim: usize, index: &Val<'a>) ->
     column.push(1);
     let cols = (0..x.rank())
         .map(|d| {
-            let c = if d == dim { wrap_index(b, index, x.shape()[d])? } else { b.iota(&TensorType::new(DType::I64, index.shape().to_vec()), d)? };
+            let c = if d == dim {
+                wrap_index(b, index, x.shape()[d])?
+            } else {
+                b.iota(&TensorType::new(DType::I64, index.shape().to_vec()), d)?
+            };
             b.reshape(&c, &column)
         })
         .collect::<R<Vec<_>>>()?;
@@ -142,7 +202,12 @@ fn coordinates<'a>(b: &Builder<'a>, x: &Val<'a>, dim: usize, index: &Val<'a>) ->
 }
 
 fn pointwise_map(rank: usize) -> IndexMap {
-    IndexMap { window_dims: vec![], collapsed: range(0, rank), index_to_operand: range(0, rank), index_vector_dim: rank }
+    IndexMap {
+        window_dims: vec![],
+        collapsed: range(0, rank),
+        index_to_operand: range(0, rank),
+        index_vector_dim: rank,
+    }
 }
 
 /// `gather(x, dim, index)`: `out[i][j] = x[index[i][j]][j]` (for dim 0), shape of `index`.
@@ -151,7 +216,13 @@ fn gather(n: NodeCtx<'_>) -> Res<'_> {
     let dim = norm_dim(n.int(1, "dim")?, x.rank())?;
     let index = n.tensor(2, "index")?;
     let coords = coordinates(&n.b, &x, dim, &index)?;
-    Ok(vec![n.b.gather(&x, &coords, &pointwise_map(x.rank()), &vec![1; x.rank()], index.shape().to_vec())?])
+    Ok(vec![n.b.gather(
+        &x,
+        &coords,
+        &pointwise_map(x.rank()),
+        &vec![1; x.rank()],
+        index.shape().to_vec(),
+    )?])
 }
 
 /// `scatter(x, dim, index, src|value)` and `scatter_add`: the inverse of [`gather`].
@@ -168,7 +239,13 @@ fn scatter(n: NodeCtx<'_>) -> Res<'_> {
         Operand::Scalar(v) => b.splat(v, &TensorType::new(x.dtype(), index.shape().to_vec()))?,
     };
     let coords = coordinates(b, &x, dim, &index)?;
-    Ok(vec![b.scatter(&x, &coords, &updates, &pointwise_map(x.rank()), n.op == "aten.scatter_add.default")?])
+    Ok(vec![b.scatter(
+        &x,
+        &coords,
+        &updates,
+        &pointwise_map(x.rank()),
+        n.op == "aten.scatter_add.default",
+    )?])
 }
 
 /// `slice_scatter(x, src, dim, start, end, step)` / `select_scatter(x, src, dim, index)`: pad
@@ -183,20 +260,42 @@ fn slice_scatter(n: NodeCtx<'_>) -> Res<'_> {
         let i = n.int(3, "index")?;
         let mut shape = src.shape().to_vec();
         shape.insert(dim, 1);
-        (b.reshape(&src, &shape)?, if i < 0 { i + size } else { i }, 1)
+        (
+            b.reshape(&src, &shape)?,
+            if i < 0 { i + size } else { i },
+            1,
+        )
     } else {
         let s = n.int_or(3, "start", 0)?;
-        (src, if s < 0 { (s + size).max(0) } else { s.min(size) }, n.int_or(5, "step", 1)?)
+        (
+            src,
+            if s < 0 {
+                (s + size).max(0)
+            } else {
+                s.min(size)
+            },
+            n.int_or(5, "step", 1)?,
+        )
     };
     let src = b.convert(&src, x.dtype())?;
     let count = src.shape()[dim];
-    let (mut low, mut high, mut interior) = (vec![0; x.rank()], vec![0; x.rank()], vec![0; x.rank()]);
+    let (mut low, mut high, mut interior) =
+        (vec![0; x.rank()], vec![0; x.rank()], vec![0; x.rank()]);
     low[dim] = start;
     interior[dim] = step - 1;
     high[dim] = size - start - ((count - 1).max(0) * step + 1).min(size);
     let fill = b.scalar(Scalar::Int(0), x.dtype())?;
     let placed = b.pad(&src, &fill, &low, &high, &interior)?;
-    let ones = b.splat(Scalar::Bool(true), &TensorType::new(DType::Bool, src.shape().to_vec()))?;
-    let mask = b.pad(&ones, &b.scalar(Scalar::Bool(false), DType::Bool)?, &low, &high, &interior)?;
+    let ones = b.splat(
+        Scalar::Bool(true),
+        &TensorType::new(DType::Bool, src.shape().to_vec()),
+    )?;
+    let mask = b.pad(
+        &ones,
+        &b.scalar(Scalar::Bool(false), DType::Bool)?,
+        &low,
+        &high,
+        &interior,
+    )?;
     Ok(vec![b.select(&mask, &placed, &x)?])
 }

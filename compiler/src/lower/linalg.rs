@@ -6,7 +6,15 @@ use super::{NodeCtx, Registry, Res};
 use crate::ir::TensorType;
 
 pub fn register(r: &mut Registry) {
-    r.add(&["aten.mm.default", "aten.bmm.default", "aten.addmm.default", "aten.baddbmm.default"], matmul);
+    r.add(
+        &[
+            "aten.mm.default",
+            "aten.bmm.default",
+            "aten.addmm.default",
+            "aten.baddbmm.default",
+        ],
+        matmul,
+    );
     r.add(&["aten.convolution.default"], convolution);
 }
 
@@ -26,8 +34,16 @@ fn matmul(n: NodeCtx<'_>) -> Res<'_> {
     let bias = bd.convert(&n.tensor(0, "self")?, opmath(out))?;
     let alpha = n.float_or(4, "alpha", 1.0)?;
     let beta = n.float_or(3, "beta", 1.0)?;
-    let prod = if alpha != 1.0 { bd.mul_scalar(&prod, alpha)? } else { prod };
-    let bias = if beta != 1.0 { bd.mul_scalar(&bias, beta)? } else { bias };
+    let prod = if alpha != 1.0 {
+        bd.mul_scalar(&prod, alpha)?
+    } else {
+        prod
+    };
+    let bias = if beta != 1.0 {
+        bd.mul_scalar(&bias, beta)?
+    } else {
+        bias
+    };
     Ok(vec![bd.convert(&bd.add(&prod, &bias)?, out)?])
 }
 
@@ -45,7 +61,10 @@ fn per_dim(n: &NodeCtx<'_>, pos: usize, name: &str, dims: usize, default: i64) -
 /// groups)` for any number of spatial dims, NCHW / OIHW layout.
 fn convolution(n: NodeCtx<'_>) -> Res<'_> {
     let (x, w) = (n.tensor(0, "input")?, n.tensor(1, "weight")?);
-    let spatial = x.rank().checked_sub(2).ok_or("convolution input needs a batch and a channel dim")?;
+    let spatial = x
+        .rank()
+        .checked_sub(2)
+        .ok_or("convolution input needs a batch and a channel dim")?;
     let stride = per_dim(&n, 3, "stride", spatial, 1)?;
     let padding = per_dim(&n, 4, "padding", spatial, 0)?;
     let dilation = per_dim(&n, 5, "dilation", spatial, 1)?;
@@ -66,7 +85,10 @@ fn convolution(n: NodeCtx<'_>) -> Res<'_> {
         let swapped = b.transpose(&b.reshape(&w, &grouped)?, &perm)?;
         let mut oihw = vec![groups * cout_g, cin / groups];
         oihw.extend_from_slice(ks);
-        let flipped = b.reverse(&b.reshape(&swapped, &oihw)?, &(2..2 + spatial).collect::<Vec<_>>())?;
+        let flipped = b.reverse(
+            &b.reshape(&swapped, &oihw)?,
+            &(2..2 + spatial).collect::<Vec<_>>(),
+        )?;
         let pads = (0..spatial)
             .map(|i| {
                 let edge = dilation[i] * (ks[i] - 1) - padding[i];
@@ -75,7 +97,11 @@ fn convolution(n: NodeCtx<'_>) -> Res<'_> {
             .collect();
         (flipped, stride.clone(), pads)
     } else {
-        (w, vec![1; spatial], padding.iter().map(|&p| (p, p)).collect::<Vec<_>>())
+        (
+            w,
+            vec![1; spatial],
+            padding.iter().map(|&p| (p, p)).collect::<Vec<_>>(),
+        )
     };
     let window_strides = if transposed { vec![1; spatial] } else { stride };
     let mut shape = vec![x.shape()[0], w.shape()[0]];
@@ -87,7 +113,10 @@ fn convolution(n: NodeCtx<'_>) -> Res<'_> {
     let dims: Vec<String> = (0..spatial).map(|i| i.to_string()).collect();
     let dims = dims.join(", ");
     let attrs = [
-        ("dimension_numbers", format!("#stablehlo.conv<[b, f, {dims}]x[o, i, {dims}]->[b, f, {dims}]>")),
+        (
+            "dimension_numbers",
+            format!("#stablehlo.conv<[b, f, {dims}]x[o, i, {dims}]->[b, f, {dims}]>"),
+        ),
         ("window_strides", i64_array(&window_strides)),
         ("padding", padding_attr(&pads)),
         ("lhs_dilation", i64_array(&lhs_dilation)),
@@ -95,7 +124,12 @@ fn convolution(n: NodeCtx<'_>) -> Res<'_> {
         ("feature_group_count", format!("{groups} : i64")),
         ("batch_group_count", "1 : i64".to_string()),
     ];
-    let y = b.op("stablehlo.convolution", &[&x, &w], &attrs, TensorType::new(opmath(out), shape))?;
+    let y = b.op(
+        "stablehlo.convolution",
+        &[&x, &w],
+        &attrs,
+        TensorType::new(opmath(out), shape),
+    )?;
     let y = match n.opt_tensor(2, "bias")? {
         Some(bias) => add_channel_bias(b, &y, &bias)?,
         None => y,

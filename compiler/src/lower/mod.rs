@@ -99,7 +99,10 @@ impl A<'_> {
             A::Bool(b) => format!("bool {b}"),
             A::Str(s) => format!("str {s:?}"),
             A::DType(d) => format!("dtype {}", dtype_name(*d)),
-            A::List(l) => format!("[{}]", l.iter().map(A::describe).collect::<Vec<_>>().join(", ")),
+            A::List(l) => format!(
+                "[{}]",
+                l.iter().map(A::describe).collect::<Vec<_>>().join(", ")
+            ),
         }
     }
 }
@@ -156,7 +159,10 @@ pub fn supported_ops() -> Vec<&'static str> {
 impl<'a> NodeCtx<'a> {
     /// Positional argument `pos`, else keyword `name`; `None` when absent or passed as None.
     pub fn arg(&self, pos: usize, name: &str) -> Option<&A<'a>> {
-        let a = self.args.get(pos).or_else(|| self.kwargs.iter().find(|(k, _)| k == name).map(|(_, v)| v));
+        let a = self
+            .args
+            .get(pos)
+            .or_else(|| self.kwargs.iter().find(|(k, _)| k == name).map(|(_, v)| v));
         a.filter(|a| !matches!(a, A::None))
     }
 
@@ -165,7 +171,8 @@ impl<'a> NodeCtx<'a> {
     }
 
     pub fn tensor(&self, pos: usize, name: &str) -> R<Val<'a>> {
-        self.opt_tensor(pos, name)?.ok_or_else(|| Self::missing(name))
+        self.opt_tensor(pos, name)?
+            .ok_or_else(|| Self::missing(name))
     }
 
     pub fn opt_tensor(&self, pos: usize, name: &str) -> R<Option<Val<'a>>> {
@@ -185,7 +192,9 @@ impl<'a> NodeCtx<'a> {
     }
 
     pub fn opt_operand(&self, pos: usize, name: &str) -> R<Option<Operand<'a>>> {
-        self.arg(pos, name).map(|_| self.operand(pos, name)).transpose()
+        self.arg(pos, name)
+            .map(|_| self.operand(pos, name))
+            .transpose()
     }
 
     pub fn opt_scalar(&self, pos: usize, name: &str) -> R<Option<Scalar>> {
@@ -199,7 +208,8 @@ impl<'a> NodeCtx<'a> {
     }
 
     pub fn scalar(&self, pos: usize, name: &str) -> R<Scalar> {
-        self.opt_scalar(pos, name)?.ok_or_else(|| Self::missing(name))
+        self.opt_scalar(pos, name)?
+            .ok_or_else(|| Self::missing(name))
     }
 
     pub fn scalar_or(&self, pos: usize, name: &str, default: Scalar) -> R<Scalar> {
@@ -223,7 +233,8 @@ impl<'a> NodeCtx<'a> {
     }
 
     pub fn int_or(&self, pos: usize, name: &str, default: i64) -> R<i64> {
-        self.arg(pos, name).map_or(Ok(default), |_| self.int(pos, name))
+        self.arg(pos, name)
+            .map_or(Ok(default), |_| self.int(pos, name))
     }
 
     pub fn float_or(&self, pos: usize, name: &str, default: f64) -> R<f64> {
@@ -279,12 +290,17 @@ impl<'a> NodeCtx<'a> {
     }
 
     pub fn tensors(&self, pos: usize, name: &str) -> R<Vec<Val<'a>>> {
-        self.opt_tensors(pos, name)?.into_iter().map(|t| t.ok_or_else(|| Self::missing(name))).collect()
+        self.opt_tensors(pos, name)?
+            .into_iter()
+            .map(|t| t.ok_or_else(|| Self::missing(name)))
+            .collect()
     }
 
     /// The recorded type of output `i`.
     pub fn out(&self, i: usize) -> R<&TensorType> {
-        self.outputs.get(i).ok_or_else(|| format!("node has no output {i}"))
+        self.outputs
+            .get(i)
+            .ok_or_else(|| format!("node has no output {i}"))
     }
 
     /// The recorded dtype of output 0.
@@ -297,7 +313,11 @@ fn resolve<'a>(arg: &Arg, values: &[Option<Val<'a>>]) -> R<A<'a>> {
     Ok(match arg {
         Arg::None => A::None,
         Arg::Value(id) => A::T(
-            values.get(*id as usize).cloned().flatten().ok_or_else(|| format!("value %{id} is not defined yet"))?,
+            values
+                .get(*id as usize)
+                .cloned()
+                .flatten()
+                .ok_or_else(|| format!("value %{id} is not defined yet"))?,
         ),
         Arg::Int(i) => A::Int(*i),
         Arg::Float(f) => A::Float(f.value()),
@@ -330,10 +350,20 @@ pub fn lower(graph: &Graph, sources: &[Option<String>]) -> Result<Lowered, Lower
     let outputs = graph
         .outputs
         .iter()
-        .map(|&id| types.get(id as usize).map(|t| (*t).clone()).ok_or_else(|| whole(format!("output %{id} is not a value"))))
+        .map(|&id| {
+            types
+                .get(id as usize)
+                .map(|t| (*t).clone())
+                .ok_or_else(|| whole(format!("output %{id} is not a value")))
+        })
         .collect::<Result<Vec<_>, _>>()?;
 
-    let sig = |ts: &[TensorType]| ts.iter().map(|t| mlir_type(&ctx, t)).collect::<R<Vec<_>>>().map_err(whole);
+    let sig = |ts: &[TensorType]| {
+        ts.iter()
+            .map(|t| mlir_type(&ctx, t))
+            .collect::<R<Vec<_>>>()
+            .map_err(whole)
+    };
     let (in_types, out_types) = (sig(&inputs)?, sig(&outputs)?);
     let block = Block::new(&in_types.iter().map(|&t| (t, loc)).collect::<Vec<_>>());
     emit_body(&ctx, &block, loc, graph, sources)?;
@@ -356,7 +386,12 @@ pub fn lower(graph: &Graph, sources: &[Option<String>]) -> Result<Lowered, Lower
     }
     let text = module.as_operation().to_string();
     let bytecode = module.as_operation().write_bytecode();
-    Ok(Lowered { text, bytecode, inputs, outputs })
+    Ok(Lowered {
+        text,
+        bytecode,
+        inputs,
+        outputs,
+    })
 }
 
 /// Emits every node and the `func.return` into `block`.
@@ -371,7 +406,15 @@ fn emit_body<'a>(
         .inputs
         .iter()
         .enumerate()
-        .map(|(i, inp)| Some(Val { v: block.argument(i).expect("block has one argument per input").into(), ty: inp.ty.clone() }))
+        .map(|(i, inp)| {
+            Some(Val {
+                v: block
+                    .argument(i)
+                    .expect("block has one argument per input")
+                    .into(),
+                ty: inp.ty.clone(),
+            })
+        })
         .collect();
     let reg = registry();
     for (i, node) in graph.nodes.iter().enumerate() {
@@ -382,7 +425,11 @@ fn emit_body<'a>(
             .map(|a| resolve(a, &values))
             .collect::<R<Vec<_>>>()
             .and_then(|args| {
-                let kwargs = node.kwargs.iter().map(|(k, a)| Ok((k.clone(), resolve(a, &values)?))).collect::<R<Vec<_>>>()?;
+                let kwargs = node
+                    .kwargs
+                    .iter()
+                    .map(|(k, a)| Ok((k.clone(), resolve(a, &values)?)))
+                    .collect::<R<Vec<_>>>()?;
                 Ok((args, kwargs))
             });
         let describe = |args: &[A]| args.iter().map(A::describe).collect::<Vec<_>>();
@@ -398,12 +445,29 @@ fn emit_body<'a>(
         let mut arg_types = describe(&args);
         arg_types.extend(kwargs.iter().map(|(k, a)| format!("{k}={}", a.describe())));
         let Some(rule) = reg.0.get(node.op.as_str()) else {
-            return Err(error(LowerErrorKind::Unsupported, arg_types, "no lowering rule for this op".into()));
+            return Err(error(
+                LowerErrorKind::Unsupported,
+                arg_types,
+                "no lowering rule for this op".into(),
+            ));
         };
-        let b = Builder::new(ctx, block, source.as_deref().map_or(loc, |s| Location::name(ctx, s, loc)));
-        let n = NodeCtx { b, op: node.op.clone(), args, kwargs, outputs: node.outputs.clone() };
+        let b = Builder::new(
+            ctx,
+            block,
+            source
+                .as_deref()
+                .map_or(loc, |s| Location::name(ctx, s, loc)),
+        );
+        let n = NodeCtx {
+            b,
+            op: node.op.clone(),
+            args,
+            kwargs,
+            outputs: node.outputs.clone(),
+        };
         let produced = rule(n).map_err(|m| error(LowerErrorKind::Failed, arg_types.clone(), m))?;
-        check_types(&produced, &node.outputs).map_err(|m| error(LowerErrorKind::Failed, arg_types.clone(), m))?;
+        check_types(&produced, &node.outputs)
+            .map_err(|m| error(LowerErrorKind::Failed, arg_types.clone(), m))?;
         values.extend(produced.into_iter().map(Some));
     }
     let outs = graph
@@ -426,11 +490,19 @@ fn emit_body<'a>(
 /// A rule must reproduce PyTorch's own shape/dtype inference exactly.
 fn check_types(produced: &[Val], expected: &[TensorType]) -> R<()> {
     if produced.len() != expected.len() {
-        return Err(format!("rule produced {} outputs, the graph records {}", produced.len(), expected.len()));
+        return Err(format!(
+            "rule produced {} outputs, the graph records {}",
+            produced.len(),
+            expected.len()
+        ));
     }
     for (i, (p, e)) in produced.iter().zip(expected).enumerate() {
         if &p.ty != e {
-            return Err(format!("rule produced {} for output {i}, the graph records {}", type_str(&p.ty), type_str(e)));
+            return Err(format!(
+                "rule produced {} for output {i}, the graph records {}",
+                type_str(&p.ty),
+                type_str(e)
+            ));
         }
     }
     Ok(())

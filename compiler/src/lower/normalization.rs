@@ -8,11 +8,19 @@ use super::{NodeCtx, Registry, Res};
 pub fn register(r: &mut Registry) {
     r.add(&["aten.native_layer_norm.default"], layer_norm);
     r.add(&["aten.native_group_norm.default"], group_norm);
-    r.add(&["aten._native_batch_norm_legit_no_training.default"], batch_norm_inference);
+    r.add(
+        &["aten._native_batch_norm_legit_no_training.default"],
+        batch_norm_inference,
+    );
 }
 
 /// Applies the optional per-element `weight` and `bias`, mapped onto `y`'s shape by `bcast`.
-fn affine<'a>(b: &Builder<'a>, y: Val<'a>, params: [Option<Val<'a>>; 2], bcast: impl Fn(&Val<'a>) -> R<Val<'a>>) -> R<Val<'a>> {
+fn affine<'a>(
+    b: &Builder<'a>,
+    y: Val<'a>,
+    params: [Option<Val<'a>>; 2],
+    bcast: impl Fn(&Val<'a>) -> R<Val<'a>>,
+) -> R<Val<'a>> {
     let [weight, bias] = params;
     let mut y = y;
     if let Some(w) = weight {
@@ -31,7 +39,10 @@ fn rsqrt_eps<'a>(b: &Builder<'a>, var: &Val<'a>, eps: f64) -> R<Val<'a>> {
 fn layer_norm(n: NodeCtx<'_>) -> Res<'_> {
     let x = n.tensor(0, "input")?;
     let norm_rank = n.ints(1, "normalized_shape")?.len();
-    let axis = x.rank().checked_sub(norm_rank).ok_or("normalized_shape longer than the input")?;
+    let axis = x
+        .rank()
+        .checked_sub(norm_rank)
+        .ok_or("normalized_shape longer than the input")?;
     let eps = n.float_or(4, "eps", 1e-5)?;
     let b = &n.b;
     let dims: Vec<usize> = (axis..x.rank()).collect();
@@ -39,8 +50,17 @@ fn layer_norm(n: NodeCtx<'_>) -> Res<'_> {
     let rstd = rsqrt_eps(b, &var, eps)?;
     let xf = b.convert(&x, opmath(x.dtype()))?;
     let y = b.mul(&b.sub(&xf, &mean)?, &rstd)?;
-    let y = affine(b, y, [n.opt_tensor(2, "weight")?, n.opt_tensor(3, "bias")?], |p| b.broadcast_to(p, x.shape()))?;
-    Ok(vec![b.convert(&y, n.out(0)?.dtype)?, b.convert(&mean, n.out(1)?.dtype)?, b.convert(&rstd, n.out(2)?.dtype)?])
+    let y = affine(
+        b,
+        y,
+        [n.opt_tensor(2, "weight")?, n.opt_tensor(3, "bias")?],
+        |p| b.broadcast_to(p, x.shape()),
+    )?;
+    Ok(vec![
+        b.convert(&y, n.out(0)?.dtype)?,
+        b.convert(&mean, n.out(1)?.dtype)?,
+        b.convert(&rstd, n.out(2)?.dtype)?,
+    ])
 }
 
 /// `native_group_norm(x, weight, bias, N, C, HxW, group, eps)`: statistics over each group of
@@ -50,13 +70,25 @@ fn group_norm<'a>(n: NodeCtx<'a>) -> Res<'a> {
     let (batch, groups) = (n.int(3, "N")?, n.int(6, "group")?);
     let eps = n.float_or(7, "eps", 1e-5)?;
     let b = &n.b;
-    let grouped = b.reshape(&b.convert(&x, opmath(x.dtype()))?, &[batch, groups, x.ty.numel() / (batch * groups)])?;
+    let grouped = b.reshape(
+        &b.convert(&x, opmath(x.dtype()))?,
+        &[batch, groups, x.ty.numel() / (batch * groups)],
+    )?;
     let (var, mean) = variance(b, &grouped, &[2], 0.0)?;
     let rstd = rsqrt_eps(b, &var, eps)?;
     let y = b.reshape(&b.mul(&b.sub(&grouped, &mean)?, &rstd)?, x.shape())?;
-    let y = affine(b, y, [n.opt_tensor(1, "weight")?, n.opt_tensor(2, "bias")?], |p| b.broadcast_in_dim(p, x.shape(), &[1]))?;
+    let y = affine(
+        b,
+        y,
+        [n.opt_tensor(1, "weight")?, n.opt_tensor(2, "bias")?],
+        |p| b.broadcast_in_dim(p, x.shape(), &[1]),
+    )?;
     let stat = |v: &Val<'a>, i| b.convert(&b.reshape(v, &[batch, groups])?, n.out(i)?.dtype);
-    Ok(vec![b.convert(&y, n.out(0)?.dtype)?, stat(&mean, 1)?, stat(&rstd, 2)?])
+    Ok(vec![
+        b.convert(&y, n.out(0)?.dtype)?,
+        stat(&mean, 1)?,
+        stat(&rstd, 2)?,
+    ])
 }
 
 /// Eval-mode batch norm with running statistics; the saved-statistics outputs are empty.
@@ -69,6 +101,15 @@ fn batch_norm_inference<'a>(n: NodeCtx<'a>) -> Res<'a> {
     let chan = |v: &Val<'a>| b.broadcast_in_dim(&b.convert(v, f)?, x.shape(), &[1]);
     let rstd = rsqrt_eps(b, &b.convert(&var, f)?, eps)?;
     let y = b.mul(&b.sub(&b.convert(&x, f)?, &chan(&mean)?)?, &chan(&rstd)?)?;
-    let y = affine(b, y, [n.opt_tensor(1, "weight")?, n.opt_tensor(2, "bias")?], |p| b.broadcast_in_dim(p, x.shape(), &[1]))?;
-    Ok(vec![b.convert(&y, x.dtype())?, b.splat(Scalar::Int(0), n.out(1)?)?, b.splat(Scalar::Int(0), n.out(2)?)?])
+    let y = affine(
+        b,
+        y,
+        [n.opt_tensor(1, "weight")?, n.opt_tensor(2, "bias")?],
+        |p| b.broadcast_in_dim(p, x.shape(), &[1]),
+    )?;
+    Ok(vec![
+        b.convert(&y, x.dtype())?,
+        b.splat(Scalar::Int(0), n.out(1)?)?,
+        b.splat(Scalar::Int(0), n.out(2)?)?,
+    ])
 }

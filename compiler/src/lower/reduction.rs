@@ -2,15 +2,52 @@
 //!
 //! Half-precision inputs accumulate in f32 and round once, as PyTorch's CPU kernels do.
 
-use super::builder::{keep_dims_shape, norm_dim, norm_dims, opmath, padding_attr, i64_array, Builder, Combiner, Scalar, Val, R};
+use super::builder::{
+    i64_array, keep_dims_shape, norm_dim, norm_dims, opmath, padding_attr, Builder, Combiner,
+    Scalar, Val, R,
+};
 use super::{NodeCtx, Registry, Res};
 use crate::ir::DType;
 
 pub fn register(r: &mut Registry) {
-    r.add(&["aten.sum.dim_IntList", "aten.sum.default", "aten.mean.dim", "aten.mean.default"], sum_mean);
-    r.add(&["aten.amax.default", "aten.amin.default", "aten.max.default", "aten.min.default"], extremum);
-    r.add(&["aten.any.dim", "aten.any.dims", "aten.any.default", "aten.all.dim", "aten.all.dims", "aten.all.default"], any_all);
-    r.add(&["aten._softmax.default", "aten._log_softmax.default", "aten.softmax.int", "aten.log_softmax.int"], softmax);
+    r.add(
+        &[
+            "aten.sum.dim_IntList",
+            "aten.sum.default",
+            "aten.mean.dim",
+            "aten.mean.default",
+        ],
+        sum_mean,
+    );
+    r.add(
+        &[
+            "aten.amax.default",
+            "aten.amin.default",
+            "aten.max.default",
+            "aten.min.default",
+        ],
+        extremum,
+    );
+    r.add(
+        &[
+            "aten.any.dim",
+            "aten.any.dims",
+            "aten.any.default",
+            "aten.all.dim",
+            "aten.all.dims",
+            "aten.all.default",
+        ],
+        any_all,
+    );
+    r.add(
+        &[
+            "aten._softmax.default",
+            "aten._log_softmax.default",
+            "aten.softmax.int",
+            "aten.log_softmax.int",
+        ],
+        softmax,
+    );
     r.add(&["aten.cumsum.default"], cumsum);
     r.add(&["aten.var.correction", "aten.var_mean.correction"], var);
 }
@@ -19,16 +56,27 @@ pub fn register(r: &mut Registry) {
 fn reduce_args(n: &NodeCtx<'_>, x: &Val<'_>) -> R<(Vec<usize>, bool)> {
     let every = (0..x.rank()).collect();
     Ok(match n.op.as_str() {
-        "aten.sum.default" | "aten.mean.default" | "aten.max.default" | "aten.min.default" | "aten.any.default" | "aten.all.default" => {
-            (every, false)
-        }
-        "aten.any.dim" | "aten.all.dim" => (vec![norm_dim(n.int(1, "dim")?, x.rank())?], n.bool_or(2, "keepdim", false)?),
-        _ => (norm_dims(&n.ints(1, "dim")?, x.rank())?, n.bool_or(2, "keepdim", false)?),
+        "aten.sum.default" | "aten.mean.default" | "aten.max.default" | "aten.min.default"
+        | "aten.any.default" | "aten.all.default" => (every, false),
+        "aten.any.dim" | "aten.all.dim" => (
+            vec![norm_dim(n.int(1, "dim")?, x.rank())?],
+            n.bool_or(2, "keepdim", false)?,
+        ),
+        _ => (
+            norm_dims(&n.ints(1, "dim")?, x.rank())?,
+            n.bool_or(2, "keepdim", false)?,
+        ),
     })
 }
 
 /// Sum of `x` over `dims` in the compute type of `out`, converted to `out`.
-pub fn sum_to<'a>(b: &Builder<'a>, x: &Val<'a>, dims: &[usize], keepdim: bool, out: DType) -> R<Val<'a>> {
+pub fn sum_to<'a>(
+    b: &Builder<'a>,
+    x: &Val<'a>,
+    dims: &[usize],
+    keepdim: bool,
+    out: DType,
+) -> R<Val<'a>> {
     let s = b.reduce(&b.convert(x, opmath(out))?, dims, Combiner::Add, keepdim)?;
     b.convert(&s, out)
 }
@@ -43,7 +91,11 @@ pub fn mean_in<'a>(b: &Builder<'a>, x: &Val<'a>, dims: &[usize], keepdim: bool) 
 fn sum_mean(n: NodeCtx<'_>) -> Res<'_> {
     let x = n.tensor(0, "self")?;
     let (dims, keepdim) = reduce_args(&n, &x)?;
-    let default = if x.dtype().is_float() || x.dtype().is_complex() { x.dtype() } else { DType::I64 };
+    let default = if x.dtype().is_float() || x.dtype().is_complex() {
+        x.dtype()
+    } else {
+        DType::I64
+    };
     let out = n.opt_dtype(usize::MAX, "dtype")?.unwrap_or(default);
     let b = &n.b;
     if n.op.starts_with("aten.mean") {
@@ -56,7 +108,11 @@ fn sum_mean(n: NodeCtx<'_>) -> Res<'_> {
 fn extremum(n: NodeCtx<'_>) -> Res<'_> {
     let x = n.tensor(0, "self")?;
     let (dims, keepdim) = reduce_args(&n, &x)?;
-    let c = if n.op.contains("max") { Combiner::Max } else { Combiner::Min };
+    let c = if n.op.contains("max") {
+        Combiner::Max
+    } else {
+        Combiner::Min
+    };
     let c = match (c, x.dtype()) {
         (Combiner::Max, DType::Bool) => Combiner::Or,
         (Combiner::Min, DType::Bool) => Combiner::And,
@@ -68,8 +124,17 @@ fn extremum(n: NodeCtx<'_>) -> Res<'_> {
 fn any_all(n: NodeCtx<'_>) -> Res<'_> {
     let x = n.tensor(0, "self")?;
     let (dims, keepdim) = reduce_args(&n, &x)?;
-    let c = if n.op.starts_with("aten.any") { Combiner::Or } else { Combiner::And };
-    Ok(vec![n.b.reduce(&n.b.convert(&x, DType::Bool)?, &dims, c, keepdim)?])
+    let c = if n.op.starts_with("aten.any") {
+        Combiner::Or
+    } else {
+        Combiner::And
+    };
+    Ok(vec![n.b.reduce(
+        &n.b.convert(&x, DType::Bool)?,
+        &dims,
+        c,
+        keepdim,
+    )?])
 }
 
 /// Numerically stable (log-)softmax along `dim`: shift by the max first.
@@ -77,7 +142,11 @@ fn softmax(n: NodeCtx<'_>) -> Res<'_> {
     let x = n.tensor(0, "self")?;
     let dim = norm_dim(n.int(1, "dim")?, x.rank())?;
     let out = match n.op.as_str() {
-        "aten._softmax.default" | "aten._log_softmax.default" if n.bool_or(2, "half_to_float", false)? => DType::F32,
+        "aten._softmax.default" | "aten._log_softmax.default"
+            if n.bool_or(2, "half_to_float", false)? =>
+        {
+            DType::F32
+        }
         "aten._softmax.default" | "aten._log_softmax.default" => x.dtype(),
         _ => n.opt_dtype(2, "dtype")?.unwrap_or(x.dtype()),
     };
@@ -87,7 +156,11 @@ fn softmax(n: NodeCtx<'_>) -> Res<'_> {
     let shifted = b.sub(&xf, &max)?;
     let e = b.unary("exponential", &shifted)?;
     let total = b.reduce(&e, &[dim], Combiner::Add, true)?;
-    let y = if n.op.contains("log_softmax") { b.sub(&shifted, &b.unary("log", &total)?)? } else { b.div(&e, &total)? };
+    let y = if n.op.contains("log_softmax") {
+        b.sub(&shifted, &b.unary("log", &total)?)?
+    } else {
+        b.div(&e, &total)?
+    };
     Ok(vec![b.convert(&y, out)?])
 }
 
@@ -95,7 +168,11 @@ fn softmax(n: NodeCtx<'_>) -> Res<'_> {
 fn cumsum(n: NodeCtx<'_>) -> Res<'_> {
     let x = n.tensor(0, "self")?;
     let dim = norm_dim(n.int(1, "dim")?, x.rank())?;
-    let default = if x.dtype().is_float() { x.dtype() } else { DType::I64 };
+    let default = if x.dtype().is_float() {
+        x.dtype()
+    } else {
+        DType::I64
+    };
     let out = n.opt_dtype(2, "dtype")?.unwrap_or(default);
     let b = &n.b;
     let xc = b.convert(&x, opmath(out))?;
@@ -114,7 +191,15 @@ fn cumsum(n: NodeCtx<'_>) -> Res<'_> {
         ("window_strides", i64_array(&vec![1; x.rank()])),
         ("padding", padding_attr(&pads)),
     ];
-    let y = b.op_regions("stablehlo.reduce_window", &[&xc, &init], &attrs, vec![region], vec![xc.ty.clone()])?.remove(0);
+    let y = b
+        .op_regions(
+            "stablehlo.reduce_window",
+            &[&xc, &init],
+            &attrs,
+            vec![region],
+            vec![xc.ty.clone()],
+        )?
+        .remove(0);
     Ok(vec![b.convert(&y, out)?])
 }
 
@@ -126,7 +211,16 @@ fn var<'a>(n: NodeCtx<'a>) -> Res<'a> {
     let keepdim = n.bool_or(3, "keepdim", false)?;
     let b = &n.b;
     let (v, mean) = variance(b, &x, &dims, correction)?;
-    let shape = if keepdim { keep_dims_shape(x.shape(), &dims) } else { x.shape().iter().enumerate().filter(|(i, _)| !dims.contains(i)).map(|(_, &s)| s).collect() };
+    let shape = if keepdim {
+        keep_dims_shape(x.shape(), &dims)
+    } else {
+        x.shape()
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !dims.contains(i))
+            .map(|(_, &s)| s)
+            .collect()
+    };
     let fin = |t: &Val<'a>| b.convert(&b.reshape(t, &shape)?, x.dtype());
     let mut outs = vec![fin(&v)?];
     if n.op == "aten.var_mean.correction" {
@@ -137,7 +231,12 @@ fn var<'a>(n: NodeCtx<'a>) -> Res<'a> {
 
 /// Variance (with `correction` subtracted from the count) and mean over `dims`, both in the
 /// compute type with the reduced dims kept.
-pub fn variance<'a>(b: &Builder<'a>, x: &Val<'a>, dims: &[usize], correction: f64) -> R<(Val<'a>, Val<'a>)> {
+pub fn variance<'a>(
+    b: &Builder<'a>,
+    x: &Val<'a>,
+    dims: &[usize],
+    correction: f64,
+) -> R<(Val<'a>, Val<'a>)> {
     let xf = b.convert(x, opmath(x.dtype()))?;
     let mean = mean_in(b, &xf, dims, true)?;
     let centered = b.sub(&xf, &mean)?;

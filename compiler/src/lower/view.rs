@@ -6,18 +6,52 @@ use super::{NodeCtx, Registry, Res};
 use crate::ir::DType;
 
 pub fn register(r: &mut Registry) {
-    r.add(&["aten.view.default", "aten.reshape.default", "aten._unsafe_view.default", "aten.view_copy.default"], view);
-    r.add(&["aten.permute.default", "aten.permute_copy.default"], permute);
+    r.add(
+        &[
+            "aten.view.default",
+            "aten.reshape.default",
+            "aten._unsafe_view.default",
+            "aten.view_copy.default",
+        ],
+        view,
+    );
+    r.add(
+        &["aten.permute.default", "aten.permute_copy.default"],
+        permute,
+    );
     r.add(&["aten.transpose.int", "aten.t.default"], transpose);
     r.add(&["aten.expand.default", "aten.expand_copy.default"], expand);
-    r.add(&["aten.unsqueeze.default", "aten.unsqueeze_copy.default"], unsqueeze);
-    r.add(&["aten.squeeze.dims", "aten.squeeze.dim", "aten.squeeze.default"], squeeze);
+    r.add(
+        &["aten.unsqueeze.default", "aten.unsqueeze_copy.default"],
+        unsqueeze,
+    );
+    r.add(
+        &[
+            "aten.squeeze.dims",
+            "aten.squeeze.dim",
+            "aten.squeeze.default",
+        ],
+        squeeze,
+    );
     r.add(&["aten.slice.Tensor", "aten.slice_copy.Tensor"], slice);
     r.add(&["aten.select.int", "aten.select_copy.int"], select);
     r.add(&["aten.cat.default", "aten.concat.default"], cat);
-    r.add(&["aten.split_with_sizes.default", "aten.split.Tensor", "aten.unbind.int"], split);
     r.add(
-        &["aten.clone.default", "aten.alias.default", "aten.detach.default", "aten.contiguous.default", "aten.alias_copy.default"],
+        &[
+            "aten.split_with_sizes.default",
+            "aten.split.Tensor",
+            "aten.unbind.int",
+        ],
+        split,
+    );
+    r.add(
+        &[
+            "aten.clone.default",
+            "aten.alias.default",
+            "aten.detach.default",
+            "aten.contiguous.default",
+            "aten.alias_copy.default",
+        ],
         identity,
     );
     r.add(&["aten.repeat.default"], repeat);
@@ -34,7 +68,10 @@ fn infer_sizes(sizes: &[i64], numel: i64) -> R<Vec<i64>> {
     let known: i64 = sizes.iter().filter(|&&s| s != -1).product();
     match sizes.iter().filter(|&&s| s == -1).count() {
         0 => Ok(sizes.to_vec()),
-        1 if known != 0 && numel % known == 0 => Ok(sizes.iter().map(|&s| if s == -1 { numel / known } else { s }).collect()),
+        1 if known != 0 && numel % known == 0 => Ok(sizes
+            .iter()
+            .map(|&s| if s == -1 { numel / known } else { s })
+            .collect()),
         _ => Err(format!("cannot infer sizes {sizes:?} for {numel} elements")),
     }
 }
@@ -47,7 +84,11 @@ fn view(n: NodeCtx<'_>) -> Res<'_> {
 
 fn permute(n: NodeCtx<'_>) -> Res<'_> {
     let x = n.tensor(0, "self")?;
-    let dims = n.ints(1, "dims")?.iter().map(|&d| norm_dim(d, x.rank())).collect::<R<Vec<_>>>()?;
+    let dims = n
+        .ints(1, "dims")?
+        .iter()
+        .map(|&d| norm_dim(d, x.rank()))
+        .collect::<R<Vec<_>>>()?;
     Ok(vec![n.b.transpose(&x, &dims)?])
 }
 
@@ -55,7 +96,14 @@ fn transpose(n: NodeCtx<'_>) -> Res<'_> {
     let x = n.tensor(0, "self")?;
     let mut perm: Vec<usize> = (0..x.rank()).collect();
     if x.rank() >= 2 {
-        let (d0, d1) = if n.op == "aten.t.default" { (0, 1) } else { (norm_dim(n.int(1, "dim0")?, x.rank())?, norm_dim(n.int(2, "dim1")?, x.rank())?) };
+        let (d0, d1) = if n.op == "aten.t.default" {
+            (0, 1)
+        } else {
+            (
+                norm_dim(n.int(1, "dim0")?, x.rank())?,
+                norm_dim(n.int(2, "dim1")?, x.rank())?,
+            )
+        };
         perm.swap(d0, d1);
     }
     Ok(vec![n.b.transpose(&x, &perm)?])
@@ -65,8 +113,21 @@ fn transpose(n: NodeCtx<'_>) -> Res<'_> {
 fn expand(n: NodeCtx<'_>) -> Res<'_> {
     let x = n.tensor(0, "self")?;
     let sizes = n.ints(1, "size")?;
-    let off = sizes.len().checked_sub(x.rank()).ok_or("expand to fewer dims")?;
-    let shape: Vec<i64> = sizes.iter().enumerate().map(|(i, &s)| if s == -1 && i >= off { x.shape()[i - off] } else { s }).collect();
+    let off = sizes
+        .len()
+        .checked_sub(x.rank())
+        .ok_or("expand to fewer dims")?;
+    let shape: Vec<i64> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &s)| {
+            if s == -1 && i >= off {
+                x.shape()[i - off]
+            } else {
+                s
+            }
+        })
+        .collect();
     Ok(vec![n.b.broadcast_to(&x, &shape)?])
 }
 
@@ -86,7 +147,13 @@ fn squeeze(n: NodeCtx<'_>) -> Res<'_> {
         _ if x.rank() == 0 => vec![],
         _ => norm_dims(&n.ints(1, "dim")?, x.rank())?,
     };
-    let shape: Vec<i64> = x.shape().iter().enumerate().filter(|&(i, &s)| !(s == 1 && dims.contains(&i))).map(|(_, &s)| s).collect();
+    let shape: Vec<i64> = x
+        .shape()
+        .iter()
+        .enumerate()
+        .filter(|&(i, &s)| !(s == 1 && dims.contains(&i)))
+        .map(|(_, &s)| s)
+        .collect();
     Ok(vec![n.b.reshape(&x, &shape)?])
 }
 
@@ -126,24 +193,37 @@ fn select(n: NodeCtx<'_>) -> Res<'_> {
 /// `cat(tensors, dim)` in the promoted dtype; 1-d empty tensors are skipped as in ATen.
 fn cat(n: NodeCtx<'_>) -> Res<'_> {
     let dtype: DType = n.out_dtype()?;
-    let xs: Vec<_> = n.tensors(0, "tensors")?.into_iter().filter(|t| !(t.rank() == 1 && t.shape()[0] == 0)).collect();
+    let xs: Vec<_> = n
+        .tensors(0, "tensors")?
+        .into_iter()
+        .filter(|t| !(t.rank() == 1 && t.shape()[0] == 0))
+        .collect();
     let first = xs.first().ok_or("cat of no non-empty tensors")?;
     let dim = norm_dim(n.int_or(1, "dim", 0)?, first.rank())?;
-    let xs = xs.iter().map(|x| n.b.convert(x, dtype)).collect::<R<Vec<_>>>()?;
+    let xs = xs
+        .iter()
+        .map(|x| n.b.convert(x, dtype))
+        .collect::<R<Vec<_>>>()?;
     Ok(vec![n.b.concat(&xs.iter().collect::<Vec<_>>(), dim)?])
 }
 
 /// `split_with_sizes`, `split` (equal chunks, last smaller) and `unbind`.
 fn split(n: NodeCtx<'_>) -> Res<'_> {
     let x = n.tensor(0, "self")?;
-    let dim = norm_dim(n.int_or(if n.op == "aten.unbind.int" { 1 } else { 2 }, "dim", 0)?, x.rank())?;
+    let dim = norm_dim(
+        n.int_or(if n.op == "aten.unbind.int" { 1 } else { 2 }, "dim", 0)?,
+        x.rank(),
+    )?;
     let size = x.shape()[dim];
     let sizes = match n.op.as_str() {
         "aten.split_with_sizes.default" => n.ints(1, "split_sizes")?,
         "aten.unbind.int" => vec![1; size as usize],
         _ => {
             let chunk = n.int(1, "split_size")?.max(1);
-            (0..size).step_by(chunk as usize).map(|s| chunk.min(size - s)).collect()
+            (0..size)
+                .step_by(chunk as usize)
+                .map(|s| chunk.min(size - s))
+                .collect()
         }
     };
     let mut start = 0;
@@ -165,10 +245,19 @@ fn split(n: NodeCtx<'_>) -> Res<'_> {
 fn repeat(n: NodeCtx<'_>) -> Res<'_> {
     let x = n.tensor(0, "self")?;
     let reps = n.ints(1, "repeats")?;
-    let off = reps.len().checked_sub(x.rank()).ok_or("repeat with fewer dims than the tensor")?;
-    let padded: Vec<i64> = (0..reps.len()).map(|i| if i < off { 1 } else { x.shape()[i - off] }).collect();
+    let off = reps
+        .len()
+        .checked_sub(x.rank())
+        .ok_or("repeat with fewer dims than the tensor")?;
+    let padded: Vec<i64> = (0..reps.len())
+        .map(|i| if i < off { 1 } else { x.shape()[i - off] })
+        .collect();
     let x = n.b.reshape(&x, &padded)?;
-    let wide: Vec<i64> = reps.iter().zip(&padded).flat_map(|(&r, &s)| [r, s]).collect();
+    let wide: Vec<i64> = reps
+        .iter()
+        .zip(&padded)
+        .flat_map(|(&r, &s)| [r, s])
+        .collect();
     let dims: Vec<usize> = (0..reps.len()).map(|i| 2 * i + 1).collect();
     let b = n.b.broadcast_in_dim(&x, &wide, &dims)?;
     let out: Vec<i64> = reps.iter().zip(&padded).map(|(r, s)| r * s).collect();
@@ -186,7 +275,8 @@ fn constant_pad_nd(n: NodeCtx<'_>) -> Res<'_> {
         low[d] = pair[0];
         high[d] = *pair.get(1).unwrap_or(&0);
     }
-    let fill = n.b.scalar(n.scalar_or(2, "value", Scalar::Int(0))?, x.dtype())?;
+    let fill =
+        n.b.scalar(n.scalar_or(2, "value", Scalar::Int(0))?, x.dtype())?;
     Ok(vec![n.b.pad(&x, &fill, &low, &high, &vec![0; x.rank()])?])
 }
 

@@ -33,16 +33,28 @@ impl G {
     }
     pub fn input(&mut self, dtype: DType, shape: &[i64]) -> Arg {
         assert!(self.graph.nodes.is_empty(), "inputs come first");
-        self.graph.inputs.push(Input { ty: t(dtype, shape), kind: InputKind::User });
+        self.graph.inputs.push(Input {
+            ty: t(dtype, shape),
+            kind: InputKind::User,
+        });
         self.next += 1;
         Arg::Value(self.next - 1)
     }
-    pub fn node(&mut self, op: &str, args: Vec<Arg>, kwargs: Vec<(&str, Arg)>, outputs: Vec<TensorType>) -> Vec<Arg> {
+    pub fn node(
+        &mut self,
+        op: &str,
+        args: Vec<Arg>,
+        kwargs: Vec<(&str, Arg)>,
+        outputs: Vec<TensorType>,
+    ) -> Vec<Arg> {
         let n = outputs.len() as u32;
         self.graph.nodes.push(Node {
             op: op.into(),
             args,
-            kwargs: kwargs.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+            kwargs: kwargs
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v))
+                .collect(),
             outputs,
         });
         self.next += n;
@@ -77,7 +89,11 @@ impl Rng {
     /// Uniform in [-1, 1), never zero.
     pub fn uniform(&mut self) -> f64 {
         let v = (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0;
-        if v == 0.0 { 0.5 } else { v }
+        if v == 0.0 {
+            0.5
+        } else {
+            v
+        }
     }
     /// Random values suited to `dtype`: floats in [-scale, scale), ints in [-9, 9] \ {0}, random bools.
     pub fn values(&mut self, dtype: DType, n: usize, scale: f64) -> Vec<f64> {
@@ -88,7 +104,11 @@ impl Rng {
                 DType::U8 => (1 + self.next_u64() % 9) as f64,
                 _ => {
                     let v = 1 + (self.next_u64() % 9) as i64;
-                    if self.next_u64() & 1 == 0 { v as f64 } else { -v as f64 }
+                    if self.next_u64() & 1 == 0 {
+                        v as f64
+                    } else {
+                        -v as f64
+                    }
                 }
             })
             .collect()
@@ -167,7 +187,8 @@ fn rt_dtype(d: DType) -> rt::DType {
 pub fn client() -> &'static rt::Client {
     static CLIENT: OnceLock<rt::Client> = OnceLock::new();
     CLIENT.get_or_init(|| {
-        let plugin: Arc<rt::Plugin> = rt::Plugin::discover(None).unwrap_or_else(|e| panic!("set VIRTUAL_ENV: {e}"));
+        let plugin: Arc<rt::Plugin> =
+            rt::Plugin::discover(None).unwrap_or_else(|e| panic!("set VIRTUAL_ENV: {e}"));
         rt::Client::new(plugin, &rt::ClientOptions::default().cpu_device_count(1)).unwrap()
     })
 }
@@ -182,21 +203,34 @@ pub enum Form {
 /// Lowers and runs `graph` on `inputs` (one flat row-major vector per input).
 pub fn run_form(graph: &Graph, inputs: &[Vec<f64>], form: Form) -> Vec<Vec<f64>> {
     let lowered = lower(graph, &[]).unwrap_or_else(|e| panic!("{e}"));
-    let specs: Vec<rt::TensorSpec> = lowered.inputs.iter().map(|ty| rt::TensorSpec::new(rt_dtype(ty.dtype), ty.shape.clone())).collect();
+    let specs: Vec<rt::TensorSpec> = lowered
+        .inputs
+        .iter()
+        .map(|ty| rt::TensorSpec::new(rt_dtype(ty.dtype), ty.shape.clone()))
+        .collect();
     let code = match form {
         Form::Text => rt::ProgramCode::MlirText(&lowered.text),
         Form::Bytecode => rt::ProgramCode::MlirBytecode(&lowered.bytecode),
     };
     let c = client();
     let exe = c
-        .compile(&rt::Program { code, inputs: specs.clone() }, &rt::CompileOptions::default())
+        .compile(
+            &rt::Program {
+                code,
+                inputs: specs.clone(),
+            },
+            &rt::CompileOptions::default(),
+        )
         .unwrap_or_else(|e| panic!("compile failed: {e}\n{}", lowered.text));
     let device = &c.devices()[0];
     let bufs: Vec<rt::Buffer> = inputs
         .iter()
         .zip(&lowered.inputs)
         .zip(&specs)
-        .map(|((data, ty), spec)| c.buffer_from_host(&encode(ty.dtype, data), spec, device).unwrap())
+        .map(|((data, ty), spec)| {
+            c.buffer_from_host(&encode(ty.dtype, data), spec, device)
+                .unwrap()
+        })
         .collect();
     let outs = exe.execute(&bufs.iter().collect::<Vec<_>>()).unwrap();
     outs.iter()
@@ -216,7 +250,11 @@ pub fn run(graph: &Graph, inputs: &[Vec<f64>]) -> Vec<Vec<f64>> {
 /// Random inputs for every graph input (floats scaled by `scale`), and the outputs.
 pub fn run_random(graph: &Graph, seed: u64, scale: f64) -> (Vec<Vec<f64>>, Vec<Vec<f64>>) {
     let mut rng = Rng::new(seed);
-    let inputs: Vec<Vec<f64>> = graph.inputs.iter().map(|i| rng.values(i.ty.dtype, i.ty.numel() as usize, scale)).collect();
+    let inputs: Vec<Vec<f64>> = graph
+        .inputs
+        .iter()
+        .map(|i| rng.values(i.ty.dtype, i.ty.numel() as usize, scale))
+        .collect();
     let outputs = run(graph, &inputs);
     (inputs, outputs)
 }
@@ -241,5 +279,9 @@ pub fn strides(shape: &[i64]) -> Vec<usize> {
 
 /// The multi-index of flat position `k` in `shape`.
 pub fn unravel(k: usize, shape: &[i64]) -> Vec<usize> {
-    strides(shape).iter().zip(shape).map(|(s, &d)| (k / s) % d as usize).collect()
+    strides(shape)
+        .iter()
+        .zip(shape)
+        .map(|(s, &d)| (k / s) % d as usize)
+        .collect()
 }
