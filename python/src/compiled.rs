@@ -26,6 +26,8 @@ struct Entry {
     stablehlo: String,
     inputs: Vec<TensorSpec>,
     outputs: Vec<TensorSpec>,
+    /// `(input, output)` pairs the executable updates in place (donated input buffers).
+    aliases: Vec<(usize, usize)>,
 }
 
 static EXECUTABLES: LazyLock<MemoryStore<Arc<Entry>>> = LazyLock::new(MemoryStore::new);
@@ -101,7 +103,8 @@ fn build(target: &Target, json: &tpu_dynamo_compiler::ir::GraphWithSources) -> R
             lowered.outputs.len()
         ))));
     }
-    Ok(Entry { exe, stablehlo: lowered.text, inputs, outputs: lowered.outputs.iter().map(spec).collect() })
+    let aliases = json.graph.aliases.iter().map(|a| (a.input as usize, a.output as usize)).collect();
+    Ok(Entry { exe, stablehlo: lowered.text, inputs, outputs: lowered.outputs.iter().map(spec).collect(), aliases })
 }
 
 /// A resident input's device copy and the host `(data_ptr, version)` it was uploaded from.
@@ -218,6 +221,26 @@ impl CompiledGraph {
         *slot = Some((ptr, version, buf.clone()));
         Ok(buf)
     }
+
+    /// Donation bookkeeping before an execute: an aliased input's buffer is consumed by the
+    /// execute, so its resident slot must not hand it out again (even if the execute fails).
+    fn forget_donated(&self) {
+        for &(i, _) in &self.entry.aliases {
+            *self.resident[i].lock().unwrap_or_else(|p| p.into_inner()) = None;
+        }
+    }
+
+    /// After an execute: an aliased input's new value stays on the device as its resident copy,
+    /// tagged `version + 1` because the Python wrapper, having received that value in the host
+    /// tensor, bumps the tensor's version once. The next call then uploads nothing for it.
+    fn keep_updated(&self, inputs: &[(usize, usize, i64)], results: &mut [Option<Buffer>]) {
+        for &(i, o) in &self.entry.aliases {
+            let (ptr, _, version) = inputs[i];
+            if let (true, Some(buf)) = (version >= 0, results[o].take()) {
+                *self.resident[i].lock().unwrap_or_else(|p| p.into_inner()) = Some((ptr, version + 1, Arc::new(buf)));
+            }
+        }
+    }
 }
 
 #[pymethods]
@@ -242,7 +265,8 @@ impl CompiledGraph {
 
     /// Runs once. `inputs`: `(data_ptr, nbytes, version)` of dense host tensors, version -1 for
     /// inputs that change every call; `outputs`: `(data_ptr, nbytes)` of dense host tensors to
-    /// fill. The caller must keep every tensor alive and unshared until this returns; the GIL is
+    /// fill (for an aliased output: the mutated input's own memory, whose version the caller
+    /// then bumps once; see `Graph::aliases`). The caller must keep every tensor alive and unshared until this returns; the GIL is
     /// released meanwhile. Use it through `tpu_dynamo.executable.Executable`, which does.
     fn run(&self, py: Python<'_>, inputs: Vec<(usize, usize, i64)>, outputs: Vec<(usize, usize)>) -> PyResult<()> {
         check_sizes("inputs", &self.entry.inputs, &inputs, |i| i.1)?;
@@ -255,11 +279,13 @@ impl CompiledGraph {
                 .map(|(i, &input)| self.input_buffer(i, input))
                 .collect::<Result<Vec<_>, _>>()?;
             let args: Vec<&Buffer> = buffers.iter().map(|b| &**b).collect();
+            self.forget_donated();
             let results = self.entry.exe.execute(&args)?;
             for (buf, &(ptr, nbytes)) in results.iter().zip(&outputs) {
                 // SAFETY: the caller allocated `nbytes` writable bytes at `ptr` for this output.
                 buf.to_host(unsafe { host_slice_mut(ptr, nbytes) })?;
             }
+            self.keep_updated(&inputs, &mut results.into_iter().map(Some).collect::<Vec<_>>());
             STATS.executions.fetch_add(1, Relaxed);
             add_time(&STATS.execute_nanos, start.elapsed());
             Ok(())

@@ -80,18 +80,26 @@ def _is_symbolic(example_inputs: Sequence[Any]) -> bool:
     )
 
 
+def _versions_bumped_by_aot() -> frozenset[int]:
+    """Inputs whose version AOTAutograd's runtime wrapper bumps after the graph mutated them."""
+    meta = getattr(torch._guards.TracingContext.try_get(), "fw_metadata", None)
+    return frozenset(meta.mutated_graph_handled_indices_seen_by_autograd) if meta else frozenset()
+
+
 def _aot_compile(
     gm: torch.fx.GraphModule, args: Sequence[Any], dynamo_kinds: list[InputKind], opts: options_mod.Options
 ) -> Callable[..., Any]:
     def compiler(aten_gm: torch.fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
-        return compile_graph(aten_gm, _aot_kinds(aten_gm, dynamo_kinds), opts)
+        return compile_graph(aten_gm, _aot_kinds(aten_gm, dynamo_kinds), opts, _versions_bumped_by_aot())
 
     return aot_module_simplified(
         gm,
         list(args),
         fw_compiler=compiler,
         decompositions=DECOMPOSITIONS,
-        keep_inference_input_mutations=False,
+        # Input mutations (StaticCache K/V, buffers) stay in the graph as trailing `copy_`s that
+        # become donated input/output aliases, instead of extra outputs AOTAutograd copies back.
+        keep_inference_input_mutations=True,
     )
 
 

@@ -59,6 +59,8 @@ class Converted:
     """Tensors read through `get_attr`; they follow the placeholders as IR inputs."""
     outputs: tuple[int | None, ...]
     """Per graph output: the index into the executable's results, or None for a None output."""
+    mutations: tuple[tuple[int, int], ...] = ()
+    """`(IR input, result index)` per input the graph updates in place (`copy_` into it)."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -109,6 +111,8 @@ class _Builder:
         self.constants: list[torch.Tensor] = []
         self.nodes: list[dict[str, Any]] = []
         self.sources: list[str | None] = []
+        # IR input -> value id of its new content, from `copy_(placeholder, value)`.
+        self.mutations: dict[int, int] = {}
         self.next_value = 0
 
     def new_value(self) -> int:
@@ -167,7 +171,25 @@ class _Builder:
                 self.constants.append(t)
         self.next_value = len(self.inputs)
 
+    def mutation(self, n: torch.fx.Node) -> bool:
+        """Records `copy_(input, value)`, AOTAutograd's kept input mutation, as an alias.
+
+        With `keep_inference_input_mutations` the functional graph ends in these copies; the
+        executable returns `value` into the input's memory (and donated device buffer) instead.
+        """
+        if n.target is not torch.ops.aten.copy_.default or n.args[0].op != "placeholder":
+            return False
+        dst, src = n.args[:2]
+        want, got = (tensor_type(x.meta["val"], f"copy_ into {dst.name}") for x in (dst, src))
+        if want != got:
+            raise NotImplementedError(f"tpu_dynamo: in-place copy_ of {got} into input {dst.name} ({want})")
+        self.mutations[self.value_of(dst)] = self.value_of(src)
+        self.values[n] = self.value_of(src)
+        return True
+
     def call(self, n: torch.fx.Node) -> None:
+        if self.mutation(n):
+            return
         if n.target is operator.getitem:
             base, index = n.args
             self.values[n] = self.values[base][index]  # type: ignore[index]
@@ -216,10 +238,20 @@ class _Builder:
                         outs.append(self.value_of(o))
             elif n.op not in ("placeholder", "get_attr"):
                 raise LowerError(f"tpu_dynamo: FX node kind {n.op!r} ({n.format_node()}) is not supported")
-        graph = {"inputs": self.inputs, "nodes": self.nodes, "outputs": outs}
+        mutations = []
+        for inp, value in sorted(self.mutations.items()):
+            mutations.append((inp, len(outs)))
+            outs.append(value)
+        aliases = [{"input": i, "output": o} for i, o in mutations]
+        graph = {"inputs": self.inputs, "nodes": self.nodes, "outputs": outs, "aliases": aliases}
         text = json.dumps({"graph": graph, "sources": self.sources}, separators=(",", ":"))
         return Converted(
-            text, tuple(self.tensor_args), tuple(self.kinds), tuple(self.constants), tuple(template)
+            text,
+            tuple(self.tensor_args),
+            tuple(self.kinds),
+            tuple(self.constants),
+            tuple(template),
+            tuple(mutations),
         )
 
 
