@@ -88,3 +88,22 @@ def test_input_mutations_stay_on_device_and_host_sees_them():
             uploads = tpu_dynamo.stats()["uploads"]
         if step == 3:  # steady state: only pos and x upload; cache and buffer stay resident
             assert tpu_dynamo.stats()["uploads"] - uploads == 2
+
+
+def test_symbolic_graph_specializes_per_shape_without_dynamo_recompiles():
+    def f(x):
+        b, s, h = x.shape
+        pos = torch.arange(s, dtype=x.dtype)
+        return (x.reshape(b, s * h).reshape(b, s, h) + pos[:, None]).softmax(-1).sum(1)
+
+    torch._dynamo.utils.counters.clear()
+    run = compile_tpu(f)
+    lengths = [3, 5, 8, 13, 21]
+    xs = [torch.randn(2, s, 4) for s in lengths]
+    for x in xs:
+        torch._dynamo.mark_dynamic(x, 1)
+    for _ in range(2):
+        for x in xs:
+            torch.testing.assert_close(run(x), f(x))
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+        assert tpu_dynamo.stats()["compiles"] == len(lengths)

@@ -8,7 +8,7 @@ import torch
 import torch.fx
 
 from . import _native, debug
-from .convert import Converted, InputKind, convert
+from .convert import Converted, InputKind, SizeResolver, convert
 from .options import Options
 
 _TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -86,14 +86,19 @@ class Executable:
 
 
 def compile_graph(
-    gm: torch.fx.GraphModule, kinds: list[InputKind], options: Options, caller_bumps: frozenset[int] = frozenset()
+    gm: torch.fx.GraphModule,
+    kinds: list[InputKind],
+    options: Options,
+    caller_bumps: frozenset[int] = frozenset(),
+    resolve: SizeResolver | None = None,
 ) -> Executable:
-    """Converts, lowers and compiles one ATen graph with static shapes (or finds it cached).
+    """Converts, lowers and compiles one ATen graph for one input signature (or finds it cached).
 
     `caller_bumps`: placeholders whose version the caller bumps after a call that mutates them.
+    `resolve`: the concrete value of each symbolic size, for a graph traced with symbolic shapes.
     """
     start = time.perf_counter()
-    converted = convert(gm, kinds)
+    converted = convert(gm, kinds) if resolve is None else convert(gm, kinds, resolve)
     native = _native.compile(converted.json)
     code = gm.code
     ops = tuple(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
