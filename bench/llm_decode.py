@@ -1,7 +1,7 @@
 """LLM decode (issue #7): greedy `generate` with a StaticCache on a tiny random-weight Llama.
 
 Reports decode tokens/s for eager, Inductor and tpu_dynamo, plus tpu_dynamo's compiles and
-host->device uploads per decode step. Run: `python bench/llm_decode.py [--tokens 64] [--repeat 3]`.
+host->device uploads per decode step. Run: `python bench/llm_decode.py [--tokens 64] [--repeat 3] [--hidden 64 --layers 2]`.
 """
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import transformers
 import tpu_dynamo
 
 
-def tiny_llama() -> transformers.LlamaForCausalLM:
+def tiny_llama(hidden: int, layers: int) -> transformers.LlamaForCausalLM:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
     )
     return transformers.LlamaForCausalLM(config).eval()
 
@@ -46,11 +46,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--backends", default="eager,inductor,tpu")
     args = parser.parse_args()
     ids = torch.randint(1, 256, (1, 8), generator=torch.Generator().manual_seed(1))
+    names = args.backends.split(",")
     reference = None
-    for name in ("eager", "inductor", "tpu"):
-        model = tiny_llama()
+    for name in names:
+        model = tiny_llama(args.hidden, args.layers)
         if name != "eager":
             model.forward = torch.compile(model.forward, backend=name, fullgraph=True)
         torch._dynamo.reset()
@@ -58,7 +62,7 @@ def main() -> None:
         seconds, out = timed(model, ids, args.tokens, args.repeat)
         reference = out if reference is None else reference
         line = f"{name:9s} {args.tokens / seconds:8.1f} tokens/s  {seconds / args.tokens * 1e3:6.2f} ms/token"
-        line += f"  same tokens as eager: {torch.equal(out, reference)}"
+        line += f"  same tokens as {names[0]}: {torch.equal(out, reference)}"
         if name == "tpu":
             s = tpu_dynamo.stats()
             runs = args.repeat + 1
