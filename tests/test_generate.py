@@ -110,3 +110,19 @@ def test_symbolic_graph_specializes_per_shape_without_dynamo_recompiles():
             torch.testing.assert_close(run(x), f(x))
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
         assert tpu_dynamo.stats()["compiles"] == len(lengths)
+
+
+def test_input_mutation_under_inference_mode():
+    """Inference tensors have no version counter: correct results, re-uploaded every call."""
+
+    def f(cache, pos, x):
+        cache.index_copy_(0, pos, x)
+        return cache.sum(0)
+
+    run = compile_tpu(f)
+    with torch.inference_mode():
+        got, want = torch.zeros(4, 2), torch.zeros(4, 2)
+        for i in range(3):
+            x, pos = torch.full((1, 2), float(i + 1)), torch.tensor([i])
+            torch.testing.assert_close(run(got, pos, x), f(want, pos, x))
+            torch.testing.assert_close(got, want)

@@ -62,8 +62,10 @@ class Executable:
                 raise ValueError(f"tpu_dynamo: inputs must be CPU tensors, got one on {t.device}")
             c = t.contiguous()
             held.append(c)
-            # A mutated input that is not dense gets a dense copy; that copy is not kept.
-            ins.append((c.data_ptr(), c.nbytes, c._version if resident and c is t else -1))
+            # A mutated input that is not dense gets a dense copy, and an inference tensor has no
+            # version counter: neither can be kept resident.
+            keep = resident and c is t and not t.is_inference()
+            ins.append((c.data_ptr(), c.nbytes, t._version if keep else -1))
         outs = [torch.empty(shape, dtype=dtype) for dtype, shape in self.out_types]
         for i, o in self.mutations:
             outs[o] = held[i]
@@ -82,7 +84,9 @@ class Executable:
         for i, _ in self.mutations:
             if held[i] is not tensors[i]:
                 tensors[i].copy_(held[i])
-        torch.autograd.graph.increment_version([tensors[i] for i in self.bump if held[i] is tensors[i]])
+        torch.autograd.graph.increment_version(
+            [tensors[i] for i in self.bump if held[i] is tensors[i] and not tensors[i].is_inference()]
+        )
 
 
 def compile_graph(
