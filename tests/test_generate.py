@@ -126,3 +126,14 @@ def test_input_mutation_under_inference_mode():
             x, pos = torch.full((1, 2), float(i + 1)), torch.tensor([i])
             torch.testing.assert_close(run(got, pos, x), f(want, pos, x))
             torch.testing.assert_close(got, want)
+
+
+def test_bucket_options_compile_exact_shapes_with_a_log_line(caplog):
+    run = compile_tpu(lambda x: x.softmax(-1), options={"num_dynamic_buckets": 2, "bucket_size": 8})
+    with caplog.at_level("INFO", logger="tpu_dynamo"):
+        for s in (3, 5):
+            x = torch.randn(2, s)
+            torch._dynamo.mark_dynamic(x, 1)
+            torch.testing.assert_close(run(x), x.softmax(-1))
+    assert "compiling exact shapes" in caplog.text
+    assert tpu_dynamo.stats()["compiles"] == 2

@@ -13,6 +13,7 @@ import sympy
 import torch
 import torch.fx
 
+from . import debug
 from .convert import InputKind
 from .executable import Executable, compile_graph
 from .options import Options
@@ -62,6 +63,12 @@ class PerShape:
         self.gm, self.kinds, self.options, self.caller_bumps = gm, kinds, options, caller_bumps
         self.placeholders = gm.graph.find_nodes(op="placeholder")
         self.compiled: dict[tuple[Any, ...], Executable] = {}
+        if options.buckets_requested:
+            debug.log.info(
+                "%s: num_dynamic_buckets/bucket_size: compiling exact shapes (padding a dynamic"
+                " dim is not proven safe for this graph)",
+                options.name or "graph",
+            )
 
     def __call__(self, args: list[Any]) -> tuple[torch.Tensor | None, ...]:
         signature = tuple((a.dtype, tuple(a.shape)) if isinstance(a, torch.Tensor) else a for a in args)
