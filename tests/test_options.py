@@ -18,11 +18,17 @@ def test_unknown_key_is_a_type_error_naming_it():
         parse({"bogus": 1}, None, None)
 
 
-@pytest.mark.parametrize("key,value", [("num_dynamic_buckets", 2), ("bucket_size", 128),
-                                       ("serializable", True), ("async_compile", True)])
+@pytest.mark.parametrize("key,value", [("serializable", True), ("async_compile", True)])
 def test_unimplemented_options_are_rejected_when_not_default(key, value):
     with pytest.raises(NotImplementedError, match=key):
         parse({key: value}, None, None)
+
+
+def test_bucket_options_are_validated_and_accepted():
+    assert parse({"num_dynamic_buckets": 2, "bucket_size": 128}, None, None).buckets_requested
+    assert not parse(None, None, None).buckets_requested
+    with pytest.raises(ValueError, match="num_dynamic_buckets"):
+        parse({"num_dynamic_buckets": 9}, None, None)
 
 
 def test_unknown_key_through_torch_compile():

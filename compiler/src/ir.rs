@@ -122,11 +122,23 @@ pub struct Node {
     pub outputs: Vec<TensorType>,
 }
 
+/// An input the graph updates in place: `outputs[output]` is the input's new value, so the
+/// executable may write it into the input's (donated) device buffer instead of a fresh one.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Alias {
+    pub input: u32,
+    pub output: u32,
+}
+
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Hash, Default)]
 pub struct Graph {
     pub inputs: Vec<Input>,
     pub nodes: Vec<Node>,
     pub outputs: Vec<ValueId>,
+    /// Inputs mutated by the graph (e.g. a StaticCache's K/V), each tied to the output holding
+    /// its new value; input and output types are equal.
+    #[serde(default)]
+    pub aliases: Vec<Alias>,
 }
 
 /// What Python sends: the canonical graph plus, per node, the user source line Dynamo recorded.

@@ -288,6 +288,9 @@ pub struct CompiledGraph {
     target: Arc<Target>,
     /// Per input slot; stays `None` for user inputs.
     resident: Vec<Mutex<Resident>>,
+    /// `(input, output)` pairs the executable updates in place (donated input buffers); from the
+    /// graph, so they hold for an executable loaded from disk too.
+    aliases: Vec<(usize, usize)>,
     stablehlo: Option<Arc<str>>,
     #[pyo3(get)]
     graph_hash: String,
@@ -326,10 +329,12 @@ pub fn compile(py: Python<'_>, graph_json: &str, need_stablehlo: bool) -> PyResu
         STATS.memory_hits.fetch_add(1, Relaxed);
     }
     let resident = entry.inputs.iter().map(|_| Mutex::new(None)).collect();
+    let aliases = json.graph.aliases.iter().map(|a| (a.input as usize, a.output as usize)).collect();
     Ok(CompiledGraph {
         entry,
         target,
         resident,
+        aliases,
         stablehlo,
         graph_hash,
         memory_hit: source == Source::Memory,
@@ -405,6 +410,27 @@ impl CompiledGraph {
     fn input_buffers(&self, inputs: &[(usize, usize, i64)]) -> Result<Vec<Arc<Buffer>>, RtError> {
         inputs.iter().enumerate().map(|(i, &input)| self.input_buffer(i, input)).collect()
     }
+
+    /// Donation bookkeeping before an execute: an aliased input's buffer is consumed by the
+    /// execute, so its resident slot must not hand it out again (even if the execute fails).
+    fn forget_donated(&self) {
+        for &(i, _) in &self.aliases {
+            *self.resident[i].lock().unwrap_or_else(|p| p.into_inner()) = None;
+        }
+    }
+
+    /// After an execute: an aliased input's new value stays on the device as its resident copy,
+    /// tagged `version + 1` because the Python wrapper, having received that value in the host
+    /// tensor, bumps the tensor's version once. The next call then uploads nothing for it.
+    fn keep_updated(&self, inputs: &[(usize, usize, i64)], results: Vec<Buffer>) {
+        let mut results: Vec<Option<Buffer>> = results.into_iter().map(Some).collect();
+        for &(i, o) in &self.aliases {
+            let (ptr, _, version) = inputs[i];
+            if let (true, Some(buf)) = (version >= 0, results[o].take()) {
+                *self.resident[i].lock().unwrap_or_else(|p| p.into_inner()) = Some((ptr, version + 1, Arc::new(buf)));
+            }
+        }
+    }
 }
 
 #[pymethods]
@@ -430,8 +456,9 @@ impl CompiledGraph {
 
     /// Runs once. `inputs`: `(data_ptr, nbytes, version)` of dense host tensors, version -1 for
     /// inputs that change every call; `outputs`: `(data_ptr, nbytes)` of dense host tensors to
-    /// fill. The caller must keep every tensor alive and unshared until this returns; the GIL is
-    /// released meanwhile. Use it through `tpu_dynamo.executable.Executable`, which does.
+    /// fill (for an aliased output: the mutated input's own memory, whose version the caller
+    /// then bumps once; see `Graph::aliases`). The caller must keep every tensor alive and
+    /// unshared until this returns; the GIL is released meanwhile. Use it through `tpu_dynamo.executable.Executable`, which does.
     fn run(&self, py: Python<'_>, inputs: Vec<(usize, usize, i64)>, outputs: Vec<(usize, usize)>) -> PyResult<()> {
         check_sizes("inputs", &self.entry.inputs, &inputs, |i| i.1)?;
         check_sizes("outputs", &self.entry.outputs, &outputs, |o| o.1)?;
@@ -439,10 +466,12 @@ impl CompiledGraph {
             let start = Instant::now();
             let buffers = self.input_buffers(&inputs)?;
             let args: Vec<&Buffer> = buffers.iter().map(|b| &**b).collect();
+            self.forget_donated();
             let results = self.entry.exe.execute(&args)?;
             // SAFETY: the caller allocated `nbytes` writable bytes at `ptr` for each output.
             let dsts = outputs.iter().map(|&(ptr, nbytes)| unsafe { host_slice_mut(ptr, nbytes) });
             Buffer::to_host_all(results.iter().zip(dsts))?;
+            self.keep_updated(&inputs, results);
             STATS.executions.fetch_add(1, Relaxed);
             add_time(&STATS.execute_nanos, start.elapsed());
             Ok(())
@@ -455,6 +484,10 @@ impl CompiledGraph {
     /// divides `run`'s time by to get the backend's per-call overhead.
     fn bench_execute(&self, py: Python<'_>, inputs: Vec<(usize, usize, i64)>, n: usize) -> PyResult<Vec<f64>> {
         check_sizes("inputs", &self.entry.inputs, &inputs, |i| i.1)?;
+        if !self.aliases.is_empty() {
+            // Each execute would consume (donate) the inputs it updates in place.
+            return Err(PyValueError::new_err("tpu_dynamo: bench_execute cannot time a graph that mutates its inputs"));
+        }
         py.detach(|| -> Result<Vec<f64>, RtError> {
             let buffers = self.input_buffers(&inputs)?;
             let args: Vec<&Buffer> = buffers.iter().map(|b| &**b).collect();

@@ -18,6 +18,7 @@ from torch._functorch._aot_autograd.descriptors import BufferAOTInput, ParamAOTI
 from . import options as options_mod
 from .convert import InputKind
 from .executable import compile_graph
+from .symbolic import PerShape
 
 # Core ATen only: the compiler lowers core ATen ops (plus what the census shows survives it,
 # e.g. SDPA is decomposed by this table into bmm/_softmax).
@@ -80,43 +81,32 @@ def _is_symbolic(example_inputs: Sequence[Any]) -> bool:
     )
 
 
+def _versions_bumped_by_aot() -> frozenset[int]:
+    """Inputs whose version AOTAutograd's runtime wrapper bumps after the graph mutated them."""
+    meta = getattr(torch._guards.TracingContext.try_get(), "fw_metadata", None)
+    return frozenset(meta.mutated_graph_handled_indices_seen_by_autograd) if meta else frozenset()
+
+
 def _aot_compile(
     gm: torch.fx.GraphModule, args: Sequence[Any], dynamo_kinds: list[InputKind], opts: options_mod.Options
 ) -> Callable[..., Any]:
+    symbolic = _is_symbolic(args)
+
     def compiler(aten_gm: torch.fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
-        return compile_graph(aten_gm, _aot_kinds(aten_gm, dynamo_kinds), opts)
+        kinds, bumps = _aot_kinds(aten_gm, dynamo_kinds), _versions_bumped_by_aot()
+        if symbolic:
+            return PerShape(aten_gm, kinds, opts, bumps)
+        return compile_graph(aten_gm, kinds, opts, bumps)
 
     return aot_module_simplified(
         gm,
         list(args),
         fw_compiler=compiler,
         decompositions=DECOMPOSITIONS,
-        keep_inference_input_mutations=False,
+        # Input mutations (StaticCache K/V, buffers) stay in the graph as trailing `copy_`s that
+        # become donated input/output aliases, instead of extra outputs AOTAutograd copies back.
+        keep_inference_input_mutations=True,
     )
-
-
-class _PerShape:
-    """Runs a graph Dynamo traced with symbolic sizes by specializing it per concrete signature.
-
-    The compiler needs static shapes; this gives one compile per distinct input signature (like
-    torch_xla), and a steady-state call only builds the signature tuple and looks it up.
-    """
-
-    def __init__(self, gm: torch.fx.GraphModule, dynamo_kinds: list[InputKind], opts: options_mod.Options):
-        self.gm = gm
-        self.dynamo_kinds = dynamo_kinds
-        self.opts = opts
-        self.compiled: dict[tuple[Any, ...], Callable[..., Any]] = {}
-
-    def __call__(self, *args: Any) -> Any:
-        signature = tuple(
-            (a.dtype, tuple(a.shape)) if isinstance(a, torch.Tensor) else a for a in args
-        )
-        fn = self.compiled.get(signature)
-        if fn is None:
-            fn = _aot_compile(self.gm, args, self.dynamo_kinds, self.opts)
-            self.compiled[signature] = fn
-        return fn(*args)
 
 
 def tpu_backend(
@@ -132,6 +122,4 @@ def tpu_backend(
     _check_inference(example_inputs)
     placeholders = gm.graph.find_nodes(op="placeholder")
     dynamo_kinds = [_dynamo_kind(n, v) for n, v in zip(placeholders, example_inputs)]
-    if _is_symbolic(example_inputs):
-        return _PerShape(gm, dynamo_kinds, opts)
     return _aot_compile(gm, example_inputs, dynamo_kinds, opts)

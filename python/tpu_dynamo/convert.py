@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import operator
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -35,6 +36,8 @@ _DTYPES: dict[torch.dtype, str] = {
 # Placement, not value: the device is ours to choose, and pinning is a host-memory detail.
 _DROPPED_KWARGS = frozenset({"device", "pin_memory"})
 
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
 
 class InputKind(str, Enum):
     """Where an input comes from. Parameters, buffers and constants stay resident on the device."""
@@ -59,6 +62,8 @@ class Converted:
     """Tensors read through `get_attr`; they follow the placeholders as IR inputs."""
     outputs: tuple[int | None, ...]
     """Per graph output: the index into the executable's results, or None for a None output."""
+    mutations: tuple[tuple[int, int], ...] = ()
+    """`(IR input, result index)` per input the graph updates in place (`copy_` into it)."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -68,11 +73,19 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise NotImplementedError(f"tpu_dynamo: dtype {dtype} is not supported") from None
 
 
-def tensor_type(t: Any, what: str) -> dict[str, Any]:
+SizeResolver = Callable[[Any], Any]
+"""Maps a symbolic size (`torch.SymInt`/`SymFloat`/`SymBool`) to its value for one call."""
+
+
+def _static(x: Any) -> Any:
+    return x
+
+
+def tensor_type(t: Any, what: str, resolve: SizeResolver = _static) -> dict[str, Any]:
     if not isinstance(t, torch.Tensor):
         raise NotImplementedError(f"tpu_dynamo: {what} is a {type(t).__name__}, not a tensor")
     shape = []
-    for d in t.shape:
+    for d in map(resolve, t.shape):
         if not isinstance(d, int):
             raise NotImplementedError(f"tpu_dynamo: {what} has a symbolic shape {tuple(t.shape)}")
         shape.append(d)
@@ -96,12 +109,16 @@ def source_line(node: torch.fx.Node) -> str | None:
 
 
 class _Builder:
-    def __init__(self, gm: torch.fx.GraphModule, placeholder_kinds: list[InputKind]) -> None:
+    def __init__(
+        self, gm: torch.fx.GraphModule, placeholder_kinds: list[InputKind], resolve: SizeResolver
+    ) -> None:
         self.gm = gm
         self.placeholder_kinds = placeholder_kinds
+        self.resolve = resolve
         # FX node -> value id (single tensor) or {tuple index: value id} (multi-output node).
         self.values: dict[torch.fx.Node, int | dict[int, int]] = {}
-        # Scalar placeholders (sizes of a graph specialized per shape) are baked in as literals.
+        # Scalar placeholders and size computations (sym_size, operator.mul on SymInts) of a
+        # graph specialized per shape are baked in as literals.
         self.scalars: dict[torch.fx.Node, int | float | bool] = {}
         self.tensor_args: list[int] = []
         self.inputs: list[dict[str, Any]] = []
@@ -109,6 +126,8 @@ class _Builder:
         self.constants: list[torch.Tensor] = []
         self.nodes: list[dict[str, Any]] = []
         self.sources: list[str | None] = []
+        # IR input -> value id of its new content, from `copy_(placeholder, value)`.
+        self.mutations: dict[int, int] = {}
         self.next_value = 0
 
     def new_value(self) -> int:
@@ -131,6 +150,8 @@ class _Builder:
             if a in self.scalars:
                 return self.arg(self.scalars[a])
             return {"value": self.value_of(a)}
+        if isinstance(a, _SYMBOLIC):
+            return self.arg(self.resolve(a))
         if a is None:
             return "none"
         if isinstance(a, bool):
@@ -154,20 +175,44 @@ class _Builder:
         assert len(phs) == len(self.placeholder_kinds), "one kind per placeholder"
         for i, (n, kind) in enumerate(zip(phs, self.placeholder_kinds)):
             val = n.meta.get("val")
-            if isinstance(val, (int, float, bool)):
-                self.scalars[n] = val
+            if isinstance(val, (int, float, bool, *_SYMBOLIC)):
+                self.scalars[n] = self.resolve(val)
                 continue
             self.tensor_args.append(i)
-            self.add_input(n, tensor_type(val, f"input {n.name}"), kind)
+            self.add_input(n, self.tensor_type(val, f"input {n.name}"), kind)
         # get_attr tensors become constant inputs after the placeholders, in graph order.
         for n in self.gm.graph.nodes:
             if n.op == "get_attr":
                 t = operator.attrgetter(n.target)(self.gm)
-                self.add_input(n, tensor_type(t, f"constant {n.target}"), InputKind.CONSTANT)
+                self.add_input(n, self.tensor_type(t, f"constant {n.target}"), InputKind.CONSTANT)
                 self.constants.append(t)
         self.next_value = len(self.inputs)
 
+    def mutation(self, n: torch.fx.Node) -> bool:
+        """Records `copy_(input, value)`, AOTAutograd's kept input mutation, as an alias.
+
+        With `keep_inference_input_mutations` the functional graph ends in these copies; the
+        executable returns `value` into the input's memory (and donated device buffer) instead.
+        """
+        if n.target is not torch.ops.aten.copy_.default or n.args[0].op != "placeholder":
+            return False
+        dst, src = n.args[:2]
+        want, got = (self.tensor_type(x.meta["val"], f"copy_ into {dst.name}") for x in (dst, src))
+        if want != got:
+            raise NotImplementedError(f"tpu_dynamo: in-place copy_ of {got} into input {dst.name} ({want})")
+        self.mutations[self.value_of(dst)] = self.value_of(src)
+        self.values[n] = self.value_of(src)
+        return True
+
+    def tensor_type(self, t: Any, what: str) -> dict[str, Any]:
+        return tensor_type(t, what, self.resolve)
+
     def call(self, n: torch.fx.Node) -> None:
+        if isinstance(n.meta.get("val"), _SYMBOLIC):
+            self.scalars[n] = self.resolve(n.meta["val"])
+            return
+        if self.mutation(n):
+            return
         if n.target is operator.getitem:
             base, index = n.args
             self.values[n] = self.values[base][index]  # type: ignore[index]
@@ -183,11 +228,11 @@ class _Builder:
             outputs, ids = [], {}
             for i, t in enumerate(val):
                 if isinstance(t, torch.Tensor):
-                    outputs.append(tensor_type(t, f"output {i} of {op}"))
+                    outputs.append(self.tensor_type(t, f"output {i} of {op}"))
                     ids[i] = self.new_value()
             self.values[n] = ids
         else:
-            outputs = [tensor_type(val, f"output of {op}")]
+            outputs = [self.tensor_type(val, f"output of {op}")]
             self.values[n] = self.new_value()
         kwargs = sorted((k, v) for k, v in n.kwargs.items() if k not in _DROPPED_KWARGS)
         self.nodes.append(
@@ -216,13 +261,28 @@ class _Builder:
                         outs.append(self.value_of(o))
             elif n.op not in ("placeholder", "get_attr"):
                 raise LowerError(f"tpu_dynamo: FX node kind {n.op!r} ({n.format_node()}) is not supported")
-        graph = {"inputs": self.inputs, "nodes": self.nodes, "outputs": outs}
+        mutations = []
+        for inp, value in sorted(self.mutations.items()):
+            mutations.append((inp, len(outs)))
+            outs.append(value)
+        aliases = [{"input": i, "output": o} for i, o in mutations]
+        graph = {"inputs": self.inputs, "nodes": self.nodes, "outputs": outs, "aliases": aliases}
         text = json.dumps({"graph": graph, "sources": self.sources}, separators=(",", ":"))
         return Converted(
-            text, tuple(self.tensor_args), tuple(self.kinds), tuple(self.constants), tuple(template)
+            text,
+            tuple(self.tensor_args),
+            tuple(self.kinds),
+            tuple(self.constants),
+            tuple(template),
+            tuple(mutations),
         )
 
 
-def convert(gm: torch.fx.GraphModule, placeholder_kinds: list[InputKind]) -> Converted:
-    """Converts an ATen-level, functional FX graph with static shapes to the graph IR."""
-    return _Builder(gm, placeholder_kinds).build()
+def convert(
+    gm: torch.fx.GraphModule, placeholder_kinds: list[InputKind], resolve: SizeResolver = _static
+) -> Converted:
+    """Converts an ATen-level, functional FX graph to the graph IR.
+
+    Shapes must be static, or symbolic with `resolve` giving every size its value for this call.
+    """
+    return _Builder(gm, placeholder_kinds, resolve).build()

@@ -8,7 +8,7 @@ import torch
 import torch.fx
 
 from . import _native, debug
-from .convert import Converted, InputKind, convert
+from .convert import Converted, InputKind, SizeResolver, convert
 from .options import Options
 
 _TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -38,44 +38,85 @@ class Executable:
 
     _boxed_call = True
 
-    def __init__(self, native: _native.CompiledGraph, converted: Converted) -> None:
+    def __init__(
+        self, native: _native.CompiledGraph, converted: Converted, caller_bumps: frozenset[int] = frozenset()
+    ) -> None:
         self.native = native
         self.tensor_args = converted.tensor_args
         self.constants = converted.constants
-        self.resident = tuple(k is not InputKind.USER for k in converted.kinds)
+        self.mutations = converted.mutations
+        # Mutated inputs whose version we bump ourselves (AOTAutograd bumps the others).
+        self.bump = tuple(i for i, _ in self.mutations if converted.tensor_args[i] not in caller_bumps)
+        mutated = {i for i, _ in self.mutations}
+        # A mutated input's new value stays on the device, so it is resident whatever its kind.
+        self.resident = tuple(k is not InputKind.USER or i in mutated for i, k in enumerate(converted.kinds))
         self.template = converted.outputs
         self.out_types = [(_TORCH_DTYPES[d], tuple(s)) for d, s in native.output_types]
 
-    def _host_inputs(self, args: list[Any]) -> tuple[list[torch.Tensor], list[tuple[int, int, int]]]:
-        """The dense CPU tensors to keep alive during the call, and their `(ptr, nbytes, version)`."""
+    def _host_inputs(
+        self, args: list[Any]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[int, int, int]]]:
+        """The call's input tensors, their dense versions to keep alive during the call, and
+        those dense tensors' `(ptr, nbytes, version)`."""
         tensors = [*(args[i] for i in self.tensor_args), *self.constants]
         held, ins = [], []
         for t, resident in zip(tensors, self.resident):
             if t.device.type != "cpu":
                 raise ValueError(f"tpu_dynamo: inputs must be CPU tensors, got one on {t.device}")
-            t = t.contiguous()
-            held.append(t)
-            ins.append((t.data_ptr(), t.nbytes, t._version if resident else -1))
-        return held, ins
+            c = t.contiguous()
+            held.append(c)
+            # A mutated input that is not dense gets a dense copy, and an inference tensor has no
+            # version counter: neither can be kept resident.
+            keep = resident and c is t and not t.is_inference()
+            ins.append((c.data_ptr(), c.nbytes, t._version if keep else -1))
+        return tensors, held, ins
 
     def __call__(self, args: list[Any]) -> tuple[torch.Tensor | None, ...]:
-        held, ins = self._host_inputs(args)
+        tensors, held, ins = self._host_inputs(args)
         args.clear()  # boxed convention: let AOTAutograd's caller free inputs early
         outs = [torch.empty(shape, dtype=dtype) for dtype, shape in self.out_types]
+        for i, o in self.mutations:
+            outs[o] = held[i]
         self.native.run(ins, [(o.data_ptr(), o.nbytes) for o in outs])
+        self._commit_mutations(tensors, held)
         return tuple(None if i is None else outs[i] for i in self.template)
 
     def bench_execute(self, args: list[Any], n: int) -> list[float]:
         """Seconds per bare PJRT execute on `args` (a call's inputs, uploaded once), `n` times."""
-        _held, ins = self._host_inputs(args)
+        _tensors, _held, ins = self._host_inputs(args)
         return self.native.bench_execute(ins, n)
 
+    def _commit_mutations(self, tensors: list[torch.Tensor], held: list[torch.Tensor]) -> None:
+        """Makes each mutated input observe its new value, which Rust wrote into `held[i]`.
 
-def compile_graph(gm: torch.fx.GraphModule, kinds: list[InputKind], options: Options) -> Executable:
-    """Converts, lowers and compiles one ATen graph with static shapes (or finds it cached in
-    memory or on disk)."""
+        A dense input was written in place; its version must then go up exactly once, as for an
+        in-place op, so caches keyed on versions (ours included: Rust kept the new device buffer
+        as version + 1) see the change. AOTAutograd's wrapper bumps the mutations it tracks; we
+        bump the rest. A non-dense input gets the dense copy copied back (not kept resident).
+        """
+        for i, _ in self.mutations:
+            if held[i] is not tensors[i]:
+                tensors[i].copy_(held[i])
+        torch.autograd.graph.increment_version(
+            [tensors[i] for i in self.bump if held[i] is tensors[i] and not tensors[i].is_inference()]
+        )
+
+
+def compile_graph(
+    gm: torch.fx.GraphModule,
+    kinds: list[InputKind],
+    options: Options,
+    caller_bumps: frozenset[int] = frozenset(),
+    resolve: SizeResolver | None = None,
+) -> Executable:
+    """Converts, lowers and compiles one ATen graph for one input signature (or finds it cached
+    in memory or on disk).
+
+    `caller_bumps`: placeholders whose version the caller bumps after a call that mutates them.
+    `resolve`: the concrete value of each symbolic size, for a graph traced with symbolic shapes.
+    """
     start = time.perf_counter()
-    converted = convert(gm, kinds)
+    converted = convert(gm, kinds) if resolve is None else convert(gm, kinds, resolve)
     native = _native.compile(converted.json, need_stablehlo=debug.wanted(options))
     code = gm.code
     ops = tuple(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
@@ -98,4 +139,4 @@ def compile_graph(gm: torch.fx.GraphModule, kinds: list[InputKind], options: Opt
         )
     _seen_op_sequences.add(ops)
     debug.report(options, fx_code=code, stablehlo=native.stablehlo, graph_hash=native.graph_hash)
-    return Executable(native, converted)
+    return Executable(native, converted, caller_bumps)

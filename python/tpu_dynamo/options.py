@@ -10,17 +10,23 @@ DebugCallback = Callable[[dict[str, Any]], None]
 
 # TorchTPU's keys that we accept but only at their default (not implemented yet).
 _UNIMPLEMENTED_DEFAULTS: dict[str, Any] = {
-    "num_dynamic_buckets": None,
-    "bucket_size": None,
     "serializable": False,
     "async_compile": False,
 }
+
+
+# TorchTPU's bucketing keys and their valid ranges. Accepted; graphs still compile per exact
+# shape, because padding a dynamic dim is only correct when no op mixes positions along it
+# (softmax, reductions, cumsum over it would read the padding), which nothing proves yet.
+_BUCKET_RANGES: dict[str, tuple[int, int]] = {"num_dynamic_buckets": (1, 8), "bucket_size": (1, 1 << 20)}
 
 
 @dataclass(frozen=True)
 class Options:
     debug_callback: DebugCallback | None = None
     name: str | None = None
+    buckets_requested: bool = False
+    """`num_dynamic_buckets`/`bucket_size` was given: symbolic graphs log that shapes stay exact."""
 
 
 def parse(options: Mapping[str, Any] | None, mode: str | None, name: str | None) -> Options:
@@ -35,10 +41,15 @@ def parse(options: Mapping[str, Any] | None, mode: str | None, name: str | None)
             " drop mode= (and pass backend options through options={...})"
         )
     opts = dict(options or {})
+    own = ("debug_callback", "name", *_BUCKET_RANGES)
     for key in opts:
-        if key not in _UNIMPLEMENTED_DEFAULTS and key not in ("debug_callback", "name"):
-            known = ", ".join(sorted([*_UNIMPLEMENTED_DEFAULTS, "debug_callback", "name"]))
+        if key not in _UNIMPLEMENTED_DEFAULTS and key not in own:
+            known = ", ".join(sorted([*_UNIMPLEMENTED_DEFAULTS, *own]))
             raise TypeError(f"tpu_dynamo: unknown option {key!r}; known options: {known}")
+    for key, (low, high) in _BUCKET_RANGES.items():
+        value = opts.get(key)
+        if value is not None and (type(value) is not int or not low <= value <= high):
+            raise ValueError(f"tpu_dynamo: {key} must be an int in {low}..{high}, got {value!r}")
     for key, default in _UNIMPLEMENTED_DEFAULTS.items():
         if key in opts and opts[key] != default:
             raise NotImplementedError(
@@ -50,4 +61,5 @@ def parse(options: Mapping[str, Any] | None, mode: str | None, name: str | None)
     graph_name = opts.get("name", name)
     if graph_name is not None and not isinstance(graph_name, str):
         raise TypeError(f"tpu_dynamo: name must be a str, got {type(graph_name).__name__}")
-    return Options(debug_callback=callback, name=graph_name)
+    buckets = any(opts.get(key) is not None for key in _BUCKET_RANGES)
+    return Options(debug_callback=callback, name=graph_name, buckets_requested=buckets)

@@ -20,11 +20,11 @@ use builder::{dtype_name, mlir_type, type_str, Builder, Operand, Scalar, Val, R}
 use melior::{
     dialect::{func, DialectHandle},
     ir::{
-        attribute::{StringAttribute, TypeAttribute},
+        attribute::{Attribute, StringAttribute, TypeAttribute},
         block::BlockLike,
         operation::OperationLike,
         r#type::FunctionType,
-        Block, Location, Module, Region, RegionLike,
+        Block, Identifier, Location, Module, Region, RegionLike,
     },
     Context,
 };
@@ -371,12 +371,13 @@ pub fn lower(graph: &Graph, sources: &[Option<String>]) -> Result<Lowered, Lower
     let fn_type = FunctionType::new(&ctx, &in_types, &out_types);
     let region = Region::new();
     region.append_block(block);
+    let arg_attrs = aliasing_attrs(&ctx, graph, &inputs, &outputs).map_err(whole)?;
     let function = func::func(
         &ctx,
         StringAttribute::new(&ctx, "main"),
         TypeAttribute::new(fn_type.into()),
         region,
-        &[],
+        &arg_attrs,
         loc,
     );
     let module = Module::new(loc);
@@ -392,6 +393,35 @@ pub fn lower(graph: &Graph, sources: &[Option<String>]) -> Result<Lowered, Lower
         inputs,
         outputs,
     })
+}
+
+/// `arg_attrs` marking each aliased input with `tf.aliasing_output` (as JAX does for donated
+/// arguments): XLA then builds the input/output alias config, and PJRT donates the input buffer
+/// at execute time, writing that output in place. Empty when nothing is aliased.
+fn aliasing_attrs<'c>(
+    ctx: &'c Context,
+    graph: &Graph,
+    inputs: &[TensorType],
+    outputs: &[TensorType],
+) -> Result<Vec<(Identifier<'c>, Attribute<'c>)>, String> {
+    if graph.aliases.is_empty() {
+        return Ok(vec![]);
+    }
+    let mut per_input = vec![String::from("{}"); inputs.len()];
+    for a in &graph.aliases {
+        let (i, o) = (a.input as usize, a.output as usize);
+        match (inputs.get(i), outputs.get(o)) {
+            (Some(it), Some(ot)) if it == ot => {}
+            _ => return Err(format!("alias of input {i} to output {o}: missing or of another type")),
+        }
+        if per_input[i] != "{}" {
+            return Err(format!("input {i} is aliased twice"));
+        }
+        per_input[i] = format!("{{tf.aliasing_output = {o} : i32}}");
+    }
+    let text = format!("[{}]", per_input.join(", "));
+    let attr = Attribute::parse(ctx, &text).ok_or_else(|| format!("cannot parse {text}"))?;
+    Ok(vec![(Identifier::new(ctx, "arg_attrs"), attr)])
 }
 
 /// Emits every node and the `func.return` into `block`.

@@ -1,0 +1,139 @@
+"""Issue #7: LLM generation (StaticCache decode loop, dynamic cache) and input mutation."""
+import pytest
+import torch
+import transformers
+
+import tpu_dynamo
+
+from conftest import compile_tpu
+
+TOKENS = 64
+
+
+def tiny(kind: str) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )
+    if kind == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=16, **common)).eval()
+
+
+def generate(model, ids, tokens, **kwargs):
+    with torch.no_grad():
+        return model.generate(
+            ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0, **kwargs
+        )
+
+
+IDS = torch.randint(1, 128, (1, 7), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_static_cache_generate_matches_eager_without_recompiles(kind):
+    model = tiny(kind)
+    expected = generate(model, IDS, TOKENS, cache_implementation="static")
+    model.forward = compile_tpu(model.forward)
+    got = generate(model, IDS, TOKENS, cache_implementation="static")
+    assert torch.equal(got, expected)
+    assert tpu_dynamo.stats()["compiles"] == 2  # prefill + one decode step graph for all 63 steps
+    before = tpu_dynamo.stats()
+    again = generate(model, IDS, TOKENS, cache_implementation="static")
+    after = tpu_dynamo.stats()
+    assert torch.equal(again, expected)
+    assert after["compiles"] == before["compiles"]
+    # The K/V caches stay on the device between steps: only the step's small inputs upload.
+    steps = after["executions"] - before["executions"]
+    assert (after["uploads"] - before["uploads"]) / steps < 4
+
+
+def test_dynamic_cache_generate_matches_eager():
+    model = tiny("llama")
+    expected = generate(model, IDS, 8)
+    model.forward = compile_tpu(model.forward)  # dynamic=None: symbolic after the 2nd shape
+    assert torch.equal(generate(model, IDS, 8), expected)
+
+
+class Counter(torch.nn.Module):
+    """Mutates a buffer and a plain tensor argument in place, like a StaticCache update."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("steps", torch.zeros(4))
+
+    def forward(self, cache, pos, x):
+        self.steps.add_(1)
+        cache.index_copy_(0, pos, x)
+        return cache.sum(0) + self.steps
+
+
+def test_input_mutations_stay_on_device_and_host_sees_them():
+    eager, compiled = Counter(), Counter()
+    modules = []
+    run = compile_tpu(compiled, options={"debug_callback": lambda d: modules.append(d["stablehlo"])})
+    cache_e, cache_c = torch.zeros(8, 4), torch.zeros(8, 4)
+    for step in range(6):
+        if step == 4:  # a host-side change between calls must reach the device copy
+            cache_e.fill_(2.0)
+            cache_c.fill_(2.0)
+        x = torch.full((1, 4), float(step + 1))
+        pos = torch.tensor([step])
+        want = eager(cache_e, pos, x)
+        got = run(cache_c, pos, x)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(cache_c, cache_e)
+        torch.testing.assert_close(compiled.steps, eager.steps)
+        if step == 2:
+            uploads = tpu_dynamo.stats()["uploads"]
+        if step == 3:  # steady state: only pos and x upload; cache and buffer stay resident
+            assert tpu_dynamo.stats()["uploads"] - uploads == 2
+    # Both mutated inputs are donated: XLA writes their new values into the input buffers.
+    assert [m.count("tf.aliasing_output") for m in modules] == [2]
+
+
+def test_symbolic_graph_specializes_per_shape_without_dynamo_recompiles():
+    def f(x):
+        b, s, h = x.shape
+        pos = torch.arange(s, dtype=x.dtype)
+        return (x.reshape(b, s * h).reshape(b, s, h) + pos[:, None]).softmax(-1).sum(1)
+
+    torch._dynamo.utils.counters.clear()
+    run = compile_tpu(f)
+    lengths = [3, 5, 8, 13, 21]
+    xs = [torch.randn(2, s, 4) for s in lengths]
+    for x in xs:
+        torch._dynamo.mark_dynamic(x, 1)
+    for _ in range(2):
+        for x in xs:
+            torch.testing.assert_close(run(x), f(x))
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+        assert tpu_dynamo.stats()["compiles"] == len(lengths)
+
+
+def test_input_mutation_under_inference_mode():
+    """Inference tensors have no version counter: correct results, re-uploaded every call."""
+
+    def f(cache, pos, x):
+        cache.index_copy_(0, pos, x)
+        return cache.sum(0)
+
+    run = compile_tpu(f)
+    with torch.inference_mode():
+        got, want = torch.zeros(4, 2), torch.zeros(4, 2)
+        for i in range(3):
+            x, pos = torch.full((1, 2), float(i + 1)), torch.tensor([i])
+            torch.testing.assert_close(run(got, pos, x), f(want, pos, x))
+            torch.testing.assert_close(got, want)
+
+
+def test_bucket_options_compile_exact_shapes_with_a_log_line(caplog):
+    run = compile_tpu(lambda x: x.softmax(-1), options={"num_dynamic_buckets": 2, "bucket_size": 8})
+    with caplog.at_level("INFO", logger="tpu_dynamo"):
+        for s in (3, 5):
+            x = torch.randn(2, s)
+            torch._dynamo.mark_dynamic(x, 1)
+            torch.testing.assert_close(run(x), x.softmax(-1))
+    assert "compiling exact shapes" in caplog.text
+    assert tpu_dynamo.stats()["compiles"] == 2
