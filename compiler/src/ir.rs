@@ -176,3 +176,67 @@ impl GraphWithSources {
         serde_json::from_str(text)
     }
 }
+
+/// An integer size expression over the symbols of a [`SymbolicGraph`]. `Sym(k)` is the k-th
+/// symbol, numbered by first appearance in the graph (never the tracer's own names, which may
+/// differ between processes). `FloorDiv` and `Mod` round toward -inf, like Python's `//` and
+/// `%` (sympy's `FloorDiv`/`Mod` as Dynamo emits them).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum SymExpr {
+    Sym(u32),
+    Const(i64),
+    Add(Vec<SymExpr>),
+    Mul(Vec<SymExpr>),
+    FloorDiv(Box<SymExpr>, Box<SymExpr>),
+    Mod(Box<SymExpr>, Box<SymExpr>),
+    Pow(Box<SymExpr>, u32),
+    Max(Vec<SymExpr>),
+    Min(Vec<SymExpr>),
+}
+
+/// Where a symbolic integer sits in a [`SymbolicGraph`]'s graph, which holds 0 there.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum SymSlot {
+    /// Dimension `dim` of value `value`'s type (an input or a node output).
+    Dim { value: ValueId, dim: u32 },
+    /// An `Arg::Int` of node `node`: `arg` indexes its positional arguments, then its keyword
+    /// arguments' values; `path` indexes into nested `Arg::List`s.
+    Arg { node: u32, arg: u32, path: Vec<u32> },
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Hash)]
+pub struct SymSize {
+    pub at: SymSlot,
+    pub expr: SymExpr,
+}
+
+/// A graph traced with symbolic sizes (Dynamo's `dynamic=True`, `mark_dynamic`, or the second
+/// shape under `dynamic=None`), converted once. Per call signature, `specialize` binds the
+/// symbols from the concrete input shapes and `scalars`, and writes every size into a concrete
+/// [`Graph`], which is then hashed, cached and compiled like any static graph. Keeping symbols
+/// out of [`Graph`] itself leaves static graphs' canonical bytes (and disk cache keys) as they were.
+#[derive(Serialize, Deserialize, Clone, Debug, Default)]
+pub struct SymbolicGraph {
+    pub graph: GraphWithSources,
+    /// Every symbolic size in `graph`; each slot appears once.
+    pub sizes: Vec<SymSize>,
+    /// The integer scalars passed beside the tensor inputs (Dynamo's SymInt placeholders), in
+    /// order. A bare `Sym` here or in an input dimension binds that symbol.
+    pub scalars: Vec<SymExpr>,
+}
+
+impl SymbolicGraph {
+    pub fn from_json(text: &str) -> Result<Self, serde_json::Error> {
+        serde_json::from_str(text)
+    }
+
+    /// blake3 of the canonical (bincode) encoding of everything but the source lines.
+    pub fn hash(&self) -> blake3::Hash {
+        let canonical = (&self.graph.graph, &self.sizes, &self.scalars);
+        let bytes = bincode::serde::encode_to_vec(canonical, bincode::config::standard())
+            .expect("encoding an in-memory graph into a Vec cannot fail");
+        blake3::hash(&bytes)
+    }
+}

@@ -1,10 +1,12 @@
 //! tpu-dynamo-compiler: the graph IR that Python hands over, and its lowering to StableHLO.
 //!
 //! `ir` is the contract; `lower` turns a [`ir::Graph`] into a StableHLO module (text and
-//! bytecode) through MLIR, with one module per ATen op family.
+//! bytecode) through MLIR, with one module per ATen op family; `specialize` turns a symbolic graph
+//! into the concrete graph for one call's shapes.
 
 pub mod ir;
 pub mod lower;
+pub mod specialize;
 
 pub use lower::{lower, LowerError, LowerErrorKind, Lowered};
 

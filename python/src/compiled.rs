@@ -306,15 +306,19 @@ pub struct CompiledGraph {
 #[pyfunction]
 #[pyo3(signature = (graph_json, need_stablehlo = false))]
 pub fn compile(py: Python<'_>, graph_json: &str, need_stablehlo: bool) -> PyResult<CompiledGraph> {
-    let json = crate::parse(graph_json)?;
+    compile_graph(py, &crate::parse(graph_json)?, need_stablehlo)
+}
+
+/// `compile` for an already parsed graph (a symbolic graph's specialization skips the JSON).
+pub fn compile_graph(py: Python<'_>, json: &GraphWithSources, need_stablehlo: bool) -> PyResult<CompiledGraph> {
     let canonical = json.graph.canonical_bytes();
     let graph_hash = blake3::hash(&canonical).to_hex().to_string();
     let target = target().map_err(runtime_err)?;
     let mut warnings = vec![];
     let found = py.detach(|| {
-        let (entry, source) = find_or_build(&target, &json, &canonical, &mut warnings)?;
+        let (entry, source) = find_or_build(&target, json, &canonical, &mut warnings)?;
         let stablehlo = match &entry.stablehlo {
-            None if need_stablehlo => Some(lower_graph(&json)?.text.into()),
+            None if need_stablehlo => Some(lower_graph(json)?.text.into()),
             text => text.clone(),
         };
         Ok((entry, source, stablehlo))

@@ -28,6 +28,11 @@ pub struct Stats {
     pub store_nanos: AtomicU64,
     /// Building the plugin identity (hashing the plugin file), once per process.
     pub identity_nanos: AtomicU64,
+    /// Symbolic graphs converted (once each) and handed to Rust.
+    pub symbolic_graphs: AtomicU64,
+    /// Concrete graphs made from a symbolic one, and the time that took (compiles excluded).
+    pub specializations: AtomicU64,
+    pub specialize_nanos: AtomicU64,
 }
 
 pub static STATS: Stats = Stats {
@@ -48,6 +53,9 @@ pub static STATS: Stats = Stats {
     load_nanos: AtomicU64::new(0),
     store_nanos: AtomicU64::new(0),
     identity_nanos: AtomicU64::new(0),
+    symbolic_graphs: AtomicU64::new(0),
+    specializations: AtomicU64::new(0),
+    specialize_nanos: AtomicU64::new(0),
 };
 
 pub fn add_time(counter: &AtomicU64, d: Duration) {
@@ -55,7 +63,7 @@ pub fn add_time(counter: &AtomicU64, d: Duration) {
 }
 
 impl Stats {
-    fn all(&self) -> [(&'static str, &AtomicU64); 17] {
+    fn all(&self) -> [(&'static str, &AtomicU64); 20] {
         [
             ("compiles", &self.compiles),
             ("memory_hits", &self.memory_hits),
@@ -74,6 +82,9 @@ impl Stats {
             ("load_seconds", &self.load_nanos),
             ("store_seconds", &self.store_nanos),
             ("plugin_identity_seconds", &self.identity_nanos),
+            ("symbolic_graphs", &self.symbolic_graphs),
+            ("specializations", &self.specializations),
+            ("specialize_seconds", &self.specialize_nanos),
         ]
     }
 

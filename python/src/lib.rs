@@ -4,6 +4,7 @@ mod counters;
 mod device;
 mod errors;
 mod persist;
+mod symbolic;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -78,6 +79,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     errors::add_to(m)?;
     m.add_class::<compiled::CompiledGraph>()?;
+    m.add_class::<symbolic::SymbolicGraph>()?;
     m.add_function(wrap_pyfunction!(compiled::compile, m)?)?;
     m.add_function(wrap_pyfunction!(canonical_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(graph_hash, m)?)?;

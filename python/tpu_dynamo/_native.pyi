@@ -57,3 +57,17 @@ def cache_clear() -> int:
 
 def plugin_identity() -> dict[str, str]:
     """What disk cache entries made by this process are bound to."""
+
+class SymbolicGraph:
+    """A graph with symbolic sizes (`SymbolicGraph` JSON from `convert.convert_symbolic`), parsed
+    once. ValueError if malformed or if a symbol could never be bound from a call's inputs."""
+
+    def __init__(self, graph_json: str) -> None: ...
+    @property
+    def graph_hash(self) -> str:
+        """blake3 of the symbolic IR without source lines; equal across processes."""
+    def specialize(
+        self, shapes: Sequence[Sequence[int]], scalars: Sequence[int], need_stablehlo: bool = False
+    ) -> CompiledGraph:
+        """The graph for inputs of these shapes (one per graph input) and SymInt scalars,
+        compiled or found in the memory/disk cache; ValueError if they contradict the graph."""

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+import sympy
 import torch
 import torch.fx
+import torch.utils._sympy.functions as symfn
 
 from ._native import LowerError
 
@@ -64,6 +66,8 @@ class Converted:
     """Per graph output: the index into the executable's results, or None for a None output."""
     mutations: tuple[tuple[int, int], ...] = ()
     """`(IR input, result index)` per input the graph updates in place (`copy_` into it)."""
+    scalar_args: tuple[int, ...] = ()
+    """Symbolic graphs: positions of the integer arguments that the IR's `scalars` describe."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -81,12 +85,75 @@ def _static(x: Any) -> Any:
     return x
 
 
+@dataclass(frozen=True)
+class SymbolicSize:
+    """A size kept symbolic in the IR: its `SymExpr` (JSON); the graph holds 0 in its place."""
+
+    expr: Any
+
+
+def _sorted(exprs: list[Any]) -> list[Any]:
+    """Operands of a commutative op in a name-independent order (sympy's depends on names)."""
+    return sorted(exprs, key=lambda e: json.dumps(e, sort_keys=True))
+
+
+class SymbolNames:
+    """`convert_symbolic`'s resolver: a SymInt -> its `SymExpr`, or its int if constant.
+
+    Only symbols that some input dimension or SymInt input is exactly can be bound at call time;
+    they are numbered by first appearance among the placeholders, not by the tracer's names.
+    """
+
+    def __init__(self, placeholders: list[torch.fx.Node]) -> None:
+        self.symbols: dict[sympy.Symbol, int] = {}
+        for n in placeholders:
+            val = n.meta.get("val")
+            for d in val.shape if isinstance(val, torch.Tensor) else [val]:
+                if isinstance(d, torch.SymInt) and isinstance(d.node.expr, sympy.Symbol):
+                    self.symbols.setdefault(d.node.expr, len(self.symbols))
+
+    def __call__(self, x: Any) -> Any:
+        if not isinstance(x, _SYMBOLIC):
+            return x
+        if not isinstance(x, torch.SymInt):
+            raise NotImplementedError(f"tpu_dynamo: symbolic {type(x).__name__} {x.node.expr}")
+        expr = self.expr(sympy.sympify(x.node.expr))
+        return expr["const"] if "const" in expr else SymbolicSize(expr)
+
+    def expr(self, e: sympy.Expr) -> dict[str, Any]:
+        """The `SymExpr` JSON of `e` (see compiler/src/ir.rs)."""
+        args = [self.expr(a) for a in e.args] if not e.is_Atom else []
+        if isinstance(e, sympy.Integer):
+            return {"const": int(e)}
+        if isinstance(e, sympy.Symbol):
+            if e not in self.symbols:
+                raise NotImplementedError(
+                    f"tpu_dynamo: size symbol {e} is not an input size (data-dependent sizes are not supported)"
+                )
+            return {"sym": self.symbols[e]}
+        if isinstance(e, (sympy.Add, sympy.Mul, sympy.Max, sympy.Min, symfn.Max, symfn.Min)):
+            name = {sympy.Add: "add", sympy.Mul: "mul"}.get(type(e), type(e).__name__.lower())
+            return {name: _sorted(args)}
+        if isinstance(e, symfn.FloorDiv):
+            return {"floordiv": args}
+        if isinstance(e, (sympy.Mod, symfn.Mod, symfn.PythonMod)):
+            return {"mod": args}
+        if isinstance(e, symfn.ModularIndexing):
+            base, divisor, modulus = args
+            return {"mod": [{"floordiv": [base, divisor]}, modulus]}
+        if isinstance(e, (sympy.Pow, symfn.PowByNatural)) and isinstance(e.args[1], sympy.Integer) and e.args[1] >= 0:
+            return {"pow": [args[0], int(e.args[1])]}
+        if isinstance(e, symfn.Identity):
+            return args[0]
+        raise NotImplementedError(f"tpu_dynamo: size expression {e} ({type(e).__name__}) is not supported")
+
+
 def tensor_type(t: Any, what: str, resolve: SizeResolver = _static) -> dict[str, Any]:
     if not isinstance(t, torch.Tensor):
         raise NotImplementedError(f"tpu_dynamo: {what} is a {type(t).__name__}, not a tensor")
     shape = []
     for d in map(resolve, t.shape):
-        if not isinstance(d, int):
+        if not isinstance(d, (int, SymbolicSize)):
             raise NotImplementedError(f"tpu_dynamo: {what} has a symbolic shape {tuple(t.shape)}")
         shape.append(d)
     return {"dtype": dtype_name(t.dtype), "shape": shape}
@@ -129,6 +196,9 @@ class _Builder:
         # IR input -> value id of its new content, from `copy_(placeholder, value)`.
         self.mutations: dict[int, int] = {}
         self.next_value = 0
+        # Symbolic graphs: SymInt placeholders' positions and `SymExpr`s.
+        self.scalar_args: list[int] = []
+        self.scalar_exprs: list[Any] = []
 
     def new_value(self) -> int:
         self.next_value += 1
@@ -152,6 +222,8 @@ class _Builder:
             return {"value": self.value_of(a)}
         if isinstance(a, _SYMBOLIC):
             return self.arg(self.resolve(a))
+        if isinstance(a, SymbolicSize):
+            return {"symint": a.expr}  # a marker; `symbolic_sizes` moves it out of the graph
         if a is None:
             return "none"
         if isinstance(a, bool):
@@ -177,6 +249,9 @@ class _Builder:
             val = n.meta.get("val")
             if isinstance(val, (int, float, bool, *_SYMBOLIC)):
                 self.scalars[n] = self.resolve(val)
+                if isinstance(self.scalars[n], SymbolicSize):
+                    self.scalar_args.append(i)
+                    self.scalar_exprs.append(self.scalars[n].expr)
                 continue
             self.tensor_args.append(i)
             self.add_input(n, self.tensor_type(val, f"input {n.name}"), kind)
@@ -267,15 +342,42 @@ class _Builder:
             outs.append(value)
         aliases = [{"input": i, "output": o} for i, o in mutations]
         graph = {"inputs": self.inputs, "nodes": self.nodes, "outputs": outs, "aliases": aliases}
-        text = json.dumps({"graph": graph, "sources": self.sources}, separators=(",", ":"))
+        body: dict[str, Any] = {"graph": graph, "sources": self.sources}
+        if isinstance(self.resolve, SymbolNames):
+            body = {"graph": body, "sizes": self.symbolic_sizes(), "scalars": self.scalar_exprs}
         return Converted(
-            text,
+            json.dumps(body, separators=(",", ":")),
             tuple(self.tensor_args),
             tuple(self.kinds),
             tuple(self.constants),
             tuple(template),
             tuple(mutations),
+            tuple(self.scalar_args),
         )
+
+    def symbolic_sizes(self) -> list[dict[str, Any]]:
+        """Moves every symbolic size out of the graph into `SymbolicGraph.sizes` (`SymSize`s),
+        leaving 0 in its place."""
+        sizes = []
+        types = [i["ty"] for i in self.inputs] + [t for n in self.nodes for t in n["outputs"]]
+        for value, ty in enumerate(types):
+            for d, size in enumerate(ty["shape"]):
+                if isinstance(size, SymbolicSize):
+                    sizes.append({"at": {"dim": {"value": value, "dim": d}}, "expr": size.expr})
+                    ty["shape"][d] = 0
+
+        def visit(a: Any, node: int, arg: int, path: list[int]) -> None:
+            if isinstance(a, dict) and "symint" in a:
+                sizes.append({"at": {"arg": {"node": node, "arg": arg, "path": path}}, "expr": a.pop("symint")})
+                a["int"] = 0
+            elif isinstance(a, dict) and "list" in a:
+                for i, x in enumerate(a["list"]):
+                    visit(x, node, arg, [*path, i])
+
+        for k, n in enumerate(self.nodes):
+            for i, a in enumerate([*n["args"], *(v for _, v in n["kwargs"])]):
+                visit(a, k, i, [])
+        return sizes
 
 
 def convert(
@@ -286,3 +388,11 @@ def convert(
     Shapes must be static, or symbolic with `resolve` giving every size its value for this call.
     """
     return _Builder(gm, placeholder_kinds, resolve).build()
+
+
+def convert_symbolic(gm: torch.fx.GraphModule, placeholder_kinds: list[InputKind]) -> Converted:
+    """Converts a graph with symbolic sizes once, to `SymbolicGraph` JSON (compiler/src/ir.rs).
+
+    NotImplementedError if a size is not representable (float/bool symbols, data-dependent sizes).
+    """
+    return _Builder(gm, placeholder_kinds, SymbolNames(gm.graph.find_nodes(op="placeholder"))).build()

@@ -118,6 +118,18 @@ def compile_graph(
     start = time.perf_counter()
     converted = convert(gm, kinds) if resolve is None else convert(gm, kinds, resolve)
     native = _native.compile(converted.json, need_stablehlo=debug.wanted(options))
+    return wrap(native, gm, converted, options, caller_bumps, start)
+
+
+def wrap(
+    native: _native.CompiledGraph,
+    gm: torch.fx.GraphModule,
+    converted: Converted,
+    options: Options,
+    caller_bumps: frozenset[int],
+    start: float,
+) -> Executable:
+    """Logs and reports how `native` (compiled from `gm`, starting at `start`) was obtained."""
     code = gm.code
     ops = tuple(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
     if native.memory_hit:

@@ -1,0 +1,55 @@
+//! `SymbolicGraph`: a graph with symbolic sizes, parsed once; `specialize` makes and compiles
+//! (or finds cached) the concrete graph for one call's input shapes, with no Python conversion.
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Instant;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use tpu_dynamo_compiler::ir;
+
+use crate::compiled::{compile_graph, CompiledGraph};
+use crate::counters::{add_time, STATS};
+
+fn value_err(e: impl std::fmt::Display) -> PyErr {
+    PyValueError::new_err(e.to_string())
+}
+
+#[pyclass(frozen, module = "tpu_dynamo._native")]
+pub struct SymbolicGraph {
+    ir: ir::SymbolicGraph,
+    /// blake3 of the symbolic IR without source lines: equal across processes for one model.
+    #[pyo3(get)]
+    graph_hash: String,
+}
+
+#[pymethods]
+impl SymbolicGraph {
+    /// Parses `SymbolicGraph` JSON; ValueError if it is malformed or a symbol could never be
+    /// bound from a call's inputs (the caller then specializes in Python instead).
+    #[new]
+    fn new(graph_json: &str) -> PyResult<Self> {
+        let ir = ir::SymbolicGraph::from_json(graph_json)
+            .map_err(|e| value_err(format!("tpu_dynamo: malformed symbolic graph IR JSON: {e}")))?;
+        ir.check().map_err(value_err)?;
+        STATS.symbolic_graphs.fetch_add(1, Relaxed);
+        let graph_hash = ir.hash().to_hex().to_string();
+        Ok(SymbolicGraph { ir, graph_hash })
+    }
+
+    /// The graph for inputs of these shapes (one per graph input) and these integer scalars,
+    /// compiled or found in the memory or disk cache (keyed by the concrete graph's bytes).
+    #[pyo3(signature = (shapes, scalars, need_stablehlo = false))]
+    fn specialize(
+        &self,
+        py: Python<'_>,
+        shapes: Vec<Vec<i64>>,
+        scalars: Vec<i64>,
+        need_stablehlo: bool,
+    ) -> PyResult<CompiledGraph> {
+        let start = Instant::now();
+        let graph = self.ir.specialize(&shapes, &scalars).map_err(value_err)?;
+        STATS.specializations.fetch_add(1, Relaxed);
+        add_time(&STATS.specialize_nanos, start.elapsed());
+        compile_graph(py, &graph, need_stablehlo)
+    }
+}
