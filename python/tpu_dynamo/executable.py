@@ -1,6 +1,7 @@
 """One ATen graph compiled for one input signature, callable with torch CPU tensors."""
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -52,6 +53,7 @@ class Executable:
         self.resident = tuple(k is not InputKind.USER or i in mutated for i, k in enumerate(converted.kinds))
         self.template = converted.outputs
         self.out_types = [(_TORCH_DTYPES[d], tuple(s)) for d, s in native.output_types]
+        self.out_nbytes = [math.prod(s) * d.itemsize for d, s in self.out_types]
 
     def _host_inputs(
         self, args: list[Any]
@@ -60,8 +62,11 @@ class Executable:
         those dense tensors' `(ptr, nbytes, version)`."""
         tensors = [*(args[i] for i in self.tensor_args), *self.constants]
         held, ins = [], []
+        # Per input this runs on every call (~150 parameters on a transformer), so it asks each
+        # tensor only what it must: `is_cpu` is 5x cheaper than `device.type`, and only
+        # resident inputs need `is_inference`.
         for t, resident in zip(tensors, self.resident):
-            if t.device.type != "cpu":
+            if not t.is_cpu:
                 raise ValueError(f"tpu_dynamo: inputs must be CPU tensors, got one on {t.device}")
             c = t.contiguous()
             held.append(c)
@@ -77,8 +82,9 @@ class Executable:
         outs = [torch.empty(shape, dtype=dtype) for dtype, shape in self.out_types]
         for i, o in self.mutations:
             outs[o] = held[i]
-        self.native.run(ins, [(o.data_ptr(), o.nbytes) for o in outs])
-        self._commit_mutations(tensors, held)
+        self.native.run(ins, [(o.data_ptr(), n) for o, n in zip(outs, self.out_nbytes)])
+        if self.mutations:
+            self._commit_mutations(tensors, held)
         return tuple(None if i is None else outs[i] for i in self.template)
 
     def bench_execute(self, args: list[Any], n: int) -> list[float]:

@@ -103,10 +103,15 @@ impl Buffer {
     /// [`Buffer::to_host`] for many buffers: every copy starts before any is awaited, so their
     /// latencies overlap (on the XLA CPU plugin each awaited copy is a thread handoff, ~30 µs).
     /// Every started copy is awaited before this returns, even after an error.
+    /// A ready buffer in dense host memory (CPU plugins) is read directly, with no copy event.
     pub fn to_host_all<'a>(copies: impl IntoIterator<Item = (&'a Buffer, &'a mut [u8])>) -> Result<()> {
         let mut events = Vec::new();
         let mut started = Ok(());
         for (buffer, dst) in copies {
+            if let Some(src) = buffer.dense_host_bytes(dst.len()) {
+                dst.copy_from_slice(src);
+                continue;
+            }
             match buffer.start_to_host(dst) {
                 Ok(event) => events.extend(event),
                 Err(e) => {
@@ -117,6 +122,48 @@ impl Buffer {
         }
         let awaited = events.into_iter().map(event::Event::wait).fold(Ok(()), Result::and);
         started.and(awaited)
+    }
+
+    /// The buffer's own memory when it can be read like the dense row-major host copy of
+    /// `len` bytes: on the CPU, computed (no pending writer) and in the default layout. A
+    /// `PJRT_Buffer_ToHostBuffer` on the XLA CPU plugin runs on its thread pool, so awaiting it
+    /// costs a thread handoff (20-30 µs) even for a few bytes; reading in place does not.
+    fn dense_host_bytes(&self, len: usize) -> Option<&[u8]> {
+        let plugin = &*self.client.plugin;
+        let mut on_cpu = PJRT_Buffer_IsOnCpu_Args::new();
+        on_cpu.buffer = self.raw;
+        if call!(plugin, PJRT_Buffer_IsOnCpu, &mut on_cpu).is_err() || !on_cpu.is_on_cpu || len == 0 {
+            return None;
+        }
+        let mut ready = PJRT_Buffer_ReadyEvent_Args::new();
+        ready.buffer = self.raw;
+        call!(plugin, PJRT_Buffer_ReadyEvent, &mut ready).ok()?;
+        if !event::Event::adopt(plugin, ready.event)?.is_ready() {
+            return None;
+        }
+        let mut layout = PJRT_Buffer_GetMemoryLayout_Args::new();
+        layout.buffer = self.raw;
+        call!(plugin, PJRT_Buffer_GetMemoryLayout, &mut layout).ok()?;
+        if layout.layout.type_ != PJRT_Buffer_MemoryLayout_Type_PJRT_Buffer_MemoryLayout_Type_Tiled {
+            return None;
+        }
+        // SAFETY: the type says which union member the plugin filled in.
+        let tiled = unsafe { layout.layout.__bindgen_anon_1.tiled };
+        let minor_to_major = match tiled.minor_to_major_size {
+            0 => &[][..],
+            // SAFETY: the plugin owns `minor_to_major_size` values for the buffer's lifetime.
+            n => unsafe { std::slice::from_raw_parts(tiled.minor_to_major, n) },
+        };
+        let row_major = minor_to_major.iter().rev().copied().eq(0..minor_to_major.len() as i64);
+        if !row_major || tiled.num_tiles != 0 || self.on_device_size().ok()? != len {
+            return None;
+        }
+        let mut pointer = PJRT_Buffer_UnsafePointer_Args::new();
+        pointer.buffer = self.raw;
+        call!(plugin, PJRT_Buffer_UnsafePointer, &mut pointer).ok()?;
+        // SAFETY: a computed CPU buffer of `len` dense bytes at this address, alive (and, being
+        // ready, not written) while `self` is borrowed.
+        (pointer.buffer_pointer != 0).then(|| unsafe { std::slice::from_raw_parts(pointer.buffer_pointer as *const u8, len) })
     }
 
     /// Starts the copy into `dst`; the caller must await the event before `dst` is touched.

@@ -3,7 +3,7 @@
 
 use crate::error::Result;
 use crate::plugin::{call, Plugin};
-use pjrt_sys::{PJRT_Event, PJRT_Event_Await_Args, PJRT_Event_Destroy_Args};
+use pjrt_sys::{PJRT_Event, PJRT_Event_Await_Args, PJRT_Event_Destroy_Args, PJRT_Event_IsReady_Args};
 
 pub(crate) struct Event<'p> {
     plugin: &'p Plugin,
@@ -21,6 +21,13 @@ impl<'p> Event<'p> {
         let mut args = PJRT_Event_Await_Args::new();
         args.event = self.raw;
         call!(self.plugin, PJRT_Event_Await, &mut args)
+    }
+
+    /// Whether the event is ready, without blocking; `false` if the plugin cannot say.
+    pub(crate) fn is_ready(&self) -> bool {
+        let mut args = PJRT_Event_IsReady_Args::new();
+        args.event = self.raw;
+        call!(self.plugin, PJRT_Event_IsReady, &mut args).is_ok() && args.is_ready
     }
 }
 
