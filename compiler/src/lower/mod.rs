@@ -13,6 +13,7 @@ mod indexing;
 mod linalg;
 mod normalization;
 mod reduction;
+mod sorting;
 mod view;
 
 use crate::ir::{self, Arg, DType, Graph, TensorType};
@@ -144,6 +145,7 @@ fn registry() -> &'static Registry {
         linalg::register(&mut r);
         normalization::register(&mut r);
         reduction::register(&mut r);
+        sorting::register(&mut r);
         view::register(&mut r);
         r
     })

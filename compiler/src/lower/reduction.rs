@@ -1,4 +1,4 @@
-//! Reductions (sum, mean, amax/amin, any/all), softmax / log_softmax, cumsum.
+//! Reductions (sum, mean, amax/amin, any/all), softmax / log_softmax, cumsum, histc.
 //!
 //! Half-precision inputs accumulate in f32 and round once, as PyTorch's CPU kernels do.
 
@@ -7,7 +7,7 @@ use super::builder::{
     Scalar, Val, R,
 };
 use super::{NodeCtx, Registry, Res};
-use crate::ir::DType;
+use crate::ir::{DType, TensorType};
 
 pub fn register(r: &mut Registry) {
     r.add(
@@ -49,6 +49,7 @@ pub fn register(r: &mut Registry) {
         softmax,
     );
     r.add(&["aten.cumsum.default"], cumsum);
+    r.add(&["aten.histc.default"], histc);
     r.add(&["aten.var.correction", "aten.var_mean.correction"], var);
 }
 
@@ -244,4 +245,45 @@ pub fn variance<'a>(
     let sq = sum_to(b, &b.mul(&centered, &centered)?, dims, true, xf.dtype())?;
     let v = b.mul_scalar(&sq, 1.0 / (count as f64 - correction).max(0.0))?;
     Ok((v, mean))
+}
+
+/// `histc(x, bins, min, max)`: bin `floor((v - min) * bins / (max - min))` (the top edge falls in
+/// the last bin), values outside `[min, max]` and NaN ignored; `min == max` uses the data range
+/// (widened by 1 each side when that is empty too), as PyTorch does.
+fn histc(n: NodeCtx<'_>) -> Res<'_> {
+    let x = n.tensor(0, "self")?;
+    let bins = n.int_or(1, "bins", 100)?;
+    let (lo, hi) = (n.float_or(2, "min", 0.0)?, n.float_or(3, "max", 0.0)?);
+    let b = &n.b;
+    let flat = b.reshape(&b.convert(&x, opmath(x.dtype()))?, &[x.shape().iter().product()])?;
+    let d = flat.dtype();
+    let (lo, hi) = if lo == hi {
+        let (lo, hi) = (
+            b.reduce(&flat, &[0], Combiner::Min, false)?,
+            b.reduce(&flat, &[0], Combiner::Max, false)?,
+        );
+        let empty = b.compare(&lo, &hi, "EQ")?;
+        (
+            b.select(&empty, &b.add_scalar(&lo, -1.0)?, &lo)?,
+            b.select(&empty, &b.add_scalar(&hi, 1.0)?, &hi)?,
+        )
+    } else {
+        (b.scalar(Scalar::Float(lo), d)?, b.scalar(Scalar::Float(hi), d)?)
+    };
+    let scaled = b.div(&b.mul_scalar(&b.sub(&flat, &lo)?, bins as f64)?, &b.sub(&hi, &lo)?)?;
+    let top = b.full_like(Scalar::Int(bins - 1), &scaled)?;
+    let pos = b.binary("minimum", &b.unary("floor", &scaled)?, &top)?;
+    let inside = b.binary(
+        "and",
+        &b.compare(&flat, &b.broadcast_to(&lo, flat.shape())?, "GE")?,
+        &b.compare(&flat, &b.broadcast_to(&hi, flat.shape())?, "LE")?,
+    )?;
+    let len = flat.shape()[0];
+    let bin = b.iota(&TensorType::new(d, vec![len, bins]), 1)?;
+    let hit = b.binary(
+        "and",
+        &b.compare(&b.broadcast_in_dim(&pos, &[len, bins], &[0])?, &bin, "EQ")?,
+        &b.broadcast_in_dim(&inside, &[len, bins], &[0])?,
+    )?;
+    Ok(vec![sum_to(b, &b.convert(&hit, d)?, &[0], false, x.dtype())?])
 }
