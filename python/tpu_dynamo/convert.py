@@ -186,6 +186,8 @@ class _Builder:
                     outputs.append(tensor_type(t, f"output {i} of {op}"))
                     ids[i] = self.new_value()
             self.values[n] = ids
+        elif val is None:  # an op run only for its effect (`_assert_async`)
+            outputs, self.values[n] = [], {}
         else:
             outputs = [tensor_type(val, f"output of {op}")]
             self.values[n] = self.new_value()
