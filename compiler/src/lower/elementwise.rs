@@ -90,6 +90,21 @@ pub fn register(r: &mut Registry) {
             "aten.exp2.default",
             "aten.log2.default",
             "aten.trunc.default",
+            "aten.acos.default",
+            "aten.asin.default",
+            "aten.atan.default",
+            "aten.acosh.default",
+            "aten.asinh.default",
+            "aten.atanh.default",
+            "aten.sinh.default",
+            "aten.cosh.default",
+            "aten.erfc.default",
+            "aten.erfinv.default",
+            "aten.lgamma.default",
+            "aten.digamma.default",
+            "aten.log10.default",
+            "aten.sgn.default",
+            "aten.frac.default",
         ],
         unary,
     );
@@ -359,8 +374,19 @@ fn unary(n: NodeCtx<'_>) -> Res<'_> {
         "cos" => Some("cosine"),
         "sigmoid" => Some("logistic"),
         "round" => Some("round_nearest_even"),
+        "sgn" => Some("sign"),
         _ => None,
     };
+    // Functions StableHLO lacks; XLA expands these CHLO ops with accurate approximations.
+    let chlo = match name {
+        "acos" | "asin" | "atan" | "acosh" | "asinh" | "atanh" | "sinh" | "cosh" | "erfc"
+        | "lgamma" | "digamma" => Some(name),
+        "erfinv" => Some("erf_inv"),
+        _ => None,
+    };
+    if let Some(op) = chlo {
+        return Ok(vec![b.convert(&b.op(&format!("chlo.{op}"), &[&x], &[], x.ty.clone())?, out)?]);
+    }
     let y = match (simple, name) {
         (Some("abs"), _) if x.dtype() == DType::Bool => x.clone(),
         (Some(op), _) => b.unary(op, &x)?,
@@ -373,6 +399,8 @@ fn unary(n: NodeCtx<'_>) -> Res<'_> {
         (_, "log2") => b.mul_scalar(&b.unary("log", &x)?, std::f64::consts::LOG2_E)?,
         (_, "trunc") if x.dtype().is_float() => trunc(b, &x)?,
         (_, "trunc") => x.clone(),
+        (_, "log10") => b.mul_scalar(&b.unary("log", &x)?, std::f64::consts::LOG10_E)?,
+        (_, "frac") => b.sub(&x, &trunc(b, &x)?)?,
         _ => return Err(format!("no unary rule for {}", n.op)),
     };
     Ok(vec![b.convert(&y, out)?])

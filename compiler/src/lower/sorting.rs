@@ -1,4 +1,4 @@
-//! Sorting and selection: sort, topk, max/min along a dim, argmax/argmin, all on one stable
+//! Sorting and selection: sort, topk, kthvalue, max/min along a dim, argmax/argmin, all on one stable
 //! `stablehlo.sort` of (values, indices). Stability gives PyTorch's tie order (the first
 //! occurrence wins), and the comparator ranks NaN like PyTorch: above every number.
 
@@ -9,6 +9,7 @@ use crate::ir::{DType, TensorType};
 pub fn register(r: &mut Registry) {
     r.add(&["aten.sort.default", "aten.sort.stable"], sort);
     r.add(&["aten.topk.default"], topk);
+    r.add(&["aten.kthvalue.default"], kthvalue);
     r.add(
         &[
             "aten.max.dim",
@@ -118,4 +119,19 @@ fn extremum_dim(n: NodeCtx<'_>) -> Res<'_> {
         return Ok(vec![i]);
     }
     Ok(vec![b.reshape(&v, shape)?, i])
+}
+
+/// `kthvalue(x, k, dim, keepdim)`: the k-th smallest (1-based) and its index, NaN ranking last.
+fn kthvalue<'a>(n: NodeCtx<'a>) -> Res<'a> {
+    let x = n.tensor(0, "self")?;
+    let k = n.int(1, "k")?;
+    let b = &n.b;
+    let shape = &n.out(0)?.shape;
+    if x.rank() == 0 {
+        return Ok(vec![x, b.scalar(Scalar::Int(0), DType::I64)?]);
+    }
+    let dim = norm_dim(n.int_or(2, "dim", -1)?, x.rank())?;
+    let (v, i) = sort_dim(b, &x, dim, false, false)?;
+    let pick = |t: &Val<'a>| b.reshape(&b.slice_dim(t, dim, k - 1, k, 1)?, shape);
+    Ok(vec![pick(&v)?, pick(&i)?])
 }
