@@ -65,6 +65,7 @@ impl Scalar {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Combiner {
     Add,
+    Mul,
     Max,
     Min,
     Or,
@@ -75,6 +76,7 @@ impl Combiner {
     fn op(self) -> &'static str {
         match self {
             Combiner::Add => "add",
+            Combiner::Mul => "multiply",
             Combiner::Max => "maximum",
             Combiner::Min => "minimum",
             Combiner::Or => "or",
@@ -85,6 +87,7 @@ impl Combiner {
         let inf = f64::INFINITY;
         match (self, dtype.is_float()) {
             (Combiner::Add, _) => Scalar::Int(0),
+            (Combiner::Mul, _) => Scalar::Int(1),
             (Combiner::Or, _) => Scalar::Bool(false),
             (Combiner::And, _) => Scalar::Bool(true),
             (Combiner::Max, true) => Scalar::Float(-inf),
@@ -479,6 +482,16 @@ impl<'a> Builder<'a> {
         )
     }
 
+    /// Reinterprets the bits of each element as `dtype` (same width).
+    pub fn bitcast(&self, x: &Val<'a>, dtype: DType) -> R<Val<'a>> {
+        self.op(
+            "stablehlo.bitcast_convert",
+            &[x],
+            &[],
+            TensorType::new(dtype, x.ty.shape.clone()),
+        )
+    }
+
     pub fn reshape(&self, x: &Val<'a>, shape: &[i64]) -> R<Val<'a>> {
         if x.shape() == shape {
             return Ok(x.clone());
@@ -732,7 +745,8 @@ impl<'a> Builder<'a> {
 
     // ---- reductions ----
 
-    /// Reduces `dims` (sorted, unique) with `combiner`; `keepdim` keeps them as size 1.
+    /// Reduces `dims` (sorted, unique) with `combiner`; `keepdim` keeps them as size 1. A 0-d
+    /// tensor has no dims to reduce: ATen accepts dim 0 (or -1) there and reduces nothing.
     pub fn reduce(
         &self,
         x: &Val<'a>,
@@ -740,6 +754,9 @@ impl<'a> Builder<'a> {
         combiner: Combiner,
         keepdim: bool,
     ) -> R<Val<'a>> {
+        if x.rank() == 0 {
+            return Ok(x.clone());
+        }
         let d = x.dtype();
         let init = self.scalar(combiner.identity(d), d)?;
         let region = self.region(&[d, d], |b, args| {

@@ -52,6 +52,10 @@ pub fn register(r: &mut Registry) {
             "aten.maximum.default",
             "aten.minimum.default",
             "aten.atan2.default",
+            "aten.fmax.default",
+            "aten.fmin.default",
+            "prims.fmax.default",
+            "prims.fmin.default",
         ],
         binary_plain,
     );
@@ -108,6 +112,7 @@ pub fn register(r: &mut Registry) {
         ],
         unary,
     );
+    r.add(&["prims.signbit.default", "aten.signbit.default"], signbit);
     r.add(
         &[
             "aten.clamp.default",
@@ -252,17 +257,24 @@ fn remainder(n: NodeCtx<'_>) -> Res<'_> {
 
 fn binary_plain(n: NodeCtx<'_>) -> Res<'_> {
     let (x, y) = (n.operand(0, "self")?, n.operand(1, "other")?);
-    let name = match n.op.as_str() {
-        "aten.maximum.default" => "maximum",
-        "aten.minimum.default" => "minimum",
+    let op = n.op.trim_start_matches("aten.").trim_start_matches("prims.");
+    let name = match op {
+        "maximum.default" | "fmax.default" => "maximum",
+        "minimum.default" | "fmin.default" => "minimum",
         _ => "atan2",
     };
+    // fmax/fmin ignore a NaN operand (NaN only when both are); maximum/minimum propagate it.
+    let ignore_nan = op.starts_with("fm");
     Ok(vec![arith(&n, &x, &y, |b, p, q| {
         if p.dtype() == DType::Bool {
-            b.binary(if name == "maximum" { "or" } else { "and" }, p, q)
-        } else {
-            b.binary(name, p, q)
+            return b.binary(if name == "maximum" { "or" } else { "and" }, p, q);
         }
+        let m = b.binary(name, p, q)?;
+        if !(ignore_nan && p.dtype().is_float()) {
+            return Ok(m);
+        }
+        let m = b.select(&b.compare(q, q, "NE")?, p, &m)?;
+        b.select(&b.compare(p, p, "NE")?, q, &m)
     })?])
 }
 
@@ -448,4 +460,19 @@ fn masked_fill(n: NodeCtx<'_>) -> Res<'_> {
     let value = n.b.broadcast_to(&value, x.shape())?;
     let mask = n.b.broadcast_to(&mask, x.shape())?;
     Ok(vec![n.b.select(&mask, &value, &x)?])
+}
+
+/// `signbit(x)`: the sign bit of the float's bits (true for -0.0 and negative NaNs too), in the
+/// recorded dtype (bool for ATen's op, the input's for the prim).
+fn signbit(n: NodeCtx<'_>) -> Res<'_> {
+    let x = n.tensor(0, "self")?;
+    let b = &n.b;
+    let bits = match x.dtype().size() {
+        _ if !x.dtype().is_float() => x.clone(),
+        2 => b.bitcast(&x, DType::I16)?,
+        4 => b.bitcast(&x, DType::I32)?,
+        _ => b.bitcast(&x, DType::I64)?,
+    };
+    let neg = b.compare(&bits, &b.full_like(Scalar::Int(0), &bits)?, "LT")?;
+    Ok(vec![b.convert(&neg, n.out_dtype()?)?])
 }

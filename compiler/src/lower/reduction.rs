@@ -20,6 +20,10 @@ pub fn register(r: &mut Registry) {
         sum_mean,
     );
     r.add(
+        &["aten.prod.default", "aten.prod.dim_int", "prims.prod.default"],
+        prod,
+    );
+    r.add(
         &[
             "aten.amax.default",
             "aten.amin.default",
@@ -57,9 +61,9 @@ pub fn register(r: &mut Registry) {
 fn reduce_args(n: &NodeCtx<'_>, x: &Val<'_>) -> R<(Vec<usize>, bool)> {
     let every = (0..x.rank()).collect();
     Ok(match n.op.as_str() {
-        "aten.sum.default" | "aten.mean.default" | "aten.max.default" | "aten.min.default"
+        "aten.sum.default" | "aten.mean.default" | "aten.prod.default" | "aten.max.default" | "aten.min.default"
         | "aten.any.default" | "aten.all.default" => (every, false),
-        "aten.any.dim" | "aten.all.dim" => (
+        "aten.any.dim" | "aten.all.dim" | "aten.prod.dim_int" => (
             vec![norm_dim(n.int(1, "dim")?, x.rank())?],
             n.bool_or(2, "keepdim", false)?,
         ),
@@ -104,6 +108,21 @@ fn sum_mean(n: NodeCtx<'_>) -> Res<'_> {
         return Ok(vec![b.convert(&m, out)?]);
     }
     Ok(vec![sum_to(b, &x, &dims, keepdim, out)?])
+}
+
+/// `prod` over dims (`prims.prod(x, dims)` has no keepdim), in the compute type; integer and
+/// bool inputs give i64 unless `dtype=` says otherwise.
+fn prod(n: NodeCtx<'_>) -> Res<'_> {
+    let x = n.tensor(0, "self")?;
+    let (dims, keepdim) = if n.op == "prims.prod.default" {
+        (norm_dims(&n.ints(1, "dims")?, x.rank())?, false)
+    } else {
+        reduce_args(&n, &x)?
+    };
+    let out = n.out_dtype()?;
+    let b = &n.b;
+    let p = b.reduce(&b.convert(&x, opmath(out))?, &dims, Combiner::Mul, keepdim)?;
+    Ok(vec![b.convert(&p, out)?])
 }
 
 fn extremum(n: NodeCtx<'_>) -> Res<'_> {
