@@ -14,7 +14,10 @@ pub fn register(r: &mut Registry) {
     );
     r.add(&["aten.copy.default", "aten.copy_.default"], copy);
     r.add(&["aten.native_dropout.default"], dropout);
-    r.add(&["aten._assert_async.msg", "aten._assert_async.default"], no_op);
+    r.add(
+        &["aten._assert_async.msg", "aten._assert_async.default"],
+        no_op,
+    );
 }
 
 /// `_to_copy(x, dtype=…)` and friends: only the dtype matters to a functional graph (device and

@@ -8,6 +8,53 @@ use super::builder::{opmath, Builder, Operand, Scalar, Val, R};
 use super::{NodeCtx, Registry, Res};
 use crate::ir::DType;
 
+/// Unary functions, each registered as `aten.<name>.default` and (the ones PyTorch has as a
+/// primitive, reached through its reference decompositions) `prims.<name>.default`.
+const UNARY: &[&str] = &[
+    "neg",
+    "abs",
+    "exp",
+    "log",
+    "log1p",
+    "expm1",
+    "sqrt",
+    "rsqrt",
+    "sin",
+    "cos",
+    "tan",
+    "tanh",
+    "sigmoid",
+    "floor",
+    "ceil",
+    "round",
+    "sign",
+    "reciprocal",
+    "relu",
+    "erf",
+    "gelu",
+    "silu",
+    "exp2",
+    "log2",
+    "trunc",
+    "acos",
+    "asin",
+    "atan",
+    "acosh",
+    "asinh",
+    "atanh",
+    "sinh",
+    "cosh",
+    "erfc",
+    "erfinv",
+    "lgamma",
+    "digamma",
+    "log10",
+    "sgn",
+    "frac",
+];
+/// Unary functions without a `prims` counterpart.
+const UNARY_ATEN_ONLY: &[&str] = &["relu", "gelu", "silu", "sigmoid", "sgn", "frac", "erfinv"];
+
 pub fn register(r: &mut Registry) {
     r.add(
         &[
@@ -67,51 +114,14 @@ pub fn register(r: &mut Registry) {
         ],
         pow,
     );
-    r.add(
-        &[
-            "aten.neg.default",
-            "aten.abs.default",
-            "aten.exp.default",
-            "aten.log.default",
-            "aten.log1p.default",
-            "aten.expm1.default",
-            "aten.sqrt.default",
-            "aten.rsqrt.default",
-            "aten.sin.default",
-            "aten.cos.default",
-            "aten.tan.default",
-            "aten.tanh.default",
-            "aten.sigmoid.default",
-            "aten.floor.default",
-            "aten.ceil.default",
-            "aten.round.default",
-            "aten.sign.default",
-            "aten.reciprocal.default",
-            "aten.relu.default",
-            "aten.erf.default",
-            "aten.gelu.default",
-            "aten.silu.default",
-            "aten.exp2.default",
-            "aten.log2.default",
-            "aten.trunc.default",
-            "aten.acos.default",
-            "aten.asin.default",
-            "aten.atan.default",
-            "aten.acosh.default",
-            "aten.asinh.default",
-            "aten.atanh.default",
-            "aten.sinh.default",
-            "aten.cosh.default",
-            "aten.erfc.default",
-            "aten.erfinv.default",
-            "aten.lgamma.default",
-            "aten.digamma.default",
-            "aten.log10.default",
-            "aten.sgn.default",
-            "aten.frac.default",
-        ],
-        unary,
-    );
+    for name in UNARY {
+        let aten: &'static str = Box::leak(format!("aten.{name}.default").into_boxed_str());
+        r.add(&[aten], unary);
+        if !UNARY_ATEN_ONLY.contains(name) {
+            let prim: &'static str = Box::leak(format!("prims.{name}.default").into_boxed_str());
+            r.add(&[prim], unary);
+        }
+    }
     r.add(&["prims.signbit.default", "aten.signbit.default"], signbit);
     r.add(
         &[
@@ -129,6 +139,7 @@ pub fn register(r: &mut Registry) {
             "aten.where.ScalarSelf",
             "aten.where.ScalarOther",
             "aten.where.Scalar",
+            "prims.where.default",
         ],
         where_,
     );
@@ -257,7 +268,9 @@ fn remainder(n: NodeCtx<'_>) -> Res<'_> {
 
 fn binary_plain(n: NodeCtx<'_>) -> Res<'_> {
     let (x, y) = (n.operand(0, "self")?, n.operand(1, "other")?);
-    let op = n.op.trim_start_matches("aten.").trim_start_matches("prims.");
+    let op =
+        n.op.trim_start_matches("aten.")
+            .trim_start_matches("prims.");
     let name = match op {
         "maximum.default" | "fmax.default" => "maximum",
         "minimum.default" | "fmin.default" => "minimum",
@@ -375,6 +388,7 @@ fn unary(n: NodeCtx<'_>) -> Res<'_> {
     let one = || b.full_like(Scalar::Int(1), &x);
     let name =
         n.op.trim_start_matches("aten.")
+            .trim_start_matches("prims.")
             .trim_end_matches(".default");
     let simple = match name {
         "neg" => Some("negate"),
@@ -397,7 +411,10 @@ fn unary(n: NodeCtx<'_>) -> Res<'_> {
         _ => None,
     };
     if let Some(op) = chlo {
-        return Ok(vec![b.convert(&b.op(&format!("chlo.{op}"), &[&x], &[], x.ty.clone())?, out)?]);
+        return Ok(vec![b.convert(
+            &b.op(&format!("chlo.{op}"), &[&x], &[], x.ty.clone())?,
+            out,
+        )?]);
     }
     let y = match (simple, name) {
         (Some("abs"), _) if x.dtype() == DType::Bool => x.clone(),

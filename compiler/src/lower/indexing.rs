@@ -24,7 +24,10 @@ pub fn register(r: &mut Registry) {
         &["aten.slice_scatter.default", "aten.select_scatter.default"],
         slice_scatter,
     );
-    r.add(&["aten.as_strided.default", "aten.as_strided_copy.default"], as_strided);
+    r.add(
+        &["aten.as_strided.default", "aten.as_strided_copy.default"],
+        as_strided,
+    );
 }
 
 /// `as_strided(x, size, stride, offset)` over `x`'s contiguous storage (a functional graph's
@@ -43,7 +46,11 @@ fn as_strided(n: NodeCtx<'_>) -> Res<'_> {
     let ty = TensorType::new(DType::I64, size.clone());
     let mut idx = b.splat(Scalar::Int(offset), &ty)?;
     for (k, &st) in stride.iter().enumerate() {
-        let term = b.binary("multiply", &b.iota(&ty, k)?, &b.splat(Scalar::Int(st), &ty)?)?;
+        let term = b.binary(
+            "multiply",
+            &b.iota(&ty, k)?,
+            &b.splat(Scalar::Int(st), &ty)?,
+        )?;
         idx = b.binary("add", &idx, &term)?;
     }
     let mut shape = size.clone();
@@ -54,7 +61,13 @@ fn as_strided(n: NodeCtx<'_>) -> Res<'_> {
         index_to_operand: vec![0],
         index_vector_dim: size.len(),
     };
-    Ok(vec![b.gather(&flat, &b.reshape(&idx, &shape)?, &map, &[1], size)?])
+    Ok(vec![b.gather(
+        &flat,
+        &b.reshape(&idx, &shape)?,
+        &map,
+        &[1],
+        size,
+    )?])
 }
 
 fn range(from: usize, to: usize) -> Vec<i64> {

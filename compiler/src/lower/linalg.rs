@@ -149,7 +149,11 @@ fn add_channel_bias<'a>(b: &Builder<'a>, y: &Val<'a>, bias: &Val<'a>) -> R<Val<'
 /// `offs[e-1]..offs[e]` use expert `e`'s weight, rows past `offs[E-1]` stay zero. Computed as
 /// every expert on every row, then each row keeps its own expert's product (static shapes).
 fn grouped_mm(n: NodeCtx<'_>) -> Res<'_> {
-    let (x, w, offs) = (n.tensor(0, "input")?, n.tensor(1, "weight")?, n.tensor(2, "offs")?);
+    let (x, w, offs) = (
+        n.tensor(0, "input")?,
+        n.tensor(1, "weight")?,
+        n.tensor(2, "offs")?,
+    );
     let b = &n.b;
     let (s, e, out_dim) = (x.shape()[0], w.shape()[0], w.shape()[2]);
     let out = n.out_dtype()?;

@@ -20,7 +20,11 @@ pub fn register(r: &mut Registry) {
         sum_mean,
     );
     r.add(
-        &["aten.prod.default", "aten.prod.dim_int", "prims.prod.default"],
+        &[
+            "aten.prod.default",
+            "aten.prod.dim_int",
+            "prims.prod.default",
+        ],
         prod,
     );
     r.add(
@@ -61,8 +65,8 @@ pub fn register(r: &mut Registry) {
 fn reduce_args(n: &NodeCtx<'_>, x: &Val<'_>) -> R<(Vec<usize>, bool)> {
     let every = (0..x.rank()).collect();
     Ok(match n.op.as_str() {
-        "aten.sum.default" | "aten.mean.default" | "aten.prod.default" | "aten.max.default" | "aten.min.default"
-        | "aten.any.default" | "aten.all.default" => (every, false),
+        "aten.sum.default" | "aten.mean.default" | "aten.prod.default" | "aten.max.default"
+        | "aten.min.default" | "aten.any.default" | "aten.all.default" => (every, false),
         "aten.any.dim" | "aten.all.dim" | "aten.prod.dim_int" => (
             vec![norm_dim(n.int(1, "dim")?, x.rank())?],
             n.bool_or(2, "keepdim", false)?,
@@ -274,7 +278,10 @@ fn histc(n: NodeCtx<'_>) -> Res<'_> {
     let bins = n.int_or(1, "bins", 100)?;
     let (lo, hi) = (n.float_or(2, "min", 0.0)?, n.float_or(3, "max", 0.0)?);
     let b = &n.b;
-    let flat = b.reshape(&b.convert(&x, opmath(x.dtype()))?, &[x.shape().iter().product()])?;
+    let flat = b.reshape(
+        &b.convert(&x, opmath(x.dtype()))?,
+        &[x.shape().iter().product()],
+    )?;
     let d = flat.dtype();
     let (lo, hi) = if lo == hi {
         let (lo, hi) = (
@@ -287,9 +294,15 @@ fn histc(n: NodeCtx<'_>) -> Res<'_> {
             b.select(&empty, &b.add_scalar(&hi, 1.0)?, &hi)?,
         )
     } else {
-        (b.scalar(Scalar::Float(lo), d)?, b.scalar(Scalar::Float(hi), d)?)
+        (
+            b.scalar(Scalar::Float(lo), d)?,
+            b.scalar(Scalar::Float(hi), d)?,
+        )
     };
-    let scaled = b.div(&b.mul_scalar(&b.sub(&flat, &lo)?, bins as f64)?, &b.sub(&hi, &lo)?)?;
+    let scaled = b.div(
+        &b.mul_scalar(&b.sub(&flat, &lo)?, bins as f64)?,
+        &b.sub(&hi, &lo)?,
+    )?;
     let top = b.full_like(Scalar::Int(bins - 1), &scaled)?;
     let pos = b.binary("minimum", &b.unary("floor", &scaled)?, &top)?;
     let inside = b.binary(
@@ -304,5 +317,11 @@ fn histc(n: NodeCtx<'_>) -> Res<'_> {
         &b.compare(&b.broadcast_in_dim(&pos, &[len, bins], &[0])?, &bin, "EQ")?,
         &b.broadcast_in_dim(&inside, &[len, bins], &[0])?,
     )?;
-    Ok(vec![sum_to(b, &b.convert(&hit, d)?, &[0], false, x.dtype())?])
+    Ok(vec![sum_to(
+        b,
+        &b.convert(&hit, d)?,
+        &[0],
+        false,
+        x.dtype(),
+    )?])
 }

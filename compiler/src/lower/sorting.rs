@@ -71,7 +71,10 @@ fn sort(n: NodeCtx<'_>) -> Res<'_> {
     let x = n.tensor(0, "self")?;
     // `sort.stable(self, *, stable, dim, descending)` has keyword-only dim/descending.
     let (dim, descending) = if n.op == "aten.sort.stable" {
-        (n.int_or(usize::MAX, "dim", -1)?, n.bool_or(usize::MAX, "descending", false)?)
+        (
+            n.int_or(usize::MAX, "dim", -1)?,
+            n.bool_or(usize::MAX, "descending", false)?,
+        )
     } else {
         (n.int_or(1, "dim", -1)?, n.bool_or(2, "descending", false)?)
     };
@@ -93,7 +96,10 @@ fn topk(n: NodeCtx<'_>) -> Res<'_> {
     }
     let dim = norm_dim(n.int_or(2, "dim", -1)?, x.rank())?;
     let (v, i) = sort_dim(&n.b, &x, dim, largest, false)?;
-    Ok(vec![n.b.slice_dim(&v, dim, 0, k, 1)?, n.b.slice_dim(&i, dim, 0, k, 1)?])
+    Ok(vec![
+        n.b.slice_dim(&v, dim, 0, k, 1)?,
+        n.b.slice_dim(&i, dim, 0, k, 1)?,
+    ])
 }
 
 /// `max.dim`/`min.dim` (values and indices) and `argmax`/`argmin` (indices; no dim flattens).
@@ -111,7 +117,10 @@ fn extremum_dim(n: NodeCtx<'_>) -> Res<'_> {
         (x.clone(), b.scalar(Scalar::Int(0), DType::I64)?)
     } else {
         let (v, i) = sort_dim(b, &x, dim, largest, true)?;
-        (b.slice_dim(&v, dim, 0, 1, 1)?, b.slice_dim(&i, dim, 0, 1, 1)?)
+        (
+            b.slice_dim(&v, dim, 0, 1, 1)?,
+            b.slice_dim(&i, dim, 0, 1, 1)?,
+        )
     };
     let shape = &n.out(if arg { 0 } else { 1 })?.shape;
     let i = b.reshape(&i, shape)?;

@@ -65,11 +65,19 @@ pub fn register(r: &mut Registry) {
 fn view_as_complex(n: NodeCtx<'_>) -> Res<'_> {
     let x = n.tensor(0, "self")?;
     let b = &n.b;
-    let last = x.rank().checked_sub(1).ok_or("view_as_complex of a 0-d tensor")?;
+    let last = x
+        .rank()
+        .checked_sub(1)
+        .ok_or("view_as_complex of a 0-d tensor")?;
     let shape = &x.shape()[..last];
     let part = |i| b.reshape(&b.slice_dim(&x, last, i, i + 1, 1)?, shape);
     let (re, im) = (part(0)?, part(1)?);
-    Ok(vec![b.op("stablehlo.complex", &[&re, &im], &[], n.out(0)?.clone())?])
+    Ok(vec![b.op(
+        "stablehlo.complex",
+        &[&re, &im],
+        &[],
+        n.out(0)?.clone(),
+    )?])
 }
 
 /// `view_as_real(z)`: complex elements as a trailing (real, imag) dim.
@@ -79,7 +87,12 @@ fn view_as_real(n: NodeCtx<'_>) -> Res<'_> {
     let mut shape = z.shape().to_vec();
     shape.push(1);
     let part = |name| {
-        let p = b.op(name, &[&z], &[], TensorType::new(DType::F32, z.shape().to_vec()))?;
+        let p = b.op(
+            name,
+            &[&z],
+            &[],
+            TensorType::new(DType::F32, z.shape().to_vec()),
+        )?;
         b.reshape(&p, &shape)
     };
     let (re, im) = (part("stablehlo.real")?, part("stablehlo.imag")?);
