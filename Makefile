@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 export VIRTUAL_ENV := $(VENV)
 export PATH := $(VENV)/bin:$(PATH)
 
-.PHONY: setup demo test test-rust test-python
+.PHONY: setup demo test test-rust test-python conformance
 
 setup:
 	@bash scripts/setup.sh
@@ -23,3 +23,8 @@ test-rust:
 
 test-python:
 	$(PY) -m pytest -q tests
+
+# OpInfo conformance of every op_db entry (first 4 float32 samples per op); writes
+# tests/conformance/REPORT.md.
+conformance: setup
+	$(PY) tests/conformance/run.py
