@@ -783,6 +783,40 @@ impl<'a> Builder<'a> {
         }
     }
 
+    /// `reduce_window` of `x` with `combiner`, per-dim window sizes, strides and (low, high)
+    /// padding by the combiner's identity.
+    pub fn reduce_window(
+        &self,
+        x: &Val<'a>,
+        combiner: Combiner,
+        window: &[i64],
+        strides: &[i64],
+        pads: &[(i64, i64)],
+    ) -> R<Val<'a>> {
+        let d = x.dtype();
+        let init = self.scalar(combiner.identity(d), d)?;
+        let region = self.region(&[d, d], |b, a| {
+            Ok(vec![b.binary(combiner.op(), &a[0], &a[1])?])
+        })?;
+        let shape = (0..x.rank())
+            .map(|i| (x.shape()[i] + pads[i].0 + pads[i].1 - window[i]) / strides[i] + 1)
+            .collect();
+        let attrs = [
+            ("window_dimensions", i64_array(window)),
+            ("window_strides", i64_array(strides)),
+            ("padding", padding_attr(pads)),
+        ];
+        Ok(self
+            .op_regions(
+                "stablehlo.reduce_window",
+                &[x, &init],
+                &attrs,
+                vec![region],
+                vec![TensorType::new(d, shape)],
+            )?
+            .remove(0))
+    }
+
     /// `dot_general` with explicit batch/contracting dims; result element type `out` (lets bf16
     /// inputs accumulate in f32 as PyTorch's CPU matmuls do).
     pub fn dot_general(

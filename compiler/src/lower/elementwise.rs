@@ -64,6 +64,8 @@ pub fn register(r: &mut Registry) {
             "aten.sub.Scalar",
             "aten.rsub.Tensor",
             "aten.rsub.Scalar",
+            "prims.add.default",
+            "prims.sub.default",
         ],
         add_sub,
     );
@@ -71,6 +73,7 @@ pub fn register(r: &mut Registry) {
         &[
             "aten.mul.Tensor",
             "aten.mul.Scalar",
+            "prims.mul.default",
             "aten.div.Tensor",
             "aten.div.Scalar",
             "aten.true_divide.Tensor",
@@ -167,7 +170,7 @@ fn add_sub(n: NodeCtx<'_>) -> Res<'_> {
     let (x, y) = (n.operand(0, "self")?, n.operand(1, "other")?);
     let alpha = n.scalar_or(2, "alpha", Scalar::Int(1))?;
     let rsub = n.op.starts_with("aten.rsub");
-    let name = if n.op.starts_with("aten.add") {
+    let name = if n.op.contains(".add.") {
         "add"
     } else {
         "subtract"
@@ -187,7 +190,7 @@ fn add_sub(n: NodeCtx<'_>) -> Res<'_> {
 
 fn mul_div(n: NodeCtx<'_>) -> Res<'_> {
     let (x, y) = (n.operand(0, "self")?, n.operand(1, "other")?);
-    let name = if n.op.starts_with("aten.mul") {
+    let name = if n.op.contains(".mul.") {
         "multiply"
     } else {
         "divide"

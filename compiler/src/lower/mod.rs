@@ -12,6 +12,7 @@ mod elementwise;
 mod indexing;
 mod linalg;
 mod normalization;
+mod pooling;
 mod reduction;
 mod sorting;
 mod view;
@@ -144,6 +145,7 @@ fn registry() -> &'static Registry {
         indexing::register(&mut r);
         linalg::register(&mut r);
         normalization::register(&mut r);
+        pooling::register(&mut r);
         reduction::register(&mut r);
         sorting::register(&mut r);
         view::register(&mut r);

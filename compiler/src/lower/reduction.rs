@@ -3,8 +3,7 @@
 //! Half-precision inputs accumulate in f32 and round once, as PyTorch's CPU kernels do.
 
 use super::builder::{
-    i64_array, keep_dims_shape, norm_dim, norm_dims, opmath, padding_attr, Builder, Combiner,
-    Scalar, Val, R,
+    keep_dims_shape, norm_dim, norm_dims, opmath, Builder, Combiner, Scalar, Val, R,
 };
 use super::{NodeCtx, Registry, Res};
 use crate::ir::{DType, TensorType};
@@ -200,7 +199,6 @@ fn cumsum(n: NodeCtx<'_>) -> Res<'_> {
     let out = n.opt_dtype(2, "dtype")?.unwrap_or(default);
     let b = &n.b;
     let xc = b.convert(&x, opmath(out))?;
-    let d = xc.dtype();
     let len = x.shape().get(dim).copied().unwrap_or(1);
     let mut window = vec![1; x.rank()];
     let mut pads = vec![(0, 0); x.rank()];
@@ -208,22 +206,7 @@ fn cumsum(n: NodeCtx<'_>) -> Res<'_> {
         window[dim] = len;
         pads[dim] = (len - 1, 0);
     }
-    let init = b.scalar(Scalar::Int(0), d)?;
-    let region = b.region(&[d, d], |b, a| Ok(vec![b.binary("add", &a[0], &a[1])?]))?;
-    let attrs = [
-        ("window_dimensions", i64_array(&window)),
-        ("window_strides", i64_array(&vec![1; x.rank()])),
-        ("padding", padding_attr(&pads)),
-    ];
-    let y = b
-        .op_regions(
-            "stablehlo.reduce_window",
-            &[&xc, &init],
-            &attrs,
-            vec![region],
-            vec![xc.ty.clone()],
-        )?
-        .remove(0);
+    let y = b.reduce_window(&xc, Combiner::Add, &window, &vec![1; x.rank()], &pads)?;
     Ok(vec![b.convert(&y, out)?])
 }
 
