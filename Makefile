@@ -24,7 +24,7 @@ test-rust:
 test-python:
 	$(PY) -m pytest -q tests
 
-# OpInfo conformance of every op_db entry (first 4 float32 samples per op); writes
+# OpInfo conformance of every op_db entry (first 8 float32 samples per op); writes
 # tests/conformance/REPORT.md.
 conformance: setup
 	$(PY) tests/conformance/run.py

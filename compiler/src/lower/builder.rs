@@ -283,6 +283,13 @@ pub fn norm_dims(dims: &[i64], rank: usize) -> R<Vec<usize>> {
     if dims.is_empty() {
         return Ok((0..rank).collect());
     }
+    if rank == 0 {
+        // A 0-d tensor accepts dim 0 / -1 and has nothing to reduce.
+        for &d in dims {
+            norm_dim(d, rank)?;
+        }
+        return Ok(vec![]);
+    }
     let mut out = dims
         .iter()
         .map(|&d| norm_dim(d, rank))

@@ -128,6 +128,18 @@ pub fn register(r: &mut Registry) {
     r.add(&["prims.signbit.default", "aten.signbit.default"], signbit);
     r.add(
         &[
+            "aten.polygamma.default",
+            "prims.zeta.default",
+            "aten.special_zeta.default",
+            "prims.nextafter.default",
+            "aten.nextafter.default",
+            "prims.hypot.default",
+            "aten.hypot.default",
+        ],
+        special_binary,
+    );
+    r.add(
+        &[
             "aten.clamp.default",
             "aten.clamp.Tensor",
             "aten.clamp_min.default",
@@ -495,4 +507,20 @@ fn signbit(n: NodeCtx<'_>) -> Res<'_> {
     };
     let neg = b.compare(&bits, &b.full_like(Scalar::Int(0), &bits)?, "LT")?;
     Ok(vec![b.convert(&neg, n.out_dtype()?)?])
+}
+
+/// Two-operand special functions: polygamma(n, x), zeta(x, q), nextafter(x, y) as the CHLO ops
+/// XLA expands, hypot as sqrt(a² + b²).
+fn special_binary(n: NodeCtx<'_>) -> Res<'_> {
+    let (x, y) = (n.operand(0, "self")?, n.operand(1, "other")?);
+    let op = n.op.clone();
+    Ok(vec![arith(&n, &x, &y, |b, p, q| {
+        let chlo = |name: &str| b.op(&format!("chlo.{name}"), &[p, q], &[], p.ty.clone());
+        match op.as_str() {
+            "aten.polygamma.default" => chlo("polygamma"),
+            "prims.zeta.default" | "aten.special_zeta.default" => chlo("zeta"),
+            "prims.nextafter.default" | "aten.nextafter.default" => chlo("next_after"),
+            _ => b.unary("sqrt", &b.add(&b.mul(p, p)?, &b.mul(q, q)?)?),
+        }
+    })?])
 }
