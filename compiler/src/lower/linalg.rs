@@ -13,6 +13,7 @@ pub fn register(r: &mut Registry) {
             "aten.bmm.default",
             "aten.addmm.default",
             "aten.baddbmm.default",
+            "aten.addbmm.default",
         ],
         matmul,
     );
@@ -20,16 +21,24 @@ pub fn register(r: &mut Registry) {
     r.add(&["transformers.grouped_mm_fallback.default"], grouped_mm);
 }
 
-/// `mm`, `bmm`, and `addmm`/`baddbmm` (`beta * input + alpha * (a @ b)`).
+/// `mm`, `bmm`, and `addmm`/`baddbmm`/`addbmm` (`beta * input + alpha * (a @ b)`).
 fn matmul(n: NodeCtx<'_>) -> Res<'_> {
-    let fused = matches!(n.op.as_str(), "aten.addmm.default" | "aten.baddbmm.default");
+    let fused = matches!(
+        n.op.as_str(),
+        "aten.addmm.default" | "aten.baddbmm.default" | "aten.addbmm.default"
+    );
     let first = fused as usize;
     let (a, b) = (n.tensor(first, "mat1")?, n.tensor(first + 1, "mat2")?);
     let out = n.out_dtype()?;
     let bd = &n.b;
-    let batch: &[i64] = if a.rank() == 3 { &[0] } else { &[] };
-    let k = a.rank() as i64 - 1;
-    let prod = bd.dot_general(&a, &b, (batch, batch), (&[k], &[k - 1]), opmath(out))?;
+    let prod = if n.op == "aten.addbmm.default" {
+        // The batch dim is contracted too: the sum of the batch's products.
+        bd.dot_general(&a, &b, (&[], &[]), (&[0, 2], &[0, 1]), opmath(out))?
+    } else {
+        let batch: &[i64] = if a.rank() == 3 { &[0] } else { &[] };
+        let k = a.rank() as i64 - 1;
+        bd.dot_general(&a, &b, (batch, batch), (&[k], &[k - 1]), opmath(out))?
+    };
     if !fused {
         return Ok(vec![bd.convert(&prod, out)?]);
     }
