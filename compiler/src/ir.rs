@@ -32,7 +32,10 @@ impl DType {
         self == DType::C64
     }
     pub fn is_integer(self) -> bool {
-        matches!(self, DType::U8 | DType::I8 | DType::I16 | DType::I32 | DType::I64)
+        matches!(
+            self,
+            DType::U8 | DType::I8 | DType::I16 | DType::I32 | DType::I64
+        )
     }
     pub fn is_signed_integer(self) -> bool {
         matches!(self, DType::I8 | DType::I16 | DType::I32 | DType::I64)

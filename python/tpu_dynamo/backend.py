@@ -11,18 +11,31 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._decomp import core_aten_decompositions
+from torch._decomp import core_aten_decompositions, decomposition_table
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch._aot_autograd.descriptors import BufferAOTInput, ParamAOTInput, PlainAOTInput
 
+from . import _native
 from . import options as options_mod
 from .convert import InputKind
 from .executable import compile_graph
 from .symbolic import PerShape
 
-# Core ATen only: the compiler lowers core ATen ops (plus what the census shows survives it,
-# e.g. SDPA is decomposed by this table into bmm/_softmax).
-DECOMPOSITIONS = core_aten_decompositions()
+
+def _decompositions() -> dict[Any, Callable[..., Any]]:
+    """Core ATen (the compiler lowers core ATen ops, plus what the census shows survives it, e.g.
+    SDPA is decomposed by this table into bmm/_softmax), and beyond it PyTorch's decomposition
+    of every op the compiler has no rule for, so an op without a rule still compiles when it
+    reduces to ops with one."""
+    table = dict(core_aten_decompositions())
+    ours = set(_native.supported_ops())
+    for op, fn in decomposition_table.items():
+        if op not in table and isinstance(op, torch._ops.OpOverload) and str(op) not in ours:
+            table[op] = fn
+    return table
+
+
+DECOMPOSITIONS = _decompositions()
 
 
 def _dynamo_kind(node: torch.fx.Node, value: Any) -> InputKind:

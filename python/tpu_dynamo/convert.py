@@ -306,6 +306,8 @@ class _Builder:
                     outputs.append(self.tensor_type(t, f"output {i} of {op}"))
                     ids[i] = self.new_value()
             self.values[n] = ids
+        elif val is None:  # an op run only for its effect (`_assert_async`)
+            outputs, self.values[n] = [], {}
         else:
             outputs = [self.tensor_type(val, f"output of {op}")]
             self.values[n] = self.new_value()

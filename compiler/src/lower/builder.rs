@@ -65,6 +65,7 @@ impl Scalar {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Combiner {
     Add,
+    Mul,
     Max,
     Min,
     Or,
@@ -75,6 +76,7 @@ impl Combiner {
     fn op(self) -> &'static str {
         match self {
             Combiner::Add => "add",
+            Combiner::Mul => "multiply",
             Combiner::Max => "maximum",
             Combiner::Min => "minimum",
             Combiner::Or => "or",
@@ -85,6 +87,7 @@ impl Combiner {
         let inf = f64::INFINITY;
         match (self, dtype.is_float()) {
             (Combiner::Add, _) => Scalar::Int(0),
+            (Combiner::Mul, _) => Scalar::Int(1),
             (Combiner::Or, _) => Scalar::Bool(false),
             (Combiner::And, _) => Scalar::Bool(true),
             (Combiner::Max, true) => Scalar::Float(-inf),
@@ -280,6 +283,13 @@ pub fn norm_dims(dims: &[i64], rank: usize) -> R<Vec<usize>> {
     if dims.is_empty() {
         return Ok((0..rank).collect());
     }
+    if rank == 0 {
+        // A 0-d tensor accepts dim 0 / -1 and has nothing to reduce.
+        for &d in dims {
+            norm_dim(d, rank)?;
+        }
+        return Ok(vec![]);
+    }
     let mut out = dims
         .iter()
         .map(|&d| norm_dim(d, rank))
@@ -473,6 +483,16 @@ impl<'a> Builder<'a> {
         }
         self.op(
             "stablehlo.convert",
+            &[x],
+            &[],
+            TensorType::new(dtype, x.ty.shape.clone()),
+        )
+    }
+
+    /// Reinterprets the bits of each element as `dtype` (same width).
+    pub fn bitcast(&self, x: &Val<'a>, dtype: DType) -> R<Val<'a>> {
+        self.op(
+            "stablehlo.bitcast_convert",
             &[x],
             &[],
             TensorType::new(dtype, x.ty.shape.clone()),
@@ -732,7 +752,8 @@ impl<'a> Builder<'a> {
 
     // ---- reductions ----
 
-    /// Reduces `dims` (sorted, unique) with `combiner`; `keepdim` keeps them as size 1.
+    /// Reduces `dims` (sorted, unique) with `combiner`; `keepdim` keeps them as size 1. A 0-d
+    /// tensor has no dims to reduce: ATen accepts dim 0 (or -1) there and reduces nothing.
     pub fn reduce(
         &self,
         x: &Val<'a>,
@@ -740,6 +761,9 @@ impl<'a> Builder<'a> {
         combiner: Combiner,
         keepdim: bool,
     ) -> R<Val<'a>> {
+        if x.rank() == 0 {
+            return Ok(x.clone());
+        }
         let d = x.dtype();
         let init = self.scalar(combiner.identity(d), d)?;
         let region = self.region(&[d, d], |b, args| {
@@ -764,6 +788,40 @@ impl<'a> Builder<'a> {
         } else {
             Ok(out)
         }
+    }
+
+    /// `reduce_window` of `x` with `combiner`, per-dim window sizes, strides and (low, high)
+    /// padding by the combiner's identity.
+    pub fn reduce_window(
+        &self,
+        x: &Val<'a>,
+        combiner: Combiner,
+        window: &[i64],
+        strides: &[i64],
+        pads: &[(i64, i64)],
+    ) -> R<Val<'a>> {
+        let d = x.dtype();
+        let init = self.scalar(combiner.identity(d), d)?;
+        let region = self.region(&[d, d], |b, a| {
+            Ok(vec![b.binary(combiner.op(), &a[0], &a[1])?])
+        })?;
+        let shape = (0..x.rank())
+            .map(|i| (x.shape()[i] + pads[i].0 + pads[i].1 - window[i]) / strides[i] + 1)
+            .collect();
+        let attrs = [
+            ("window_dimensions", i64_array(window)),
+            ("window_strides", i64_array(strides)),
+            ("padding", padding_attr(pads)),
+        ];
+        Ok(self
+            .op_regions(
+                "stablehlo.reduce_window",
+                &[x, &init],
+                &attrs,
+                vec![region],
+                vec![TensorType::new(d, shape)],
+            )?
+            .remove(0))
     }
 
     /// `dot_general` with explicit batch/contracting dims; result element type `out` (lets bf16

@@ -8,6 +8,53 @@ use super::builder::{opmath, Builder, Operand, Scalar, Val, R};
 use super::{NodeCtx, Registry, Res};
 use crate::ir::DType;
 
+/// Unary functions, each registered as `aten.<name>.default` and (the ones PyTorch has as a
+/// primitive, reached through its reference decompositions) `prims.<name>.default`.
+const UNARY: &[&str] = &[
+    "neg",
+    "abs",
+    "exp",
+    "log",
+    "log1p",
+    "expm1",
+    "sqrt",
+    "rsqrt",
+    "sin",
+    "cos",
+    "tan",
+    "tanh",
+    "sigmoid",
+    "floor",
+    "ceil",
+    "round",
+    "sign",
+    "reciprocal",
+    "relu",
+    "erf",
+    "gelu",
+    "silu",
+    "exp2",
+    "log2",
+    "trunc",
+    "acos",
+    "asin",
+    "atan",
+    "acosh",
+    "asinh",
+    "atanh",
+    "sinh",
+    "cosh",
+    "erfc",
+    "erfinv",
+    "lgamma",
+    "digamma",
+    "log10",
+    "sgn",
+    "frac",
+];
+/// Unary functions without a `prims` counterpart.
+const UNARY_ATEN_ONLY: &[&str] = &["relu", "gelu", "silu", "sigmoid", "sgn", "frac", "erfinv"];
+
 pub fn register(r: &mut Registry) {
     r.add(
         &[
@@ -17,6 +64,8 @@ pub fn register(r: &mut Registry) {
             "aten.sub.Scalar",
             "aten.rsub.Tensor",
             "aten.rsub.Scalar",
+            "prims.add.default",
+            "prims.sub.default",
         ],
         add_sub,
     );
@@ -24,6 +73,7 @@ pub fn register(r: &mut Registry) {
         &[
             "aten.mul.Tensor",
             "aten.mul.Scalar",
+            "prims.mul.default",
             "aten.div.Tensor",
             "aten.div.Scalar",
             "aten.true_divide.Tensor",
@@ -52,6 +102,10 @@ pub fn register(r: &mut Registry) {
             "aten.maximum.default",
             "aten.minimum.default",
             "aten.atan2.default",
+            "aten.fmax.default",
+            "aten.fmin.default",
+            "prims.fmax.default",
+            "prims.fmin.default",
         ],
         binary_plain,
     );
@@ -63,35 +117,26 @@ pub fn register(r: &mut Registry) {
         ],
         pow,
     );
+    for name in UNARY {
+        let aten: &'static str = Box::leak(format!("aten.{name}.default").into_boxed_str());
+        r.add(&[aten], unary);
+        if !UNARY_ATEN_ONLY.contains(name) {
+            let prim: &'static str = Box::leak(format!("prims.{name}.default").into_boxed_str());
+            r.add(&[prim], unary);
+        }
+    }
+    r.add(&["prims.signbit.default", "aten.signbit.default"], signbit);
     r.add(
         &[
-            "aten.neg.default",
-            "aten.abs.default",
-            "aten.exp.default",
-            "aten.log.default",
-            "aten.log1p.default",
-            "aten.expm1.default",
-            "aten.sqrt.default",
-            "aten.rsqrt.default",
-            "aten.sin.default",
-            "aten.cos.default",
-            "aten.tan.default",
-            "aten.tanh.default",
-            "aten.sigmoid.default",
-            "aten.floor.default",
-            "aten.ceil.default",
-            "aten.round.default",
-            "aten.sign.default",
-            "aten.reciprocal.default",
-            "aten.relu.default",
-            "aten.erf.default",
-            "aten.gelu.default",
-            "aten.silu.default",
-            "aten.exp2.default",
-            "aten.log2.default",
-            "aten.trunc.default",
+            "aten.polygamma.default",
+            "prims.zeta.default",
+            "aten.special_zeta.default",
+            "prims.nextafter.default",
+            "aten.nextafter.default",
+            "prims.hypot.default",
+            "aten.hypot.default",
         ],
-        unary,
+        special_binary,
     );
     r.add(
         &[
@@ -109,6 +154,7 @@ pub fn register(r: &mut Registry) {
             "aten.where.ScalarSelf",
             "aten.where.ScalarOther",
             "aten.where.Scalar",
+            "prims.where.default",
         ],
         where_,
     );
@@ -136,7 +182,7 @@ fn add_sub(n: NodeCtx<'_>) -> Res<'_> {
     let (x, y) = (n.operand(0, "self")?, n.operand(1, "other")?);
     let alpha = n.scalar_or(2, "alpha", Scalar::Int(1))?;
     let rsub = n.op.starts_with("aten.rsub");
-    let name = if n.op.starts_with("aten.add") {
+    let name = if n.op.contains(".add.") {
         "add"
     } else {
         "subtract"
@@ -156,7 +202,7 @@ fn add_sub(n: NodeCtx<'_>) -> Res<'_> {
 
 fn mul_div(n: NodeCtx<'_>) -> Res<'_> {
     let (x, y) = (n.operand(0, "self")?, n.operand(1, "other")?);
-    let name = if n.op.starts_with("aten.mul") {
+    let name = if n.op.contains(".mul.") {
         "multiply"
     } else {
         "divide"
@@ -237,17 +283,26 @@ fn remainder(n: NodeCtx<'_>) -> Res<'_> {
 
 fn binary_plain(n: NodeCtx<'_>) -> Res<'_> {
     let (x, y) = (n.operand(0, "self")?, n.operand(1, "other")?);
-    let name = match n.op.as_str() {
-        "aten.maximum.default" => "maximum",
-        "aten.minimum.default" => "minimum",
+    let op =
+        n.op.trim_start_matches("aten.")
+            .trim_start_matches("prims.");
+    let name = match op {
+        "maximum.default" | "fmax.default" => "maximum",
+        "minimum.default" | "fmin.default" => "minimum",
         _ => "atan2",
     };
+    // fmax/fmin ignore a NaN operand (NaN only when both are); maximum/minimum propagate it.
+    let ignore_nan = op.starts_with("fm");
     Ok(vec![arith(&n, &x, &y, |b, p, q| {
         if p.dtype() == DType::Bool {
-            b.binary(if name == "maximum" { "or" } else { "and" }, p, q)
-        } else {
-            b.binary(name, p, q)
+            return b.binary(if name == "maximum" { "or" } else { "and" }, p, q);
         }
+        let m = b.binary(name, p, q)?;
+        if !(ignore_nan && p.dtype().is_float()) {
+            return Ok(m);
+        }
+        let m = b.select(&b.compare(q, q, "NE")?, p, &m)?;
+        b.select(&b.compare(p, p, "NE")?, q, &m)
     })?])
 }
 
@@ -348,6 +403,7 @@ fn unary(n: NodeCtx<'_>) -> Res<'_> {
     let one = || b.full_like(Scalar::Int(1), &x);
     let name =
         n.op.trim_start_matches("aten.")
+            .trim_start_matches("prims.")
             .trim_end_matches(".default");
     let simple = match name {
         "neg" => Some("negate"),
@@ -359,8 +415,22 @@ fn unary(n: NodeCtx<'_>) -> Res<'_> {
         "cos" => Some("cosine"),
         "sigmoid" => Some("logistic"),
         "round" => Some("round_nearest_even"),
+        "sgn" => Some("sign"),
         _ => None,
     };
+    // Functions StableHLO lacks; XLA expands these CHLO ops with accurate approximations.
+    let chlo = match name {
+        "acos" | "asin" | "atan" | "acosh" | "asinh" | "atanh" | "sinh" | "cosh" | "erfc"
+        | "lgamma" | "digamma" => Some(name),
+        "erfinv" => Some("erf_inv"),
+        _ => None,
+    };
+    if let Some(op) = chlo {
+        return Ok(vec![b.convert(
+            &b.op(&format!("chlo.{op}"), &[&x], &[], x.ty.clone())?,
+            out,
+        )?]);
+    }
     let y = match (simple, name) {
         (Some("abs"), _) if x.dtype() == DType::Bool => x.clone(),
         (Some(op), _) => b.unary(op, &x)?,
@@ -373,6 +443,8 @@ fn unary(n: NodeCtx<'_>) -> Res<'_> {
         (_, "log2") => b.mul_scalar(&b.unary("log", &x)?, std::f64::consts::LOG2_E)?,
         (_, "trunc") if x.dtype().is_float() => trunc(b, &x)?,
         (_, "trunc") => x.clone(),
+        (_, "log10") => b.mul_scalar(&b.unary("log", &x)?, std::f64::consts::LOG10_E)?,
+        (_, "frac") => b.sub(&x, &trunc(b, &x)?)?,
         _ => return Err(format!("no unary rule for {}", n.op)),
     };
     Ok(vec![b.convert(&y, out)?])
@@ -420,4 +492,35 @@ fn masked_fill(n: NodeCtx<'_>) -> Res<'_> {
     let value = n.b.broadcast_to(&value, x.shape())?;
     let mask = n.b.broadcast_to(&mask, x.shape())?;
     Ok(vec![n.b.select(&mask, &value, &x)?])
+}
+
+/// `signbit(x)`: the sign bit of the float's bits (true for -0.0 and negative NaNs too), in the
+/// recorded dtype (bool for ATen's op, the input's for the prim).
+fn signbit(n: NodeCtx<'_>) -> Res<'_> {
+    let x = n.tensor(0, "self")?;
+    let b = &n.b;
+    let bits = match x.dtype().size() {
+        _ if !x.dtype().is_float() => x.clone(),
+        2 => b.bitcast(&x, DType::I16)?,
+        4 => b.bitcast(&x, DType::I32)?,
+        _ => b.bitcast(&x, DType::I64)?,
+    };
+    let neg = b.compare(&bits, &b.full_like(Scalar::Int(0), &bits)?, "LT")?;
+    Ok(vec![b.convert(&neg, n.out_dtype()?)?])
+}
+
+/// Two-operand special functions: polygamma(n, x), zeta(x, q), nextafter(x, y) as the CHLO ops
+/// XLA expands, hypot as sqrt(a² + b²).
+fn special_binary(n: NodeCtx<'_>) -> Res<'_> {
+    let (x, y) = (n.operand(0, "self")?, n.operand(1, "other")?);
+    let op = n.op.clone();
+    Ok(vec![arith(&n, &x, &y, |b, p, q| {
+        let chlo = |name: &str| b.op(&format!("chlo.{name}"), &[p, q], &[], p.ty.clone());
+        match op.as_str() {
+            "aten.polygamma.default" => chlo("polygamma"),
+            "prims.zeta.default" | "aten.special_zeta.default" => chlo("zeta"),
+            "prims.nextafter.default" | "aten.nextafter.default" => chlo("next_after"),
+            _ => b.unary("sqrt", &b.add(&b.mul(p, p)?, &b.mul(q, q)?)?),
+        }
+    })?])
 }

@@ -24,6 +24,50 @@ pub fn register(r: &mut Registry) {
         &["aten.slice_scatter.default", "aten.select_scatter.default"],
         slice_scatter,
     );
+    r.add(
+        &["aten.as_strided.default", "aten.as_strided_copy.default"],
+        as_strided,
+    );
+}
+
+/// `as_strided(x, size, stride, offset)` over `x`'s contiguous storage (a functional graph's
+/// values are contiguous): element `i` reads `flat[offset + sum(i_k * stride_k)]`, one gather.
+fn as_strided(n: NodeCtx<'_>) -> Res<'_> {
+    let x = n.tensor(0, "self")?;
+    let (size, stride) = (n.ints(1, "size")?, n.ints(2, "stride")?);
+    let offset = n.int_or(3, "storage_offset", 0)?;
+    let b = &n.b;
+    let out = n.out(0)?.clone();
+    let numel: i64 = x.shape().iter().product();
+    if numel == 0 || size.iter().product::<i64>() == 0 {
+        return Ok(vec![b.splat(Scalar::Int(0), &out)?]);
+    }
+    let flat = b.reshape(&x, &[numel])?;
+    let ty = TensorType::new(DType::I64, size.clone());
+    let mut idx = b.splat(Scalar::Int(offset), &ty)?;
+    for (k, &st) in stride.iter().enumerate() {
+        let term = b.binary(
+            "multiply",
+            &b.iota(&ty, k)?,
+            &b.splat(Scalar::Int(st), &ty)?,
+        )?;
+        idx = b.binary("add", &idx, &term)?;
+    }
+    let mut shape = size.clone();
+    shape.push(1);
+    let map = IndexMap {
+        window_dims: vec![],
+        collapsed: vec![0],
+        index_to_operand: vec![0],
+        index_vector_dim: size.len(),
+    };
+    Ok(vec![b.gather(
+        &flat,
+        &b.reshape(&idx, &shape)?,
+        &map,
+        &[1],
+        size,
+    )?])
 }
 
 fn range(from: usize, to: usize) -> Vec<i64> {

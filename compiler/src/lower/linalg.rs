@@ -2,8 +2,9 @@
 //! convolution yields f32, rounded once), which is what PyTorch's CPU GEMMs do.
 
 use super::builder::{i64_array, opmath, padding_attr, Builder, Val, R};
+use super::reduction::sum_to;
 use super::{NodeCtx, Registry, Res};
-use crate::ir::TensorType;
+use crate::ir::{DType, TensorType};
 
 pub fn register(r: &mut Registry) {
     r.add(
@@ -12,22 +13,32 @@ pub fn register(r: &mut Registry) {
             "aten.bmm.default",
             "aten.addmm.default",
             "aten.baddbmm.default",
+            "aten.addbmm.default",
         ],
         matmul,
     );
     r.add(&["aten.convolution.default"], convolution);
+    r.add(&["transformers.grouped_mm_fallback.default"], grouped_mm);
 }
 
-/// `mm`, `bmm`, and `addmm`/`baddbmm` (`beta * input + alpha * (a @ b)`).
+/// `mm`, `bmm`, and `addmm`/`baddbmm`/`addbmm` (`beta * input + alpha * (a @ b)`).
 fn matmul(n: NodeCtx<'_>) -> Res<'_> {
-    let fused = matches!(n.op.as_str(), "aten.addmm.default" | "aten.baddbmm.default");
+    let fused = matches!(
+        n.op.as_str(),
+        "aten.addmm.default" | "aten.baddbmm.default" | "aten.addbmm.default"
+    );
     let first = fused as usize;
     let (a, b) = (n.tensor(first, "mat1")?, n.tensor(first + 1, "mat2")?);
     let out = n.out_dtype()?;
     let bd = &n.b;
-    let batch: &[i64] = if a.rank() == 3 { &[0] } else { &[] };
-    let k = a.rank() as i64 - 1;
-    let prod = bd.dot_general(&a, &b, (batch, batch), (&[k], &[k - 1]), opmath(out))?;
+    let prod = if n.op == "aten.addbmm.default" {
+        // The batch dim is contracted too: the sum of the batch's products.
+        bd.dot_general(&a, &b, (&[], &[]), (&[0, 2], &[0, 1]), opmath(out))?
+    } else {
+        let batch: &[i64] = if a.rank() == 3 { &[0] } else { &[] };
+        let k = a.rank() as i64 - 1;
+        bd.dot_general(&a, &b, (batch, batch), (&[k], &[k - 1]), opmath(out))?
+    };
     if !fused {
         return Ok(vec![bd.convert(&prod, out)?]);
     }
@@ -141,4 +152,30 @@ fn convolution(n: NodeCtx<'_>) -> Res<'_> {
 fn add_channel_bias<'a>(b: &Builder<'a>, y: &Val<'a>, bias: &Val<'a>) -> R<Val<'a>> {
     let bias = b.broadcast_in_dim(&b.convert(bias, y.dtype())?, y.shape(), &[1])?;
     b.binary("add", y, &bias)
+}
+
+/// transformers' `grouped_mm_fallback(input[S, K], weight[E, K, N], offs[E])`: rows
+/// `offs[e-1]..offs[e]` use expert `e`'s weight, rows past `offs[E-1]` stay zero. Computed as
+/// every expert on every row, then each row keeps its own expert's product (static shapes).
+fn grouped_mm(n: NodeCtx<'_>) -> Res<'_> {
+    let (x, w, offs) = (
+        n.tensor(0, "input")?,
+        n.tensor(1, "weight")?,
+        n.tensor(2, "offs")?,
+    );
+    let b = &n.b;
+    let (s, e, out_dim) = (x.shape()[0], w.shape()[0], w.shape()[2]);
+    let out = n.out_dtype()?;
+    // [S, E, N]: row s through expert e.
+    let all = b.dot_general(&x, &w, (&[], &[]), (&[1], &[1]), opmath(out))?;
+    let offs = b.convert(&offs, DType::I64)?;
+    let row = b.iota(&TensorType::new(DType::I64, vec![s, e]), 0)?;
+    let past = b.compare(&row, &b.broadcast_in_dim(&offs, &[s, e], &[1])?, "GE")?;
+    // The expert of row s is how many groups end at or before it.
+    let group = sum_to(b, &b.convert(&past, DType::I64)?, &[1], false, DType::I64)?;
+    let expert = b.iota(&TensorType::new(DType::I64, vec![s, e]), 1)?;
+    let mine = b.compare(&b.broadcast_in_dim(&group, &[s, e], &[0])?, &expert, "EQ")?;
+    let mine = b.broadcast_in_dim(&b.convert(&mine, all.dtype())?, &[s, e, out_dim], &[0, 1])?;
+    let y = sum_to(b, &b.mul(&all, &mine)?, &[1], false, opmath(out))?;
+    Ok(vec![b.convert(&y, out)?])
 }

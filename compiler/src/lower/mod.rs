@@ -12,7 +12,9 @@ mod elementwise;
 mod indexing;
 mod linalg;
 mod normalization;
+mod pooling;
 mod reduction;
+mod sorting;
 mod view;
 
 use crate::ir::{self, Arg, DType, Graph, TensorType};
@@ -143,7 +145,9 @@ fn registry() -> &'static Registry {
         indexing::register(&mut r);
         linalg::register(&mut r);
         normalization::register(&mut r);
+        pooling::register(&mut r);
         reduction::register(&mut r);
+        sorting::register(&mut r);
         view::register(&mut r);
         r
     })

@@ -1,13 +1,12 @@
-//! Reductions (sum, mean, amax/amin, any/all), softmax / log_softmax, cumsum.
+//! Reductions (sum, mean, amax/amin, any/all), softmax / log_softmax, cumsum, histc.
 //!
 //! Half-precision inputs accumulate in f32 and round once, as PyTorch's CPU kernels do.
 
 use super::builder::{
-    i64_array, keep_dims_shape, norm_dim, norm_dims, opmath, padding_attr, Builder, Combiner,
-    Scalar, Val, R,
+    keep_dims_shape, norm_dim, norm_dims, opmath, Builder, Combiner, Scalar, Val, R,
 };
 use super::{NodeCtx, Registry, Res};
-use crate::ir::DType;
+use crate::ir::{DType, TensorType};
 
 pub fn register(r: &mut Registry) {
     r.add(
@@ -18,6 +17,14 @@ pub fn register(r: &mut Registry) {
             "aten.mean.default",
         ],
         sum_mean,
+    );
+    r.add(
+        &[
+            "aten.prod.default",
+            "aten.prod.dim_int",
+            "prims.prod.default",
+        ],
+        prod,
     );
     r.add(
         &[
@@ -49,6 +56,7 @@ pub fn register(r: &mut Registry) {
         softmax,
     );
     r.add(&["aten.cumsum.default"], cumsum);
+    r.add(&["aten.histc.default"], histc);
     r.add(&["aten.var.correction", "aten.var_mean.correction"], var);
 }
 
@@ -56,9 +64,9 @@ pub fn register(r: &mut Registry) {
 fn reduce_args(n: &NodeCtx<'_>, x: &Val<'_>) -> R<(Vec<usize>, bool)> {
     let every = (0..x.rank()).collect();
     Ok(match n.op.as_str() {
-        "aten.sum.default" | "aten.mean.default" | "aten.max.default" | "aten.min.default"
-        | "aten.any.default" | "aten.all.default" => (every, false),
-        "aten.any.dim" | "aten.all.dim" => (
+        "aten.sum.default" | "aten.mean.default" | "aten.prod.default" | "aten.max.default"
+        | "aten.min.default" | "aten.any.default" | "aten.all.default" => (every, false),
+        "aten.any.dim" | "aten.all.dim" | "aten.prod.dim_int" => (
             vec![norm_dim(n.int(1, "dim")?, x.rank())?],
             n.bool_or(2, "keepdim", false)?,
         ),
@@ -103,6 +111,21 @@ fn sum_mean(n: NodeCtx<'_>) -> Res<'_> {
         return Ok(vec![b.convert(&m, out)?]);
     }
     Ok(vec![sum_to(b, &x, &dims, keepdim, out)?])
+}
+
+/// `prod` over dims (`prims.prod(x, dims)` has no keepdim), in the compute type; integer and
+/// bool inputs give i64 unless `dtype=` says otherwise.
+fn prod(n: NodeCtx<'_>) -> Res<'_> {
+    let x = n.tensor(0, "self")?;
+    let (dims, keepdim) = if n.op == "prims.prod.default" {
+        (norm_dims(&n.ints(1, "dims")?, x.rank())?, false)
+    } else {
+        reduce_args(&n, &x)?
+    };
+    let out = n.out_dtype()?;
+    let b = &n.b;
+    let p = b.reduce(&b.convert(&x, opmath(out))?, &dims, Combiner::Mul, keepdim)?;
+    Ok(vec![b.convert(&p, out)?])
 }
 
 fn extremum(n: NodeCtx<'_>) -> Res<'_> {
@@ -176,7 +199,6 @@ fn cumsum(n: NodeCtx<'_>) -> Res<'_> {
     let out = n.opt_dtype(2, "dtype")?.unwrap_or(default);
     let b = &n.b;
     let xc = b.convert(&x, opmath(out))?;
-    let d = xc.dtype();
     let len = x.shape().get(dim).copied().unwrap_or(1);
     let mut window = vec![1; x.rank()];
     let mut pads = vec![(0, 0); x.rank()];
@@ -184,22 +206,7 @@ fn cumsum(n: NodeCtx<'_>) -> Res<'_> {
         window[dim] = len;
         pads[dim] = (len - 1, 0);
     }
-    let init = b.scalar(Scalar::Int(0), d)?;
-    let region = b.region(&[d, d], |b, a| Ok(vec![b.binary("add", &a[0], &a[1])?]))?;
-    let attrs = [
-        ("window_dimensions", i64_array(&window)),
-        ("window_strides", i64_array(&vec![1; x.rank()])),
-        ("padding", padding_attr(&pads)),
-    ];
-    let y = b
-        .op_regions(
-            "stablehlo.reduce_window",
-            &[&xc, &init],
-            &attrs,
-            vec![region],
-            vec![xc.ty.clone()],
-        )?
-        .remove(0);
+    let y = b.reduce_window(&xc, Combiner::Add, &window, &vec![1; x.rank()], &pads)?;
     Ok(vec![b.convert(&y, out)?])
 }
 
@@ -244,4 +251,60 @@ pub fn variance<'a>(
     let sq = sum_to(b, &b.mul(&centered, &centered)?, dims, true, xf.dtype())?;
     let v = b.mul_scalar(&sq, 1.0 / (count as f64 - correction).max(0.0))?;
     Ok((v, mean))
+}
+
+/// `histc(x, bins, min, max)`: bin `floor((v - min) * bins / (max - min))` (the top edge falls in
+/// the last bin), values outside `[min, max]` and NaN ignored; `min == max` uses the data range
+/// (widened by 1 each side when that is empty too), as PyTorch does.
+fn histc(n: NodeCtx<'_>) -> Res<'_> {
+    let x = n.tensor(0, "self")?;
+    let bins = n.int_or(1, "bins", 100)?;
+    let (lo, hi) = (n.float_or(2, "min", 0.0)?, n.float_or(3, "max", 0.0)?);
+    let b = &n.b;
+    let flat = b.reshape(
+        &b.convert(&x, opmath(x.dtype()))?,
+        &[x.shape().iter().product()],
+    )?;
+    let d = flat.dtype();
+    let (lo, hi) = if lo == hi {
+        let (lo, hi) = (
+            b.reduce(&flat, &[0], Combiner::Min, false)?,
+            b.reduce(&flat, &[0], Combiner::Max, false)?,
+        );
+        let empty = b.compare(&lo, &hi, "EQ")?;
+        (
+            b.select(&empty, &b.add_scalar(&lo, -1.0)?, &lo)?,
+            b.select(&empty, &b.add_scalar(&hi, 1.0)?, &hi)?,
+        )
+    } else {
+        (
+            b.scalar(Scalar::Float(lo), d)?,
+            b.scalar(Scalar::Float(hi), d)?,
+        )
+    };
+    let scaled = b.div(
+        &b.mul_scalar(&b.sub(&flat, &lo)?, bins as f64)?,
+        &b.sub(&hi, &lo)?,
+    )?;
+    let top = b.full_like(Scalar::Int(bins - 1), &scaled)?;
+    let pos = b.binary("minimum", &b.unary("floor", &scaled)?, &top)?;
+    let inside = b.binary(
+        "and",
+        &b.compare(&flat, &b.broadcast_to(&lo, flat.shape())?, "GE")?,
+        &b.compare(&flat, &b.broadcast_to(&hi, flat.shape())?, "LE")?,
+    )?;
+    let len = flat.shape()[0];
+    let bin = b.iota(&TensorType::new(d, vec![len, bins]), 1)?;
+    let hit = b.binary(
+        "and",
+        &b.compare(&b.broadcast_in_dim(&pos, &[len, bins], &[0])?, &bin, "EQ")?,
+        &b.broadcast_in_dim(&inside, &[len, bins], &[0])?,
+    )?;
+    Ok(vec![sum_to(
+        b,
+        &b.convert(&hit, d)?,
+        &[0],
+        false,
+        x.dtype(),
+    )?])
 }

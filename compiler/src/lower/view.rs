@@ -3,7 +3,7 @@
 
 use super::builder::{norm_dim, norm_dims, Scalar, R};
 use super::{NodeCtx, Registry, Res};
-use crate::ir::DType;
+use crate::ir::{DType, TensorType};
 
 pub fn register(r: &mut Registry) {
     r.add(
@@ -57,6 +57,46 @@ pub fn register(r: &mut Registry) {
     r.add(&["aten.repeat.default"], repeat);
     r.add(&["aten.constant_pad_nd.default"], constant_pad_nd);
     r.add(&["aten.flip.default"], flip);
+    r.add(&["aten.view_as_complex.default"], view_as_complex);
+    r.add(&["aten.view_as_real.default"], view_as_real);
+}
+
+/// `view_as_complex(x[..., 2])`: (real, imag) pairs of the last dim become one complex element.
+fn view_as_complex(n: NodeCtx<'_>) -> Res<'_> {
+    let x = n.tensor(0, "self")?;
+    let b = &n.b;
+    let last = x
+        .rank()
+        .checked_sub(1)
+        .ok_or("view_as_complex of a 0-d tensor")?;
+    let shape = &x.shape()[..last];
+    let part = |i| b.reshape(&b.slice_dim(&x, last, i, i + 1, 1)?, shape);
+    let (re, im) = (part(0)?, part(1)?);
+    Ok(vec![b.op(
+        "stablehlo.complex",
+        &[&re, &im],
+        &[],
+        n.out(0)?.clone(),
+    )?])
+}
+
+/// `view_as_real(z)`: complex elements as a trailing (real, imag) dim.
+fn view_as_real(n: NodeCtx<'_>) -> Res<'_> {
+    let z = n.tensor(0, "self")?;
+    let b = &n.b;
+    let mut shape = z.shape().to_vec();
+    shape.push(1);
+    let part = |name| {
+        let p = b.op(
+            name,
+            &[&z],
+            &[],
+            TensorType::new(DType::F32, z.shape().to_vec()),
+        )?;
+        b.reshape(&p, &shape)
+    };
+    let (re, im) = (part("stablehlo.real")?, part("stablehlo.imag")?);
+    Ok(vec![b.concat(&[&re, &im], z.rank())?])
 }
 
 fn identity(n: NodeCtx<'_>) -> Res<'_> {

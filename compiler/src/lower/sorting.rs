@@ -1,0 +1,146 @@
+//! Sorting and selection: sort, topk, kthvalue, max/min along a dim, argmax/argmin, all on one stable
+//! `stablehlo.sort` of (values, indices). Stability gives PyTorch's tie order (the first
+//! occurrence wins), and the comparator ranks NaN like PyTorch: above every number.
+
+use super::builder::{norm_dim, Builder, Scalar, Val, R};
+use super::{NodeCtx, Registry, Res};
+use crate::ir::{DType, TensorType};
+
+pub fn register(r: &mut Registry) {
+    r.add(&["aten.sort.default", "aten.sort.stable"], sort);
+    r.add(&["aten.topk.default"], topk);
+    r.add(&["aten.kthvalue.default"], kthvalue);
+    r.add(
+        &[
+            "aten.max.dim",
+            "aten.min.dim",
+            "aten.argmax.default",
+            "aten.argmin.default",
+        ],
+        extremum_dim,
+    );
+}
+
+/// Sorts `x` along `dim`, returning values and i64 source indices. `descending` puts NaN
+/// first (PyTorch sorts NaN as the largest value); `nan_first` forces NaN first when ascending,
+/// so that min picks NaN as PyTorch's min propagates it.
+pub fn sort_dim<'a>(
+    b: &Builder<'a>,
+    x: &Val<'a>,
+    dim: usize,
+    descending: bool,
+    nan_first: bool,
+) -> R<(Val<'a>, Val<'a>)> {
+    let d = x.dtype();
+    let idx = b.iota(&TensorType::new(DType::I64, x.shape().to_vec()), dim)?;
+    let region = b.region(&[d, d, DType::I64, DType::I64], |b, a| {
+        // Booleans compare as integers.
+        let (p, q) = if d == DType::Bool {
+            (b.convert(&a[0], DType::I32)?, b.convert(&a[1], DType::I32)?)
+        } else {
+            (a[0].clone(), a[1].clone())
+        };
+        let before = b.compare(&p, &q, if descending { "GT" } else { "LT" })?;
+        if !d.is_float() {
+            return Ok(vec![before]);
+        }
+        let (nan_p, nan_q) = (b.compare(&p, &p, "NE")?, b.compare(&q, &q, "NE")?);
+        let (first, second) = if descending || nan_first {
+            (nan_p, nan_q)
+        } else {
+            (nan_q, nan_p)
+        };
+        let nan_order = b.binary("and", &first, &b.unary("not", &second)?)?;
+        Ok(vec![b.binary("or", &before, &nan_order)?])
+    })?;
+    let mut out = b.op_regions(
+        "stablehlo.sort",
+        &[x, &idx],
+        &[
+            ("dimension", format!("{dim} : i64")),
+            ("is_stable", "true".into()),
+        ],
+        vec![region],
+        vec![x.ty.clone(), idx.ty.clone()],
+    )?;
+    let i = out.pop().ok_or("sort produced no indices")?;
+    Ok((out.remove(0), i))
+}
+
+fn sort(n: NodeCtx<'_>) -> Res<'_> {
+    let x = n.tensor(0, "self")?;
+    // `sort.stable(self, *, stable, dim, descending)` has keyword-only dim/descending.
+    let (dim, descending) = if n.op == "aten.sort.stable" {
+        (
+            n.int_or(usize::MAX, "dim", -1)?,
+            n.bool_or(usize::MAX, "descending", false)?,
+        )
+    } else {
+        (n.int_or(1, "dim", -1)?, n.bool_or(2, "descending", false)?)
+    };
+    if x.rank() == 0 {
+        let zero = n.b.scalar(Scalar::Int(0), DType::I64)?;
+        return Ok(vec![x, zero]);
+    }
+    let (v, i) = sort_dim(&n.b, &x, norm_dim(dim, x.rank())?, descending, false)?;
+    Ok(vec![v, i])
+}
+
+fn topk(n: NodeCtx<'_>) -> Res<'_> {
+    let x = n.tensor(0, "self")?;
+    let k = n.int(1, "k")?;
+    let largest = n.bool_or(3, "largest", true)?;
+    if x.rank() == 0 {
+        let zero = n.b.scalar(Scalar::Int(0), DType::I64)?;
+        return Ok(vec![x, zero]);
+    }
+    let dim = norm_dim(n.int_or(2, "dim", -1)?, x.rank())?;
+    let (v, i) = sort_dim(&n.b, &x, dim, largest, false)?;
+    Ok(vec![
+        n.b.slice_dim(&v, dim, 0, k, 1)?,
+        n.b.slice_dim(&i, dim, 0, k, 1)?,
+    ])
+}
+
+/// `max.dim`/`min.dim` (values and indices) and `argmax`/`argmin` (indices; no dim flattens).
+/// The recorded output shape already says whether `keepdim` kept the reduced dim.
+fn extremum_dim(n: NodeCtx<'_>) -> Res<'_> {
+    let x = n.tensor(0, "self")?;
+    let b = &n.b;
+    let largest = n.op.contains("max");
+    let arg = n.op.starts_with("aten.arg");
+    let (x, dim) = match n.arg(1, "dim") {
+        Some(_) => (x.clone(), norm_dim(n.int(1, "dim")?, x.rank())?),
+        None => (b.reshape(&x, &[x.shape().iter().product()])?, 0),
+    };
+    let (v, i) = if x.rank() == 0 {
+        (x.clone(), b.scalar(Scalar::Int(0), DType::I64)?)
+    } else {
+        let (v, i) = sort_dim(b, &x, dim, largest, true)?;
+        (
+            b.slice_dim(&v, dim, 0, 1, 1)?,
+            b.slice_dim(&i, dim, 0, 1, 1)?,
+        )
+    };
+    let shape = &n.out(if arg { 0 } else { 1 })?.shape;
+    let i = b.reshape(&i, shape)?;
+    if arg {
+        return Ok(vec![i]);
+    }
+    Ok(vec![b.reshape(&v, shape)?, i])
+}
+
+/// `kthvalue(x, k, dim, keepdim)`: the k-th smallest (1-based) and its index, NaN ranking last.
+fn kthvalue<'a>(n: NodeCtx<'a>) -> Res<'a> {
+    let x = n.tensor(0, "self")?;
+    let k = n.int(1, "k")?;
+    let b = &n.b;
+    let shape = &n.out(0)?.shape;
+    if x.rank() == 0 {
+        return Ok(vec![x, b.scalar(Scalar::Int(0), DType::I64)?]);
+    }
+    let dim = norm_dim(n.int_or(2, "dim", -1)?, x.rank())?;
+    let (v, i) = sort_dim(b, &x, dim, false, false)?;
+    let pick = |t: &Val<'a>| b.reshape(&b.slice_dim(t, dim, k - 1, k, 1)?, shape);
+    Ok(vec![pick(&v)?, pick(&i)?])
+}
