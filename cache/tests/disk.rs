@@ -556,3 +556,41 @@ fn concurrent_writer_processes_never_tear_an_entry() {
         "temp files left behind"
     );
 }
+
+#[test]
+fn file_hash_is_remembered_by_file_identity() {
+    let dir = temp_dir();
+    let cache = open(&dir.path().join("c"));
+    let lib = dir.path().join("plugin.so");
+    fs::write(&lib, b"first build of the plugin").unwrap();
+    let first = cache.file_hash(&lib).unwrap();
+    assert_eq!(first, tpu_dynamo_cache::hash_file(&lib).unwrap());
+    let memo: Vec<PathBuf> = fs::read_dir(cache.dir())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "filehash"))
+        .collect();
+    assert_eq!(memo.len(), 1, "one memo file");
+    assert!(cache.list().is_empty(), "a memo is not a cache entry");
+
+    // A later process trusts the memo instead of reading the file: prove it by planting one.
+    let planted = "ab".repeat(32);
+    fs::write(&memo[0], &planted).unwrap();
+    assert_eq!(open(cache.dir()).file_hash(&lib).unwrap(), planted);
+
+    // A malformed memo is recomputed and rewritten.
+    fs::write(&memo[0], "not a hash").unwrap();
+    assert_eq!(cache.file_hash(&lib).unwrap(), first);
+    assert_eq!(fs::read_to_string(&memo[0]).unwrap(), first);
+
+    // A new build of the file (new size and mtime) is hashed afresh.
+    fs::write(&lib, b"second, longer build of the plugin").unwrap();
+    let second = cache.file_hash(&lib).unwrap();
+    assert_ne!(second, first);
+    assert_eq!(second, tpu_dynamo_cache::hash_file(&lib).unwrap());
+
+    // With the cache off nothing is written and the hash is computed.
+    let off = DiskCache::open(DiskConfig { mode: Mode::Off, ..DiskConfig::new(dir.path().join("off")) });
+    assert_eq!(off.file_hash(&lib).unwrap(), second);
+    assert!(!dir.path().join("off").exists());
+}

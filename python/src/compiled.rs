@@ -257,7 +257,7 @@ fn find_or_build(
     // Hashing the plugin file is only worth it when there is a disk cache to check against.
     let plugin = match disk.mode() {
         Mode::Off => None,
-        _ => target.identity(|e| warnings.push(e.to_string())).ok(),
+        _ => target.identity(&disk, |e| warnings.push(e.to_string())).ok(),
     };
     let disk = plugin.map(|p| (disk, p));
     let key = cache_key(canonical, target, plugin);

@@ -3,7 +3,7 @@
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
-use tpu_dynamo_cache::{hash_file, host_cpu_features, PluginIdentity};
+use tpu_dynamo_cache::{host_cpu_features, DiskCache, PluginIdentity};
 use tpu_dynamo_runtime::{Client, ClientOptions, Device, Error, Plugin};
 
 use crate::counters::{add_time, STATS};
@@ -11,19 +11,20 @@ use crate::counters::{add_time, STATS};
 pub struct Target {
     pub client: Client,
     pub device: Device,
-    /// Built on first use: hashing the plugin file (tens of MB) is paid once per process and
-    /// only by processes that compile or inspect the cache.
+    /// Built on first use, and only by processes that compile or inspect the cache; the plugin
+    /// file's hash (hundreds of MB to read) comes from the disk cache's memo when it can.
     identity: OnceLock<Result<PluginIdentity, String>>,
 }
 
 impl Target {
     /// What disk cache entries made here are bound to; `Err` (the plugin file is unreadable)
     /// means no disk cache. `on_first_error` sees that error once per process, to log it.
-    pub fn identity(&self, on_first_error: impl FnOnce(&str)) -> Result<&PluginIdentity, &str> {
+    /// `disk` remembers the plugin file's hash across processes.
+    pub fn identity(&self, disk: &DiskCache, on_first_error: impl FnOnce(&str)) -> Result<&PluginIdentity, &str> {
         self.identity
             .get_or_init(|| {
                 let start = Instant::now();
-                let identity = plugin_identity(&self.client);
+                let identity = plugin_identity(&self.client, disk);
                 add_time(&STATS.identity_nanos, start.elapsed());
                 if let Err(e) = &identity {
                     on_first_error(e);
@@ -35,11 +36,11 @@ impl Target {
     }
 }
 
-fn plugin_identity(client: &Client) -> Result<PluginIdentity, String> {
+fn plugin_identity(client: &Client, disk: &DiskCache) -> Result<PluginIdentity, String> {
     let plugin = client.plugin();
     let path = plugin.path().display();
-    let library_hash =
-        hash_file(plugin.path()).map_err(|e| format!("cannot hash the PJRT plugin {path}: {e}; disk cache off"))?;
+    let library_hash = disk
+        .file_hash(plugin.path()).map_err(|e| format!("cannot hash the PJRT plugin {path}: {e}; disk cache off"))?;
     let platform = client.platform_name().map_err(|e| e.to_string())?;
     let (major, minor) = plugin.api_version();
     Ok(PluginIdentity {

@@ -93,7 +93,7 @@ pub fn cache_clear() -> PyResult<usize> {
 #[pyfunction]
 pub fn plugin_identity(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let t = target().map_err(runtime_err)?;
-    let id = t.identity(|_| {}).map_err(|e| pyo3::exceptions::PyOSError::new_err(e.to_string()))?;
+    let id = t.identity(&disk_cache(&mut vec![]), |_| {}).map_err(|e| pyo3::exceptions::PyOSError::new_err(e.to_string()))?;
     let d = PyDict::new(py);
     d.set_item("library_hash", &id.library_hash)?;
     d.set_item("pjrt_api_version", &id.pjrt_api_version)?;
