@@ -83,7 +83,7 @@ impl Combiner {
             Combiner::And => "and",
         }
     }
-    fn identity(self, dtype: DType) -> Scalar {
+    pub fn identity(self, dtype: DType) -> Scalar {
         let inf = f64::INFINITY;
         match (self, dtype.is_float()) {
             (Combiner::Add, _) => Scalar::Int(0),
@@ -935,23 +935,25 @@ impl<'a> Builder<'a> {
         )
     }
 
-    /// `stablehlo.scatter` of `updates` into `x`; `accumulate` adds, otherwise replaces.
+    /// Scatter `updates` into `x`: each update replaces its target, or is folded into it with
+    /// `combine` (sums of bools are `or`, as PyTorch's accumulating bool scatters are).
     pub fn scatter(
         &self,
         x: &Val<'a>,
         idx: &Val<'a>,
         updates: &Val<'a>,
         map: &IndexMap,
-        accumulate: bool,
+        combine: Option<Combiner>,
     ) -> R<Val<'a>> {
         let d = x.dtype();
+        let combine = match combine {
+            Some(Combiner::Add) if d == DType::Bool => Some(Combiner::Or),
+            c => c,
+        };
         let region = self.region(&[d, d], |b, a| {
-            Ok(vec![if accumulate && d == DType::Bool {
-                b.binary("or", &a[0], &a[1])?
-            } else if accumulate {
-                b.binary("add", &a[0], &a[1])?
-            } else {
-                a[1].clone()
+            Ok(vec![match combine {
+                Some(c) => b.binary(c.op(), &a[0], &a[1])?,
+                None => a[1].clone(),
             }])
         })?;
         let attrs = [
