@@ -273,6 +273,11 @@ fn gather(n: NodeCtx<'_>) -> Res<'_> {
     let x = at_least_1d(b, &n.tensor(0, "self")?)?;
     let dim = norm_dim(n.int(1, "dim")?, x.rank())?;
     let index = at_least_1d(b, &n.tensor(2, "index")?)?;
+    let out = n.out(0)?;
+    if out.shape.contains(&0) {
+        // An empty index may have any rank; nothing to read.
+        return Ok(vec![b.splat(Scalar::Int(0), out)?]);
+    }
     let coords = coordinates(b, &x, dim, &index)?;
     let g = b.gather(
         &x,
@@ -281,7 +286,7 @@ fn gather(n: NodeCtx<'_>) -> Res<'_> {
         &vec![1; x.rank()],
         index.shape().to_vec(),
     )?;
-    Ok(vec![b.reshape(&g, &n.out(0)?.shape)?])
+    Ok(vec![b.reshape(&g, &out.shape)?])
 }
 
 /// `scatter(x, dim, index, src|value[, reduce])`, `scatter_add` and `scatter_reduce`: the

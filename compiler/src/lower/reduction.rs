@@ -1,4 +1,4 @@
-//! Reductions (sum, mean, amax/amin, any/all), softmax / log_softmax, cumsum, histc.
+//! Reductions (sum, mean, amax/amin, any/all), softmax / log_softmax, cumsum / cummax / cummin, histc.
 //!
 //! Half-precision inputs accumulate in f32 and round once, as PyTorch's CPU kernels do.
 
@@ -56,6 +56,7 @@ pub fn register(r: &mut Registry) {
         softmax,
     );
     r.add(&["aten.cumsum.default"], cumsum);
+    r.add(&["aten.cummax.default", "aten.cummin.default"], cumextremum);
     r.add(&["aten.histc.default"], histc);
     r.add(&["aten.var.correction", "aten.var_mean.correction"], var);
 }
@@ -187,7 +188,20 @@ fn softmax(n: NodeCtx<'_>) -> Res<'_> {
     Ok(vec![b.convert(&y, out)?])
 }
 
-/// Inclusive prefix sum as a `reduce_window` whose window covers everything before each element.
+/// Inclusive scan of `x` along `dim` with `combiner`: a `reduce_window` whose window covers
+/// everything before each element. A 0-d tensor is its own scan.
+fn scan<'a>(b: &Builder<'a>, x: &Val<'a>, dim: usize, combiner: Combiner) -> R<Val<'a>> {
+    if x.rank() == 0 {
+        return Ok(x.clone());
+    }
+    let len = x.shape()[dim];
+    let mut window = vec![1; x.rank()];
+    let mut pads = vec![(0, 0); x.rank()];
+    window[dim] = len;
+    pads[dim] = (len - 1, 0);
+    b.reduce_window(x, combiner, &window, &vec![1; x.rank()], &pads)
+}
+
 fn cumsum(n: NodeCtx<'_>) -> Res<'_> {
     let x = n.tensor(0, "self")?;
     let dim = norm_dim(n.int(1, "dim")?, x.rank())?;
@@ -198,16 +212,34 @@ fn cumsum(n: NodeCtx<'_>) -> Res<'_> {
     };
     let out = n.opt_dtype(2, "dtype")?.unwrap_or(default);
     let b = &n.b;
-    let xc = b.convert(&x, opmath(out))?;
-    let len = x.shape().get(dim).copied().unwrap_or(1);
-    let mut window = vec![1; x.rank()];
-    let mut pads = vec![(0, 0); x.rank()];
-    if x.rank() > 0 {
-        window[dim] = len;
-        pads[dim] = (len - 1, 0);
-    }
-    let y = b.reduce_window(&xc, Combiner::Add, &window, &vec![1; x.rank()], &pads)?;
+    let y = scan(b, &b.convert(&x, opmath(out))?, dim, Combiner::Add)?;
     Ok(vec![b.convert(&y, out)?])
+}
+
+/// `cummax` / `cummin`: the running extremum (NaN sticks, as max/min propagate it) and the index
+/// of its last occurrence so far. Each element that equals the running extremum at its own
+/// position (or is NaN) resets the index, so the index is a running max of those positions.
+fn cumextremum(n: NodeCtx<'_>) -> Res<'_> {
+    let x = n.tensor(0, "self")?;
+    let dim = norm_dim(n.int(1, "dim")?, x.rank())?;
+    let b = &n.b;
+    let combiner = if n.op == "aten.cummax.default" {
+        Combiner::Max
+    } else {
+        Combiner::Min
+    };
+    if x.rank() == 0 {
+        return Ok(vec![x, b.scalar(Scalar::Int(0), DType::I64)?]);
+    }
+    let values = scan(b, &x, dim, combiner)?;
+    let reset = b.binary(
+        "or",
+        &b.compare(&x, &values, "EQ")?,
+        &b.compare(&x, &x, "NE")?,
+    )?;
+    let pos = b.iota(&TensorType::new(DType::I64, x.shape().to_vec()), dim)?;
+    let marks = b.select(&reset, &pos, &b.full_like(Scalar::Int(0), &pos)?)?;
+    Ok(vec![values, scan(b, &marks, dim, Combiner::Max)?])
 }
 
 /// `var(x, dim, correction, keepdim)` (and `var_mean`), two-pass in the compute type.
