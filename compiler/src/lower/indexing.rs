@@ -4,6 +4,7 @@
 use super::builder::{
     broadcast_shapes, norm_dim, type_str, Builder, Combiner, IndexMap, Operand, Scalar, Val, R,
 };
+use super::reduction::scan;
 use super::{NodeCtx, Registry, Res};
 use crate::ir::{DType, TensorType};
 
@@ -24,6 +25,7 @@ pub fn register(r: &mut Registry) {
         scatter,
     );
     r.add(&["aten.index_reduce.default"], index_reduce);
+    r.add(&["aten.nonzero_static.default"], nonzero_static);
     r.add(
         &["aten.slice_scatter.default", "aten.select_scatter.default"],
         slice_scatter,
@@ -447,4 +449,56 @@ fn slice_scatter(n: NodeCtx<'_>) -> Res<'_> {
         &interior,
     )?;
     Ok(vec![b.select(&mask, &placed, &x)?])
+}
+
+/// `nonzero_static(x, size, fill_value)`: the coordinates of the first `size` nonzero elements
+/// (row-major), rows past the count filled with `fill_value`. Each nonzero element's rank among
+/// them (an exclusive prefix count) is its output row; a scatter places its flat index there,
+/// the zeros aimed past the end so that the scatter drops them.
+fn nonzero_static(n: NodeCtx<'_>) -> Res<'_> {
+    let x = n.tensor(0, "self")?;
+    let size = n.int(1, "size")?;
+    let fill = n.int_or(2, "fill_value", -1)?;
+    let b = &n.b;
+    let out = n.out(0)?.clone();
+    let numel: i64 = x.shape().iter().product();
+    if out.shape.contains(&0) || numel == 0 {
+        return Ok(vec![b.splat(Scalar::Int(fill), &out)?]);
+    }
+    let flat_ty = TensorType::new(DType::I64, vec![numel]);
+    let nz = b.convert(
+        &b.convert(&b.reshape(&x, &[numel])?, DType::Bool)?,
+        DType::I64,
+    )?;
+    let row = b.sub(&scan(b, &nz, 0, Combiner::Add)?, &nz)?;
+    let target = b.select(
+        &b.convert(&nz, DType::Bool)?,
+        &row,
+        &b.splat(Scalar::Int(size), &flat_ty)?,
+    )?;
+    let rows_ty = TensorType::new(DType::I64, vec![size]);
+    let flat = b.scatter(
+        &b.splat(Scalar::Int(-1), &rows_ty)?,
+        &b.reshape(&target, &[numel, 1])?,
+        &b.iota(&flat_ty, 0)?,
+        &pointwise_map(1),
+        None,
+    )?;
+    let unused = b.compare(&flat, &b.splat(Scalar::Int(0), &rows_ty)?, "LT")?;
+    let mut stride = numel;
+    let cols = x
+        .shape()
+        .iter()
+        .map(|&dim_size| {
+            stride /= dim_size;
+            let c = b.binary(
+                "remainder",
+                &b.div(&flat, &b.splat(Scalar::Int(stride), &rows_ty)?)?,
+                &b.splat(Scalar::Int(dim_size), &rows_ty)?,
+            )?;
+            let c = b.select(&unused, &b.splat(Scalar::Int(fill), &rows_ty)?, &c)?;
+            b.reshape(&c, &[size, 1])
+        })
+        .collect::<R<Vec<_>>>()?;
+    Ok(vec![b.concat(&cols.iter().collect::<Vec<_>>(), 1)?])
 }

@@ -190,7 +190,7 @@ fn softmax(n: NodeCtx<'_>) -> Res<'_> {
 
 /// Inclusive scan of `x` along `dim` with `combiner`: a `reduce_window` whose window covers
 /// everything before each element. A 0-d tensor is its own scan.
-fn scan<'a>(b: &Builder<'a>, x: &Val<'a>, dim: usize, combiner: Combiner) -> R<Val<'a>> {
+pub fn scan<'a>(b: &Builder<'a>, x: &Val<'a>, dim: usize, combiner: Combiner) -> R<Val<'a>> {
     if x.rank() == 0 {
         return Ok(x.clone());
     }
