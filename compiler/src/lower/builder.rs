@@ -73,7 +73,7 @@ pub enum Combiner {
 }
 
 impl Combiner {
-    fn op(self) -> &'static str {
+    pub fn op(self) -> &'static str {
         match self {
             Combiner::Add => "add",
             Combiner::Mul => "multiply",
