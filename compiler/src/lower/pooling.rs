@@ -139,14 +139,20 @@ fn adaptive_pool<'a>(n: NodeCtx<'a>) -> Res<'a> {
         )?;
         return Ok(vec![b.convert(&b.div(&sum, &count)?, x.dtype())?]);
     }
+    let is_nan = |v: &Val<'a>| b.compare(v, v, "NE");
+    // XLA's CPU max reductions may drop NaN, so NaN windows are found apart.
+    let nan_in = b.binary("and", &is_nan(&xs)?, &inside)?;
+    let any_nan = b.reduce(&nan_in, &windows, Combiner::Or, false)?;
     let lowest = b.full_like(Combiner::Max.identity(x.dtype()), &xs)?;
-    let values = b.reduce(
+    let max = b.reduce(
         &b.select(&inside, &xs, &lowest)?,
         &windows,
         Combiner::Max,
         false,
     )?;
-    let full = b.broadcast_in_dim(&values, &shape, &(0..lead + k).collect::<Vec<_>>())?;
+    let nan = b.full_like(Scalar::Float(f64::NAN), &max)?;
+    let values = b.select(&any_nan, &nan, &max)?;
+    let full = b.broadcast_in_dim(&max, &shape, &(0..lead + k).collect::<Vec<_>>())?;
     let idx_ty = TensorType::new(DType::I64, shape.clone());
     let mut flat = b.splat(Scalar::Int(0), &idx_ty)?;
     let mut stride = 1;
@@ -158,16 +164,16 @@ fn adaptive_pool<'a>(n: NodeCtx<'a>) -> Res<'a> {
         flat = b.add(&flat, &term)?;
         stride *= spatial[d];
     }
-    let is_nan = |v: &Val<'a>| b.compare(v, v, "NE");
-    let nan_max = is_nan(&full)?;
-    let hit = b.select(&nan_max, &is_nan(&xs)?, &b.compare(&xs, &full, "EQ")?)?;
-    let hit = b.binary("and", &hit, &inside)?;
-    let pick = |c: Combiner| {
-        let masked = b.select(&hit, &flat, &b.splat(c.identity(DType::I64), &idx_ty)?)?;
+    let pick = |hit: &Val<'a>, c: Combiner| {
+        let masked = b.select(hit, &flat, &b.splat(c.identity(DType::I64), &idx_ty)?)?;
         b.reduce(&masked, &windows, c, false)
     };
-    let any_nan = b.reduce(&nan_max, &windows, Combiner::Or, false)?;
-    let indices = b.select(&any_nan, &pick(Combiner::Max)?, &pick(Combiner::Min)?)?;
+    let at_max = b.binary("and", &b.compare(&xs, &full, "EQ")?, &inside)?;
+    let indices = b.select(
+        &any_nan,
+        &pick(&nan_in, Combiner::Max)?,
+        &pick(&at_max, Combiner::Min)?,
+    )?;
     Ok(vec![values, indices])
 }
 
