@@ -121,34 +121,27 @@ fn adaptive_pool<'a>(n: NodeCtx<'a>) -> Res<'a> {
         });
     }
     let inside = inside.ok_or("adaptive pool: no output size")?;
+    // `v` where `mask` holds, `fill` elsewhere, reduced over the windows.
+    let masked = |mask: &Val<'a>, v: &Val<'a>, fill: Scalar, c: Combiner| {
+        let other = b.splat(fill, &v.ty)?;
+        b.reduce(&b.select(mask, v, &other)?, &windows, c, false)
+    };
     if n.op.contains("avg") {
         let xf = b.convert(&xs, opmath(x.dtype()))?;
-        let zeros = b.full_like(Scalar::Int(0), &xf)?;
-        let sum = b.reduce(
-            &b.select(&inside, &xf, &zeros)?,
-            &windows,
-            Combiner::Add,
-            false,
-        )?;
+        let sum = masked(&inside, &xf, Scalar::Int(0), Combiner::Add)?;
         let ones = b.full_like(Scalar::Int(1), &xf)?;
-        let count = b.reduce(
-            &b.select(&inside, &ones, &zeros)?,
-            &windows,
-            Combiner::Add,
-            false,
-        )?;
+        let count = masked(&inside, &ones, Scalar::Int(0), Combiner::Add)?;
         return Ok(vec![b.convert(&b.div(&sum, &count)?, x.dtype())?]);
     }
     let is_nan = |v: &Val<'a>| b.compare(v, v, "NE");
     // XLA's CPU max reductions may drop NaN, so NaN windows are found apart.
     let nan_in = b.binary("and", &is_nan(&xs)?, &inside)?;
     let any_nan = b.reduce(&nan_in, &windows, Combiner::Or, false)?;
-    let lowest = b.full_like(Combiner::Max.identity(x.dtype()), &xs)?;
-    let max = b.reduce(
-        &b.select(&inside, &xs, &lowest)?,
-        &windows,
+    let max = masked(
+        &inside,
+        &xs,
+        Combiner::Max.identity(x.dtype()),
         Combiner::Max,
-        false,
     )?;
     let nan = b.full_like(Scalar::Float(f64::NAN), &max)?;
     let values = b.select(&any_nan, &nan, &max)?;
@@ -164,15 +157,12 @@ fn adaptive_pool<'a>(n: NodeCtx<'a>) -> Res<'a> {
         flat = b.add(&flat, &term)?;
         stride *= spatial[d];
     }
-    let pick = |hit: &Val<'a>, c: Combiner| {
-        let masked = b.select(hit, &flat, &b.splat(c.identity(DType::I64), &idx_ty)?)?;
-        b.reduce(&masked, &windows, c, false)
-    };
     let at_max = b.binary("and", &b.compare(&xs, &full, "EQ")?, &inside)?;
+    let (last, first) = (Combiner::Max, Combiner::Min);
     let indices = b.select(
         &any_nan,
-        &pick(&nan_in, Combiner::Max)?,
-        &pick(&at_max, Combiner::Min)?,
+        &masked(&nan_in, &flat, last.identity(DType::I64), last)?,
+        &masked(&at_max, &flat, first.identity(DType::I64), first)?,
     )?;
     Ok(vec![values, indices])
 }
