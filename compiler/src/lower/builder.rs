@@ -73,7 +73,7 @@ pub enum Combiner {
 }
 
 impl Combiner {
-    pub fn op(self) -> &'static str {
+    fn op(self) -> &'static str {
         match self {
             Combiner::Add => "add",
             Combiner::Mul => "multiply",
@@ -783,6 +783,13 @@ impl<'a> Builder<'a> {
                 vec![TensorType::new(d, kept)],
             )?
             .remove(0);
+        let out = if matches!(combiner, Combiner::Max | Combiner::Min) && d.is_float() {
+            // XLA's CPU reductions drop NaN whatever the region says, so NaN is found apart.
+            let nan = self.reduce(&self.compare(x, x, "NE")?, dims, Combiner::Or, false)?;
+            self.select(&nan, &self.full_like(Scalar::Float(f64::NAN), &out)?, &out)?
+        } else {
+            out
+        };
         if keepdim {
             self.reshape(&out, &keep_dims_shape(x.shape(), dims))
         } else {
@@ -802,9 +809,7 @@ impl<'a> Builder<'a> {
     ) -> R<Val<'a>> {
         let d = x.dtype();
         let init = self.scalar(combiner.identity(d), d)?;
-        let region = self.region(&[d, d], |b, a| {
-            Ok(vec![b.binary(combiner.op(), &a[0], &a[1])?])
-        })?;
+        let region = self.region(&[d, d], |b, a| Ok(vec![b.combine(combiner, &a[0], &a[1])?]))?;
         let shape = (0..x.rank())
             .map(|i| (x.shape()[i] + pads[i].0 + pads[i].1 - window[i]) / strides[i] + 1)
             .collect();
@@ -935,6 +940,17 @@ impl<'a> Builder<'a> {
         )
     }
 
+    /// `c(p, q)`, float max/min propagating NaN as PyTorch's do (XLA's CPU backend may
+    /// lower `maximum`/`minimum` to instructions that drop it).
+    pub fn combine(&self, c: Combiner, p: &Val<'a>, q: &Val<'a>) -> R<Val<'a>> {
+        let y = self.binary(c.op(), p, q)?;
+        if !matches!(c, Combiner::Max | Combiner::Min) || !p.dtype().is_float() {
+            return Ok(y);
+        }
+        let y = self.select(&self.compare(q, q, "NE")?, q, &y)?;
+        self.select(&self.compare(p, p, "NE")?, p, &y)
+    }
+
     /// Scatter `updates` into `x`: each update replaces its target, or is folded into it with
     /// `combine` (sums of bools are `or`, as PyTorch's accumulating bool scatters are).
     pub fn scatter(
@@ -952,7 +968,7 @@ impl<'a> Builder<'a> {
         };
         let region = self.region(&[d, d], |b, a| {
             Ok(vec![match combine {
-                Some(c) => b.binary(c.op(), &a[0], &a[1])?,
+                Some(c) => b.combine(c, &a[0], &a[1])?,
                 None => a[1].clone(),
             }])
         })?;

@@ -133,19 +133,15 @@ fn adaptive_pool<'a>(n: NodeCtx<'a>) -> Res<'a> {
         let count = masked(&inside, &ones, Scalar::Int(0), Combiner::Add)?;
         return Ok(vec![b.convert(&b.div(&sum, &count)?, x.dtype())?]);
     }
-    let is_nan = |v: &Val<'a>| b.compare(v, v, "NE");
-    // XLA's CPU max reductions may drop NaN, so NaN windows are found apart.
-    let nan_in = b.binary("and", &is_nan(&xs)?, &inside)?;
+    let nan_in = b.binary("and", &b.compare(&xs, &xs, "NE")?, &inside)?;
     let any_nan = b.reduce(&nan_in, &windows, Combiner::Or, false)?;
-    let max = masked(
+    let values = masked(
         &inside,
         &xs,
         Combiner::Max.identity(x.dtype()),
         Combiner::Max,
     )?;
-    let nan = b.full_like(Scalar::Float(f64::NAN), &max)?;
-    let values = b.select(&any_nan, &nan, &max)?;
-    let full = b.broadcast_in_dim(&max, &shape, &(0..lead + k).collect::<Vec<_>>())?;
+    let full = b.broadcast_in_dim(&values, &shape, &(0..lead + k).collect::<Vec<_>>())?;
     let idx_ty = TensorType::new(DType::I64, shape.clone());
     let mut flat = b.splat(Scalar::Int(0), &idx_ty)?;
     let mut stride = 1;

@@ -391,7 +391,7 @@ fn segment_reduce(n: NodeCtx<'_>) -> Res<'_> {
     let masked = b.select(&inside, &spread, &identity)?;
     let mut y = b.reduce(&masked, &[axis + 1], combiner, false)?;
     if let Some(init) = initial {
-        y = b.binary(combiner.op(), &y, &b.full_like(init, &y)?)?;
+        y = b.combine(combiner, &y, &b.full_like(init, &y)?)?;
     }
     if reduce == "mean" {
         let counts = b.sub(
