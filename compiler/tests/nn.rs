@@ -406,3 +406,53 @@ fn group_norm_stats() {
     assert_close(&out[1], &means, 1e-6, 1e-6);
     assert_close(&out[2], &rstds, 1e-5, 1e-5);
 }
+
+/// Per-row selections and segment/window reductions: `median.dim` (lower middle, with index),
+/// `nanmedian` skipping NaN, `segment_reduce` sum with `initial`, and `adaptive_max_pool2d`'s
+/// uneven windows with flat indices.
+#[test]
+fn medians_segments_adaptive_pool() {
+    let mut g = G::new();
+    let x = g.input(F32, &[2, 4]);
+    let lengths = g.input(I64, &[3]);
+    let med = g.node(
+        "aten.median.dim",
+        vec![x.clone(), i(1)],
+        vec![],
+        vec![t(F32, &[2]), t(I64, &[2])],
+    );
+    let nanmed = g.op("aten.nanmedian.default", vec![x.clone()], t(F32, &[]));
+    let flat = g.op(
+        "aten.view.default",
+        vec![x.clone(), ints(&[8])],
+        t(F32, &[8]),
+    );
+    let seg = g.node(
+        "aten.segment_reduce.default",
+        vec![flat, Arg::Str("sum".into())],
+        vec![("lengths", lengths), ("initial", f(10.0))],
+        vec![t(F32, &[3])],
+    );
+    let x3 = g.op(
+        "aten.view.default",
+        vec![x.clone(), ints(&[1, 2, 4])],
+        t(F32, &[1, 2, 4]),
+    );
+    let pool = g.node(
+        "aten.adaptive_max_pool2d.default",
+        vec![x3, ints(&[1, 3])],
+        vec![],
+        vec![t(F32, &[1, 1, 3]), t(I64, &[1, 1, 3])],
+    );
+    g.output(&[&med[0], &med[1], &nanmed, &seg[0], &pool[0], &pool[1]]);
+    let nan = f64::NAN;
+    let xs = vec![3.0, 1.0, 4.0, 2.0, 7.0, nan, 5.0, 6.0];
+    let out = run(&g.graph, &[xs, vec![3.0, 0.0, 5.0]]);
+    assert_close(&out[0], &[2.0, nan], 0.0, 0.0);
+    assert_close(&out[1], &[3.0, 1.0], 0.0, 0.0);
+    assert_close(&out[2], &[4.0], 0.0, 0.0);
+    assert_close(&out[3], &[18.0, 10.0, nan], 0.0, 0.0);
+    // Windows over 4 columns into 3: [0, 2), [1, 3), [2, 4), both rows; NaN wins.
+    assert_close(&out[4], &[nan, nan, 6.0], 0.0, 0.0);
+    assert_close(&out[5], &[5.0, 5.0, 7.0], 0.0, 0.0);
+}

@@ -314,3 +314,51 @@ fn scatters() {
         .collect();
     assert_close(&out[3], &sc_want, 0.0, 0.0);
 }
+
+/// Reducing scatters (`include_self=false` starts hit slots from the identity; mean counts),
+/// `nonzero_static` padding, and `cummax`'s last-occurrence indices.
+#[test]
+fn reducing_scatters_and_selections() {
+    let mut g = G::new();
+    let x = g.input(F32, &[4]);
+    let index = g.input(I64, &[3]);
+    let src = g.input(F32, &[3]);
+    let s = |v: &str| Arg::Str(v.into());
+    let mean = g.node(
+        "aten.scatter_reduce.two",
+        vec![x.clone(), i(0), index.clone(), src.clone(), s("mean")],
+        vec![("include_self", Arg::Bool(false))],
+        vec![t(F32, &[4])],
+    );
+    let amax = g.op(
+        "aten.index_reduce.default",
+        vec![x.clone(), i(0), index.clone(), src.clone(), s("amax")],
+        t(F32, &[4]),
+    );
+    let nz = g.node(
+        "aten.nonzero_static.default",
+        vec![x.clone()],
+        vec![("size", i(4))],
+        vec![t(I64, &[4, 1])],
+    );
+    let cm = g.node(
+        "aten.cummax.default",
+        vec![x.clone(), i(0)],
+        vec![],
+        vec![t(F32, &[4]), t(I64, &[4])],
+    );
+    g.output(&[&mean[0], &amax, &nz[0], &cm[0], &cm[1]]);
+    let out = run(
+        &g.graph,
+        &[
+            vec![2.0, 0.0, 5.0, 2.0],
+            vec![1.0, 3.0, 1.0],
+            vec![4.0, 6.0, 8.0],
+        ],
+    );
+    assert_close(&out[0], &[2.0, 6.0, 5.0, 6.0], 0.0, 0.0);
+    assert_close(&out[1], &[2.0, 8.0, 5.0, 6.0], 0.0, 0.0);
+    assert_close(&out[2], &[0.0, 2.0, 3.0, -1.0], 0.0, 0.0);
+    assert_close(&out[3], &[2.0, 2.0, 5.0, 5.0], 0.0, 0.0);
+    assert_close(&out[4], &[0.0, 0.0, 2.0, 2.0], 0.0, 0.0);
+}

@@ -83,7 +83,7 @@ impl Combiner {
             Combiner::And => "and",
         }
     }
-    fn identity(self, dtype: DType) -> Scalar {
+    pub fn identity(self, dtype: DType) -> Scalar {
         let inf = f64::INFINITY;
         match (self, dtype.is_float()) {
             (Combiner::Add, _) => Scalar::Int(0),
@@ -783,6 +783,13 @@ impl<'a> Builder<'a> {
                 vec![TensorType::new(d, kept)],
             )?
             .remove(0);
+        let out = if matches!(combiner, Combiner::Max | Combiner::Min) && d.is_float() {
+            // XLA's CPU reductions drop NaN whatever the region says, so NaN is found apart.
+            let nan = self.reduce(&self.compare(x, x, "NE")?, dims, Combiner::Or, false)?;
+            self.select(&nan, &self.full_like(Scalar::Float(f64::NAN), &out)?, &out)?
+        } else {
+            out
+        };
         if keepdim {
             self.reshape(&out, &keep_dims_shape(x.shape(), dims))
         } else {
@@ -802,9 +809,7 @@ impl<'a> Builder<'a> {
     ) -> R<Val<'a>> {
         let d = x.dtype();
         let init = self.scalar(combiner.identity(d), d)?;
-        let region = self.region(&[d, d], |b, a| {
-            Ok(vec![b.binary(combiner.op(), &a[0], &a[1])?])
-        })?;
+        let region = self.region(&[d, d], |b, a| Ok(vec![b.combine(combiner, &a[0], &a[1])?]))?;
         let shape = (0..x.rank())
             .map(|i| (x.shape()[i] + pads[i].0 + pads[i].1 - window[i]) / strides[i] + 1)
             .collect();
@@ -935,23 +940,36 @@ impl<'a> Builder<'a> {
         )
     }
 
-    /// `stablehlo.scatter` of `updates` into `x`; `accumulate` adds, otherwise replaces.
+    /// `c(p, q)`, float max/min propagating NaN as PyTorch's do (XLA's CPU backend may
+    /// lower `maximum`/`minimum` to instructions that drop it).
+    pub fn combine(&self, c: Combiner, p: &Val<'a>, q: &Val<'a>) -> R<Val<'a>> {
+        let y = self.binary(c.op(), p, q)?;
+        if !matches!(c, Combiner::Max | Combiner::Min) || !p.dtype().is_float() {
+            return Ok(y);
+        }
+        let y = self.select(&self.compare(q, q, "NE")?, q, &y)?;
+        self.select(&self.compare(p, p, "NE")?, p, &y)
+    }
+
+    /// Scatter `updates` into `x`: each update replaces its target, or is folded into it with
+    /// `combine` (sums of bools are `or`, as PyTorch's accumulating bool scatters are).
     pub fn scatter(
         &self,
         x: &Val<'a>,
         idx: &Val<'a>,
         updates: &Val<'a>,
         map: &IndexMap,
-        accumulate: bool,
+        combine: Option<Combiner>,
     ) -> R<Val<'a>> {
         let d = x.dtype();
+        let combine = match combine {
+            Some(Combiner::Add) if d == DType::Bool => Some(Combiner::Or),
+            c => c,
+        };
         let region = self.region(&[d, d], |b, a| {
-            Ok(vec![if accumulate && d == DType::Bool {
-                b.binary("or", &a[0], &a[1])?
-            } else if accumulate {
-                b.binary("add", &a[0], &a[1])?
-            } else {
-                a[1].clone()
+            Ok(vec![match combine {
+                Some(c) => b.combine(c, &a[0], &a[1])?,
+                None => a[1].clone(),
             }])
         })?;
         let attrs = [

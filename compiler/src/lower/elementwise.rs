@@ -126,6 +126,7 @@ pub fn register(r: &mut Registry) {
         }
     }
     r.add(&["prims.signbit.default", "aten.signbit.default"], signbit);
+    r.add(&["aten.angle.default"], angle);
     r.add(
         &[
             "aten.polygamma.default",
@@ -507,6 +508,22 @@ fn signbit(n: NodeCtx<'_>) -> Res<'_> {
     };
     let neg = b.compare(&bits, &b.full_like(Scalar::Int(0), &bits)?, "LT")?;
     Ok(vec![b.convert(&neg, n.out_dtype()?)?])
+}
+
+/// `angle(x)` of a real tensor: pi for negative values, NaN kept, else 0 (so -0.0 gives 0, as in
+/// PyTorch, where `atan2(0, x)` would give pi).
+fn angle(n: NodeCtx<'_>) -> Res<'_> {
+    let out = n.out_dtype()?;
+    let x = n.tensor(0, "self")?;
+    if x.dtype() == DType::C64 {
+        return Err("angle of complex tensors is not lowered".into());
+    }
+    let b = &n.b;
+    let x = b.convert(&x, out)?;
+    let zero = b.full_like(Scalar::Int(0), &x)?;
+    let pi = b.full_like(Scalar::Float(std::f64::consts::PI), &x)?;
+    let y = b.select(&b.compare(&x, &zero, "LT")?, &pi, &zero)?;
+    Ok(vec![b.select(&b.compare(&x, &x, "NE")?, &x, &y)?])
 }
 
 /// Two-operand special functions: polygamma(n, x), zeta(x, q), nextafter(x, y) as the CHLO ops

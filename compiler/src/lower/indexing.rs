@@ -2,8 +2,9 @@
 //! `gather` / `scatter`, and the slice/select scatters.
 
 use super::builder::{
-    broadcast_shapes, norm_dim, type_str, Builder, IndexMap, Operand, Scalar, Val, R,
+    broadcast_shapes, norm_dim, type_str, Builder, Combiner, IndexMap, Operand, Scalar, Val, R,
 };
+use super::reduction::scan;
 use super::{NodeCtx, Registry, Res};
 use crate::ir::{DType, TensorType};
 
@@ -16,10 +17,15 @@ pub fn register(r: &mut Registry) {
         &[
             "aten.scatter.value",
             "aten.scatter.src",
+            "aten.scatter.reduce",
+            "aten.scatter.value_reduce",
             "aten.scatter_add.default",
+            "aten.scatter_reduce.two",
         ],
         scatter,
     );
+    r.add(&["aten.index_reduce.default"], index_reduce);
+    r.add(&["aten.nonzero_static.default"], nonzero_static);
     r.add(
         &["aten.slice_scatter.default", "aten.select_scatter.default"],
         slice_scatter,
@@ -222,7 +228,7 @@ fn index_put(n: NodeCtx<'_>) -> Res<'_> {
         &a.indices,
         &updates,
         &a.map,
-        n.bool_or(3, "accumulate", false)?,
+        n.bool_or(3, "accumulate", false)?.then_some(Combiner::Add),
     )?;
     Ok(vec![b.transpose(&y, &inverse(&a.x_perm))?])
 }
@@ -254,42 +260,143 @@ fn pointwise_map(rank: usize) -> IndexMap {
     }
 }
 
+/// 0-d tensors as 1-element vectors: the scatter/gather coordinate maps need a dim to index.
+fn at_least_1d<'a>(b: &Builder<'a>, x: &Val<'a>) -> R<Val<'a>> {
+    if x.rank() == 0 {
+        b.reshape(x, &[1])
+    } else {
+        Ok(x.clone())
+    }
+}
+
 /// `gather(x, dim, index)`: `out[i][j] = x[index[i][j]][j]` (for dim 0), shape of `index`.
 fn gather(n: NodeCtx<'_>) -> Res<'_> {
-    let x = n.tensor(0, "self")?;
+    let b = &n.b;
+    let x = at_least_1d(b, &n.tensor(0, "self")?)?;
     let dim = norm_dim(n.int(1, "dim")?, x.rank())?;
-    let index = n.tensor(2, "index")?;
-    let coords = coordinates(&n.b, &x, dim, &index)?;
-    Ok(vec![n.b.gather(
+    let index = at_least_1d(b, &n.tensor(2, "index")?)?;
+    let out = n.out(0)?;
+    if out.shape.contains(&0) {
+        // An empty index may have any rank; nothing to read.
+        return Ok(vec![b.splat(Scalar::Int(0), out)?]);
+    }
+    let coords = coordinates(b, &x, dim, &index)?;
+    let g = b.gather(
         &x,
         &coords,
         &pointwise_map(x.rank()),
         &vec![1; x.rank()],
         index.shape().to_vec(),
-    )?])
+    )?;
+    Ok(vec![b.reshape(&g, &out.shape)?])
 }
 
-/// `scatter(x, dim, index, src|value)` and `scatter_add`: the inverse of [`gather`].
+/// `scatter(x, dim, index, src|value[, reduce])`, `scatter_add` and `scatter_reduce`: the
+/// inverse of [`gather`], only the `index`-shaped corner of `src` taking part.
 fn scatter(n: NodeCtx<'_>) -> Res<'_> {
-    let x = n.tensor(0, "self")?;
-    let dim = norm_dim(n.int(1, "dim")?, x.rank())?;
-    let index = n.tensor(2, "index")?;
     let b = &n.b;
+    let x = at_least_1d(b, &n.tensor(0, "self")?)?;
+    let dim = norm_dim(n.int(1, "dim")?, x.rank())?;
+    let index = at_least_1d(b, &n.tensor(2, "index")?)?;
     let updates = match n.operand(3, "src")? {
         Operand::Tensor(src) => {
+            let src = at_least_1d(b, &src)?;
             let limit: Vec<i64> = index.shape().to_vec();
             b.slice(&src, &vec![0; src.rank()], &limit, &vec![1; src.rank()])?
         }
         Operand::Scalar(v) => b.splat(v, &TensorType::new(x.dtype(), index.shape().to_vec()))?,
     };
+    let reduce = match n.op.as_str() {
+        "aten.scatter_add.default" => Some("sum".to_string()),
+        "aten.scatter.reduce" | "aten.scatter.value_reduce" | "aten.scatter_reduce.two" => {
+            Some(n.str_or(4, "reduce", "")?)
+        }
+        _ => None,
+    };
+    let include_self = n.bool_or(5, "include_self", true)?;
     let coords = coordinates(b, &x, dim, &index)?;
-    Ok(vec![b.scatter(
-        &x,
-        &coords,
-        &updates,
-        &pointwise_map(x.rank()),
-        n.op == "aten.scatter_add.default",
-    )?])
+    let y = scatter_reduced(b, &x, &coords, &updates, reduce.as_deref(), include_self)?;
+    Ok(vec![b.reshape(&y, &n.out(0)?.shape)?])
+}
+
+/// `index_reduce(x, dim, index, source, reduce, include_self)`: slice `i` of `source` along
+/// `dim` folds into slice `index[i]` of `x`, a scatter whose coordinates are `index` broadcast
+/// over `source`.
+fn index_reduce(n: NodeCtx<'_>) -> Res<'_> {
+    let b = &n.b;
+    let x = at_least_1d(b, &n.tensor(0, "self")?)?;
+    let dim = norm_dim(n.int(1, "dim")?, x.rank())?;
+    let source = at_least_1d(b, &n.tensor(3, "source")?)?;
+    let index = b.broadcast_in_dim(&n.tensor(2, "index")?, source.shape(), &[dim])?;
+    let coords = coordinates(b, &x, dim, &index)?;
+    let reduce = n.str_or(4, "reduce", "")?;
+    let include_self = n.bool_or(5, "include_self", true)?;
+    let y = scatter_reduced(b, &x, &coords, &source, Some(&reduce), include_self)?;
+    Ok(vec![b.reshape(&y, &n.out(0)?.shape)?])
+}
+
+/// Pointwise scatter of `src` into `x` at full `coords`, replacing (`reduce` None) or folding
+/// with PyTorch's reduction `reduce`. Without `include_self`, targets hit at least once start
+/// from the reduction's identity instead of `x`; `mean` divides the sum by the number of
+/// contributions (counting `x` when included), untouched slots keeping `x`.
+fn scatter_reduced<'a>(
+    b: &Builder<'a>,
+    x: &Val<'a>,
+    coords: &Val<'a>,
+    src: &Val<'a>,
+    reduce: Option<&str>,
+    include_self: bool,
+) -> R<Val<'a>> {
+    let map = pointwise_map(x.rank());
+    let Some(reduce) = reduce else {
+        return b.scatter(x, coords, src, &map, None);
+    };
+    let combine = match reduce {
+        "sum" | "add" | "mean" => Combiner::Add,
+        "prod" | "multiply" => Combiner::Mul,
+        "amax" => Combiner::Max,
+        "amin" => Combiner::Min,
+        other => return Err(format!("unknown scatter reduction {other:?}")),
+    };
+    let d = x.dtype();
+    let base = if include_self {
+        x.clone()
+    } else {
+        let bools = |shape: &[i64], v| {
+            b.splat(
+                Scalar::Bool(v),
+                &TensorType::new(DType::Bool, shape.to_vec()),
+            )
+        };
+        let hit = b.scatter(
+            &bools(x.shape(), false)?,
+            coords,
+            &bools(src.shape(), true)?,
+            &map,
+            None,
+        )?;
+        b.select(&hit, &b.full_like(combine.identity(d), x)?, x)?
+    };
+    let y = b.scatter(&base, coords, src, &map, Some(combine))?;
+    if reduce != "mean" {
+        return Ok(y);
+    }
+    if !d.is_float() {
+        // PyTorch floor-divides integer means; not lowered.
+        return Err(format!("integer scatter mean ({})", type_str(&x.ty)));
+    }
+    let ones = b.splat(Scalar::Int(1), &TensorType::new(d, src.shape().to_vec()))?;
+    let count = b.scatter(
+        &b.full_like(Scalar::Int(include_self as i64), x)?,
+        coords,
+        &ones,
+        &map,
+        Some(Combiner::Add),
+    )?;
+    b.div(
+        &y,
+        &b.binary("maximum", &count, &b.full_like(Scalar::Int(1), &count)?)?,
+    )
 }
 
 /// `slice_scatter(x, src, dim, start, end, step)` / `select_scatter(x, src, dim, index)`: pad
@@ -342,4 +449,56 @@ fn slice_scatter(n: NodeCtx<'_>) -> Res<'_> {
         &interior,
     )?;
     Ok(vec![b.select(&mask, &placed, &x)?])
+}
+
+/// `nonzero_static(x, size, fill_value)`: the coordinates of the first `size` nonzero elements
+/// (row-major), rows past the count filled with `fill_value`. Each nonzero element's rank among
+/// them (an exclusive prefix count) is its output row; a scatter places its flat index there,
+/// the zeros aimed past the end so that the scatter drops them.
+fn nonzero_static(n: NodeCtx<'_>) -> Res<'_> {
+    let x = n.tensor(0, "self")?;
+    let size = n.int(1, "size")?;
+    let fill = n.int_or(2, "fill_value", -1)?;
+    let b = &n.b;
+    let out = n.out(0)?.clone();
+    let numel: i64 = x.shape().iter().product();
+    if out.shape.contains(&0) || numel == 0 {
+        return Ok(vec![b.splat(Scalar::Int(fill), &out)?]);
+    }
+    let flat_ty = TensorType::new(DType::I64, vec![numel]);
+    let nz = b.convert(
+        &b.convert(&b.reshape(&x, &[numel])?, DType::Bool)?,
+        DType::I64,
+    )?;
+    let row = b.sub(&scan(b, &nz, 0, Combiner::Add)?, &nz)?;
+    let target = b.select(
+        &b.convert(&nz, DType::Bool)?,
+        &row,
+        &b.splat(Scalar::Int(size), &flat_ty)?,
+    )?;
+    let rows_ty = TensorType::new(DType::I64, vec![size]);
+    let flat = b.scatter(
+        &b.splat(Scalar::Int(-1), &rows_ty)?,
+        &b.reshape(&target, &[numel, 1])?,
+        &b.iota(&flat_ty, 0)?,
+        &pointwise_map(1),
+        None,
+    )?;
+    let unused = b.compare(&flat, &b.splat(Scalar::Int(0), &rows_ty)?, "LT")?;
+    let mut stride = numel;
+    let cols = x
+        .shape()
+        .iter()
+        .map(|&dim_size| {
+            stride /= dim_size;
+            let c = b.binary(
+                "remainder",
+                &b.div(&flat, &b.splat(Scalar::Int(stride), &rows_ty)?)?,
+                &b.splat(Scalar::Int(dim_size), &rows_ty)?,
+            )?;
+            let c = b.select(&unused, &b.splat(Scalar::Int(fill), &rows_ty)?, &c)?;
+            b.reshape(&c, &[size, 1])
+        })
+        .collect::<R<Vec<_>>>()?;
+    Ok(vec![b.concat(&cols.iter().collect::<Vec<_>>(), 1)?])
 }

@@ -1,7 +1,9 @@
 //! Matrix products and convolution. Half-precision operands accumulate in f32 (the dot or
 //! convolution yields f32, rounded once), which is what PyTorch's CPU GEMMs do.
 
-use super::builder::{i64_array, opmath, padding_attr, Builder, Val, R};
+use super::builder::{
+    broadcast_shapes, i64_array, opmath, padding_attr, Builder, Combiner, Scalar, Val, R,
+};
 use super::reduction::sum_to;
 use super::{NodeCtx, Registry, Res};
 use crate::ir::{DType, TensorType};
@@ -19,6 +21,8 @@ pub fn register(r: &mut Registry) {
     );
     r.add(&["aten.convolution.default"], convolution);
     r.add(&["transformers.grouped_mm_fallback.default"], grouped_mm);
+    r.add(&["aten._cdist_forward.default"], cdist);
+    r.add(&["aten._pdist_forward.default"], pdist);
 }
 
 /// `mm`, `bmm`, and `addmm`/`baddbmm`/`addbmm` (`beta * input + alpha * (a @ b)`).
@@ -178,4 +182,73 @@ fn grouped_mm(n: NodeCtx<'_>) -> Res<'_> {
     let mine = b.broadcast_in_dim(&b.convert(&mine, all.dtype())?, &[s, e, out_dim], &[0, 1])?;
     let y = sum_to(b, &b.mul(&all, &mine)?, &[1], false, opmath(out))?;
     Ok(vec![b.convert(&y, out)?])
+}
+
+/// p-norm distances between the rows of `x1` (`[..., P, M]`) and `x2` (`[..., R, M]`), batch
+/// dims broadcast: `[..., P, R]`, from the explicit differences (PyTorch's p = 0 counts the
+/// nonzero ones, p = inf takes the largest).
+fn distances<'a>(b: &Builder<'a>, x1: &Val<'a>, x2: &Val<'a>, p: f64) -> R<Val<'a>> {
+    let (r1, r2) = (x1.rank(), x2.rank());
+    let batch = broadcast_shapes(&x1.shape()[..r1 - 2], &x2.shape()[..r2 - 2])?;
+    let (rows, cols, m) = (x1.shape()[r1 - 2], x2.shape()[r2 - 2], x1.shape()[r1 - 1]);
+    let k = batch.len();
+    let mut shape = batch.clone();
+    shape.extend([rows, cols, m]);
+    let spread = |x: &Val<'a>, skip: usize| {
+        let x = b.broadcast_to(
+            x,
+            &[batch.clone(), x.shape()[x.rank() - 2..].to_vec()].concat(),
+        )?;
+        let dims: Vec<usize> = (0..k + 3).filter(|&d| d != skip).collect();
+        b.broadcast_in_dim(&x, &shape, &dims)
+    };
+    let diff = b.unary("abs", &b.sub(&spread(x1, k + 1)?, &spread(x2, k)?)?)?;
+    let last = [k + 2];
+    if p == 0.0 {
+        let nonzero = b.convert(&b.convert(&diff, DType::Bool)?, diff.dtype())?;
+        b.reduce(&nonzero, &last, Combiner::Add, false)
+    } else if p == f64::INFINITY {
+        b.reduce(&diff, &last, Combiner::Max, false)
+    } else if p == 1.0 {
+        b.reduce(&diff, &last, Combiner::Add, false)
+    } else {
+        let pow = |x: &Val<'a>, e: f64| b.binary("power", x, &b.full_like(Scalar::Float(e), x)?);
+        let sum = b.reduce(&pow(&diff, p)?, &last, Combiner::Add, false)?;
+        if p == 2.0 {
+            b.unary("sqrt", &sum)
+        } else {
+            pow(&sum, 1.0 / p)
+        }
+    }
+}
+
+/// `_cdist_forward(x1, x2, p, compute_mode)`: all pairwise distances (the mode only picks
+/// PyTorch's kernel).
+fn cdist(n: NodeCtx<'_>) -> Res<'_> {
+    let (x1, x2) = (n.tensor(0, "x1")?, n.tensor(1, "x2")?);
+    let p = n.float_or(2, "p", 2.0)?;
+    Ok(vec![distances(&n.b, &x1, &x2, p)?])
+}
+
+/// `_pdist_forward(x, p)`: distances between rows `i < j` of `x`, row-major: the upper
+/// triangle of the full distance matrix, one row slice at a time.
+fn pdist(n: NodeCtx<'_>) -> Res<'_> {
+    let x = n.tensor(0, "self")?;
+    let p = n.float_or(1, "p", 2.0)?;
+    let b = &n.b;
+    let rows = x.shape()[0];
+    let out = n.out(0)?;
+    if rows < 2 {
+        return Ok(vec![b.splat(Scalar::Int(0), out)?]);
+    }
+    let full = distances(b, &x, &x, p)?;
+    let parts = (0..rows - 1)
+        .map(|i| {
+            b.reshape(
+                &b.slice(&full, &[i, i + 1], &[i + 1, rows], &[1, 1])?,
+                &[rows - 1 - i],
+            )
+        })
+        .collect::<R<Vec<_>>>()?;
+    Ok(vec![b.concat(&parts.iter().collect::<Vec<_>>(), 0)?])
 }

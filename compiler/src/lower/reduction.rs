@@ -1,4 +1,4 @@
-//! Reductions (sum, mean, amax/amin, any/all), softmax / log_softmax, cumsum, histc.
+//! Reductions (sum, mean, amax/amin, any/all), softmax / log_softmax, cumsum / cummax / cummin, segment_reduce, histc.
 //!
 //! Half-precision inputs accumulate in f32 and round once, as PyTorch's CPU kernels do.
 
@@ -56,7 +56,9 @@ pub fn register(r: &mut Registry) {
         softmax,
     );
     r.add(&["aten.cumsum.default"], cumsum);
+    r.add(&["aten.cummax.default", "aten.cummin.default"], cumextremum);
     r.add(&["aten.histc.default"], histc);
+    r.add(&["aten.segment_reduce.default"], segment_reduce);
     r.add(&["aten.var.correction", "aten.var_mean.correction"], var);
 }
 
@@ -187,7 +189,20 @@ fn softmax(n: NodeCtx<'_>) -> Res<'_> {
     Ok(vec![b.convert(&y, out)?])
 }
 
-/// Inclusive prefix sum as a `reduce_window` whose window covers everything before each element.
+/// Inclusive scan of `x` along `dim` with `combiner`: a `reduce_window` whose window covers
+/// everything before each element. A 0-d tensor is its own scan.
+pub fn scan<'a>(b: &Builder<'a>, x: &Val<'a>, dim: usize, combiner: Combiner) -> R<Val<'a>> {
+    if x.rank() == 0 {
+        return Ok(x.clone());
+    }
+    let len = x.shape()[dim];
+    let mut window = vec![1; x.rank()];
+    let mut pads = vec![(0, 0); x.rank()];
+    window[dim] = len;
+    pads[dim] = (len - 1, 0);
+    b.reduce_window(x, combiner, &window, &vec![1; x.rank()], &pads)
+}
+
 fn cumsum(n: NodeCtx<'_>) -> Res<'_> {
     let x = n.tensor(0, "self")?;
     let dim = norm_dim(n.int(1, "dim")?, x.rank())?;
@@ -198,16 +213,34 @@ fn cumsum(n: NodeCtx<'_>) -> Res<'_> {
     };
     let out = n.opt_dtype(2, "dtype")?.unwrap_or(default);
     let b = &n.b;
-    let xc = b.convert(&x, opmath(out))?;
-    let len = x.shape().get(dim).copied().unwrap_or(1);
-    let mut window = vec![1; x.rank()];
-    let mut pads = vec![(0, 0); x.rank()];
-    if x.rank() > 0 {
-        window[dim] = len;
-        pads[dim] = (len - 1, 0);
-    }
-    let y = b.reduce_window(&xc, Combiner::Add, &window, &vec![1; x.rank()], &pads)?;
+    let y = scan(b, &b.convert(&x, opmath(out))?, dim, Combiner::Add)?;
     Ok(vec![b.convert(&y, out)?])
+}
+
+/// `cummax` / `cummin`: the running extremum (NaN sticks, as max/min propagate it) and the index
+/// of its last occurrence so far. Each element that equals the running extremum at its own
+/// position (or is NaN) resets the index, so the index is a running max of those positions.
+fn cumextremum(n: NodeCtx<'_>) -> Res<'_> {
+    let x = n.tensor(0, "self")?;
+    let dim = norm_dim(n.int(1, "dim")?, x.rank())?;
+    let b = &n.b;
+    let combiner = if n.op == "aten.cummax.default" {
+        Combiner::Max
+    } else {
+        Combiner::Min
+    };
+    if x.rank() == 0 {
+        return Ok(vec![x, b.scalar(Scalar::Int(0), DType::I64)?]);
+    }
+    let values = scan(b, &x, dim, combiner)?;
+    let reset = b.binary(
+        "or",
+        &b.compare(&x, &values, "EQ")?,
+        &b.compare(&x, &x, "NE")?,
+    )?;
+    let pos = b.iota(&TensorType::new(DType::I64, x.shape().to_vec()), dim)?;
+    let marks = b.select(&reset, &pos, &b.full_like(Scalar::Int(0), &pos)?)?;
+    Ok(vec![values, scan(b, &marks, dim, Combiner::Max)?])
 }
 
 /// `var(x, dim, correction, keepdim)` (and `var_mean`), two-pass in the compute type.
@@ -307,4 +340,69 @@ fn histc(n: NodeCtx<'_>) -> Res<'_> {
         false,
         x.dtype(),
     )?])
+}
+
+/// `segment_reduce(data, reduce, lengths|offsets, axis, initial)` with 1-D segment bounds:
+/// segment `s` covers `offsets[s] <= k < offsets[s + 1]` along `axis` (lengths become offsets
+/// by a prefix sum), so each segment is a masked reduction over the whole axis. As in PyTorch,
+/// `initial` joins every segment's reduction; a `mean` divides by the length, an empty one
+/// giving `initial` (NaN without it).
+fn segment_reduce(n: NodeCtx<'_>) -> Res<'_> {
+    let data = n.tensor(0, "data")?;
+    let reduce = n.str_or(1, "reduce", "")?;
+    let axis = norm_dim(n.int_or(5, "axis", 0)?, data.rank())?;
+    let initial = n.opt_scalar(7, "initial")?;
+    let b = &n.b;
+    let d = data.dtype();
+    let offsets = match (n.opt_tensor(2, "lengths")?, n.opt_tensor(4, "offsets")?) {
+        (Some(lengths), _) if lengths.rank() == 1 => {
+            let lengths = b.convert(&lengths, DType::I64)?;
+            let zero = b.splat(Scalar::Int(0), &TensorType::new(DType::I64, vec![1]))?;
+            b.concat(&[&zero, &scan(b, &lengths, 0, Combiner::Add)?], 0)?
+        }
+        (None, Some(offsets)) if offsets.rank() == 1 => b.convert(&offsets, DType::I64)?,
+        _ => return Err("segment_reduce needs 1-D lengths or offsets".into()),
+    };
+    let segments = offsets.shape()[0] - 1;
+    let len = data.shape()[axis];
+    let combiner = match reduce.as_str() {
+        "sum" | "mean" => Combiner::Add,
+        "prod" => Combiner::Mul,
+        "max" => Combiner::Max,
+        "min" => Combiner::Min,
+        other => return Err(format!("unknown segment reduction {other:?}")),
+    };
+    // [segments, ...data] with the mask over (segment, axis).
+    let mut shape = vec![segments];
+    shape.extend(data.shape());
+    let bounds = |from: i64| {
+        let o = b.slice(&offsets, &[from], &[from + segments], &[1])?;
+        b.broadcast_in_dim(&o, &[segments, len], &[0])
+    };
+    let pos = b.iota(&TensorType::new(DType::I64, vec![segments, len]), 1)?;
+    let inside = b.binary(
+        "and",
+        &b.compare(&pos, &bounds(0)?, "GE")?,
+        &b.compare(&pos, &bounds(1)?, "LT")?,
+    )?;
+    let inside = b.broadcast_in_dim(&inside, &shape, &[0, axis + 1])?;
+    let spread = b.broadcast_in_dim(&data, &shape, &(1..shape.len()).collect::<Vec<_>>())?;
+    let identity = b.splat(combiner.identity(d), &TensorType::new(d, shape.clone()))?;
+    let masked = b.select(&inside, &spread, &identity)?;
+    let mut y = b.reduce(&masked, &[axis + 1], combiner, false)?;
+    if let Some(init) = initial {
+        y = b.combine(combiner, &y, &b.full_like(init, &y)?)?;
+    }
+    if reduce == "mean" {
+        let counts = b.sub(
+            &b.slice(&offsets, &[1], &[segments + 1], &[1])?,
+            &b.slice(&offsets, &[0], &[segments], &[1])?,
+        )?;
+        let counts = b.broadcast_in_dim(&counts, y.shape(), &[0])?;
+        let empty = b.compare(&counts, &b.full_like(Scalar::Int(0), &counts)?, "EQ")?;
+        let fallback = b.full_like(initial.unwrap_or(Scalar::Float(f64::NAN)), &y)?;
+        y = b.select(&empty, &fallback, &b.div(&y, &b.convert(&counts, d)?)?)?;
+    }
+    let perm: Vec<usize> = (1..=axis).chain([0]).chain(axis + 1..data.rank()).collect();
+    Ok(vec![b.transpose(&y, &perm)?])
 }

@@ -1,8 +1,8 @@
-//! Sorting and selection: sort, topk, kthvalue, max/min along a dim, argmax/argmin, all on one stable
+//! Sorting and selection: sort, topk, kthvalue, median, max/min along a dim, argmax/argmin, all on one stable
 //! `stablehlo.sort` of (values, indices). Stability gives PyTorch's tie order (the first
 //! occurrence wins), and the comparator ranks NaN like PyTorch: above every number.
 
-use super::builder::{norm_dim, Builder, Scalar, Val, R};
+use super::builder::{norm_dim, Builder, Combiner, Scalar, Val, R};
 use super::{NodeCtx, Registry, Res};
 use crate::ir::{DType, TensorType};
 
@@ -10,6 +10,15 @@ pub fn register(r: &mut Registry) {
     r.add(&["aten.sort.default", "aten.sort.stable"], sort);
     r.add(&["aten.topk.default"], topk);
     r.add(&["aten.kthvalue.default"], kthvalue);
+    r.add(
+        &[
+            "aten.median.default",
+            "aten.median.dim",
+            "aten.nanmedian.default",
+            "aten.nanmedian.dim",
+        ],
+        median,
+    );
     r.add(
         &[
             "aten.max.dim",
@@ -143,4 +152,47 @@ fn kthvalue<'a>(n: NodeCtx<'a>) -> Res<'a> {
     let (v, i) = sort_dim(b, &x, dim, false, false)?;
     let pick = |t: &Val<'a>| b.reshape(&b.slice_dim(t, dim, k - 1, k, 1)?, shape);
     Ok(vec![pick(&v)?, pick(&i)?])
+}
+
+/// `median` / `nanmedian`, flattened (value only) or along `dim` (value and index): the lower
+/// middle of the sorted values. `median` propagates NaN (its first NaN, sorted to the front);
+/// `nanmedian` takes the middle of the non-NaN values, sorted first. The position differs per
+/// row, so it is picked with a one-hot mask and a sum rather than a gather.
+fn median<'a>(n: NodeCtx<'a>) -> Res<'a> {
+    let b = &n.b;
+    let x = n.tensor(0, "self")?;
+    let ignore_nan = n.op.starts_with("aten.nanmedian");
+    let by_dim = n.op.ends_with(".dim");
+    let (x, dim) = if by_dim && x.rank() > 0 {
+        (x.clone(), norm_dim(n.int(1, "dim")?, x.rank())?)
+    } else {
+        (b.reshape(&x, &[x.shape().iter().product()])?, 0)
+    };
+    let (v, i) = sort_dim(b, &x, dim, false, !ignore_nan)?;
+    let nan = b.convert(&b.compare(&x, &x, "NE")?, DType::I64)?;
+    let nans = b.reduce(&nan, &[dim], Combiner::Add, true)?;
+    let len = b.full_like(Scalar::Int(x.shape()[dim]), &nans)?;
+    let (zero, one, two) = (
+        b.full_like(Scalar::Int(0), &nans)?,
+        b.full_like(Scalar::Int(1), &nans)?,
+        b.full_like(Scalar::Int(2), &nans)?,
+    );
+    let k = if ignore_nan {
+        let last = b.binary("maximum", &b.sub(&b.sub(&len, &nans)?, &one)?, &zero)?;
+        b.div(&last, &two)?
+    } else {
+        let middle = b.div(&b.sub(&len, &one)?, &two)?;
+        b.select(&b.compare(&nans, &zero, "GT")?, &zero, &middle)?
+    };
+    let pos = b.iota(&TensorType::new(DType::I64, x.shape().to_vec()), dim)?;
+    let hit = b.compare(&pos, &b.broadcast_to(&k, x.shape())?, "EQ")?;
+    let pick = |t: &Val<'a>, shape: &[i64]| {
+        let masked = b.select(&hit, t, &b.full_like(Scalar::Int(0), t)?)?;
+        b.reshape(&b.reduce(&masked, &[dim], Combiner::Add, false)?, shape)
+    };
+    let mut outs = vec![pick(&v, &n.out(0)?.shape)?];
+    if by_dim {
+        outs.push(pick(&i, &n.out(1)?.shape)?);
+    }
+    Ok(outs)
 }

@@ -238,7 +238,10 @@ fn cat(n: NodeCtx<'_>) -> Res<'_> {
         .into_iter()
         .filter(|t| !(t.rank() == 1 && t.shape()[0] == 0))
         .collect();
-    let first = xs.first().ok_or("cat of no non-empty tensors")?;
+    let Some(first) = xs.first() else {
+        // Only empty vectors: the result is empty too.
+        return Ok(vec![n.b.splat(Scalar::Int(0), n.out(0)?)?]);
+    };
     let dim = norm_dim(n.int_or(1, "dim", 0)?, first.rank())?;
     let xs = xs
         .iter()
