@@ -13,3 +13,7 @@ pub use lower::{lower, LowerError, LowerErrorKind, Lowered};
 /// The LLVM/MLIR release this build links (`llvm-config --version` at build time). The lowering's
 /// output depends on it, so it is part of the executable cache key.
 pub const MLIR_VERSION: &str = env!("TPU_DYNAMO_MLIR_VERSION");
+
+/// blake3 of this build's compiler sources. The same graph lowered by different rules is a
+/// different program, so this is part of the executable cache key too.
+pub const SOURCE_HASH: &str = env!("TPU_DYNAMO_COMPILER_SOURCE_HASH");

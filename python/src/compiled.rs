@@ -13,7 +13,7 @@ use tpu_dynamo_cache::{
     DiskCache, Entry as DiskEntry, Key, KeyBuilder, Lookup, MemoryStore, Mode, PluginIdentity, PutError, TensorSig,
 };
 use tpu_dynamo_compiler::ir::{DType as IrDType, GraphWithSources, TensorType};
-use tpu_dynamo_compiler::{lower, LowerError as CompilerLowerError, Lowered, MLIR_VERSION};
+use tpu_dynamo_compiler::{lower, LowerError as CompilerLowerError, Lowered, MLIR_VERSION, SOURCE_HASH};
 use tpu_dynamo_runtime::{Buffer, CompileOptions, DType, Error as RtError, Executable, Program, ProgramCode, TensorSpec};
 
 use crate::device::{target, Target};
@@ -228,7 +228,8 @@ enum Source {
 
 /// Key: canonical graph bytes (which include every input's shape and dtype), plugin identity
 /// (the plugin file's hash included, so another build never even opens this entry), the MLIR
-/// release, compile options and this crate's version. `plugin` is `None` without a disk cache:
+/// release, the compiler's source hash (a changed lowering rule never reuses an old executable),
+/// compile options and this crate's version. `plugin` is `None` without a disk cache:
 /// a key that never leaves the process needs no file hash.
 fn cache_key(canonical: &[u8], target: &Target, plugin: Option<&PluginIdentity>) -> Key {
     // The rest of the identity is in `Plugin::identity()`.
@@ -241,6 +242,7 @@ fn cache_key(canonical: &[u8], target: &Target, plugin: Option<&PluginIdentity>)
         .field(platform_version.as_bytes())
         .field(cpu_features.as_bytes())
         .field(MLIR_VERSION.as_bytes())
+        .field(SOURCE_HASH.as_bytes())
         .field(format!("{:?}", CompileOptions::default()).as_bytes())
         .field(CACHE_VERSION.as_bytes())
         .finish()

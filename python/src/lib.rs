@@ -88,6 +88,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(device_info, m)?)?;
     m.add_function(wrap_pyfunction!(supported_ops, m)?)?;
     m.add("MLIR_VERSION", tpu_dynamo_compiler::MLIR_VERSION)?;
+    m.add("COMPILER_SOURCE_HASH", tpu_dynamo_compiler::SOURCE_HASH)?;
     m.add_function(wrap_pyfunction!(persist::cache_info, m)?)?;
     m.add_function(wrap_pyfunction!(persist::cache_list, m)?)?;
     m.add_function(wrap_pyfunction!(persist::cache_clear, m)?)?;

@@ -88,7 +88,10 @@ def _version(dist: str) -> str:
 
 def doctor(_args: argparse.Namespace) -> int:
     """Everything a bug report needs; exits 1 if no plugin can be loaded."""
-    print(f"tpu_dynamo:    {tpu_dynamo.__version__} (MLIR {_native.MLIR_VERSION})")
+    print(
+        f"tpu_dynamo:    {tpu_dynamo.__version__} (MLIR {_native.MLIR_VERSION},"
+        f" compiler {_native.COMPILER_SOURCE_HASH[:16]})"
+    )
     for dist in ("torch", "transformers", "diffusers"):
         print(f"{dist + ':':<15}{_version(dist)}")
     try:

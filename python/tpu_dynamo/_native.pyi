@@ -38,6 +38,8 @@ class CompiledGraph:
 
 MLIR_VERSION: str
 """The LLVM/MLIR release the compiler links."""
+COMPILER_SOURCE_HASH: str
+"""blake3 of the lowering rules' sources; part of every executable's cache key."""
 
 def compile(graph_json: str, need_stablehlo: bool = False) -> CompiledGraph: ...
 def canonical_bytes(graph_json: str) -> bytes: ...
