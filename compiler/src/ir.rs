@@ -7,49 +7,8 @@
 
 use serde::{Deserialize, Serialize};
 
-/// Element types a tensor in the graph may have.
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[serde(rename_all = "lowercase")]
-pub enum DType {
-    Bool,
-    U8,
-    I8,
-    I16,
-    I32,
-    I64,
-    F16,
-    Bf16,
-    F32,
-    F64,
-    C64,
-}
-
-impl DType {
-    pub fn is_float(self) -> bool {
-        matches!(self, DType::F16 | DType::Bf16 | DType::F32 | DType::F64)
-    }
-    pub fn is_complex(self) -> bool {
-        self == DType::C64
-    }
-    pub fn is_integer(self) -> bool {
-        matches!(
-            self,
-            DType::U8 | DType::I8 | DType::I16 | DType::I32 | DType::I64
-        )
-    }
-    pub fn is_signed_integer(self) -> bool {
-        matches!(self, DType::I8 | DType::I16 | DType::I32 | DType::I64)
-    }
-    /// Size of one element in bytes.
-    pub fn size(self) -> usize {
-        match self {
-            DType::Bool | DType::U8 | DType::I8 => 1,
-            DType::I16 | DType::F16 | DType::Bf16 => 2,
-            DType::I32 | DType::F32 => 4,
-            DType::I64 | DType::F64 | DType::C64 => 8,
-        }
-    }
-}
+/// Element types: the runtime's, so a graph's types reach PJRT without a translation table.
+pub use tpu_dynamo_runtime::DType;
 
 /// A tensor's static type: element type and dimensions (all static for now).
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, Hash)]

@@ -12,7 +12,7 @@ use pyo3::prelude::*;
 use tpu_dynamo_cache::{
     DiskCache, Entry as DiskEntry, Key, KeyBuilder, Lookup, MemoryStore, Mode, PluginIdentity, PutError, TensorSig,
 };
-use tpu_dynamo_compiler::ir::{DType as IrDType, GraphWithSources, TensorType};
+use tpu_dynamo_compiler::ir::{GraphWithSources, TensorType};
 use tpu_dynamo_compiler::{lower, LowerError as CompilerLowerError, Lowered, MLIR_VERSION, SOURCE_HASH};
 use tpu_dynamo_runtime::{Buffer, CompileOptions, DType, Error as RtError, Executable, Program, ProgramCode, TensorSpec};
 
@@ -69,46 +69,17 @@ enum Failure {
 }
 
 fn spec(t: &TensorType) -> TensorSpec {
-    let dtype = match t.dtype {
-        IrDType::Bool => DType::Bool,
-        IrDType::U8 => DType::U8,
-        IrDType::I8 => DType::I8,
-        IrDType::I16 => DType::I16,
-        IrDType::I32 => DType::I32,
-        IrDType::I64 => DType::I64,
-        IrDType::F16 => DType::F16,
-        IrDType::Bf16 => DType::Bf16,
-        IrDType::F32 => DType::F32,
-        IrDType::F64 => DType::F64,
-        IrDType::C64 => DType::C64,
-    };
-    TensorSpec::new(dtype, t.shape.clone())
-}
-
-fn dtype_name(d: DType) -> &'static str {
-    match d {
-        DType::Bool => "bool",
-        DType::U8 => "u8",
-        DType::I8 => "i8",
-        DType::I16 => "i16",
-        DType::I32 => "i32",
-        DType::I64 => "i64",
-        DType::F16 => "f16",
-        DType::Bf16 => "bf16",
-        DType::F32 => "f32",
-        DType::F64 => "f64",
-        DType::C64 => "c64",
-    }
+    TensorSpec::new(t.dtype, t.shape.clone())
 }
 
 fn sig(s: &TensorSpec) -> TensorSig {
-    TensorSig::new(dtype_name(s.dtype), s.dims.clone())
+    TensorSig::new(s.dtype.name(), s.dims.clone())
 }
 
 fn spec_of_sig(s: &TensorSig) -> Result<TensorSpec, RtError> {
     let dtype = DType::ALL
         .into_iter()
-        .find(|&d| dtype_name(d) == s.dtype)
+        .find(|&d| d.name() == s.dtype)
         .ok_or_else(|| RtError::InvalidArgument(format!("unknown dtype {:?}", s.dtype)))?;
     Ok(TensorSpec::new(dtype, s.dims.clone()))
 }
@@ -451,13 +422,13 @@ impl CompiledGraph {
     /// `(dtype name, shape)` of every output, in order.
     #[getter]
     fn output_types(&self) -> Vec<(&'static str, Vec<i64>)> {
-        self.entry.outputs.iter().map(|s| (dtype_name(s.dtype), s.dims.clone())).collect()
+        self.entry.outputs.iter().map(|s| (s.dtype.name(), s.dims.clone())).collect()
     }
 
     /// `(dtype name, shape)` of every input, in order.
     #[getter]
     fn input_types(&self) -> Vec<(&'static str, Vec<i64>)> {
-        self.entry.inputs.iter().map(|s| (dtype_name(s.dtype), s.dims.clone())).collect()
+        self.entry.inputs.iter().map(|s| (s.dtype.name(), s.dims.clone())).collect()
     }
 
     /// Runs once. `inputs`: `(data_ptr, nbytes, version)` of dense host tensors, version -1 for

@@ -3,8 +3,11 @@
 use crate::error::{Error, Result};
 use pjrt_sys::PJRT_Buffer_Type;
 
-/// Element types this backend moves between host and device.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// Element types this backend moves between host and device. It is also the graph IR's element
+/// type (re-exported by the compiler), so its serde spelling and variant order are part of the
+/// IR's canonical bytes: add variants only at the end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum DType {
     Bool,
     U8,
@@ -35,6 +38,39 @@ impl DType {
         DType::F64,
         DType::C64,
     ];
+
+    /// The IR's spelling (`"f32"`, `"bf16"`, `"bool"`, …), as serde writes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::Bool => "bool",
+            DType::U8 => "u8",
+            DType::I8 => "i8",
+            DType::I16 => "i16",
+            DType::I32 => "i32",
+            DType::I64 => "i64",
+            DType::F16 => "f16",
+            DType::Bf16 => "bf16",
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+            DType::C64 => "c64",
+        }
+    }
+
+    pub fn is_float(self) -> bool {
+        matches!(self, DType::F16 | DType::Bf16 | DType::F32 | DType::F64)
+    }
+
+    pub fn is_complex(self) -> bool {
+        self == DType::C64
+    }
+
+    pub fn is_integer(self) -> bool {
+        matches!(self, DType::U8 | DType::I8 | DType::I16 | DType::I32 | DType::I64)
+    }
+
+    pub fn is_signed_integer(self) -> bool {
+        matches!(self, DType::I8 | DType::I16 | DType::I32 | DType::I64)
+    }
 
     /// Bytes per element in a dense host buffer (a `Bool` takes one byte).
     pub fn size(self) -> usize {

@@ -142,16 +142,9 @@ pub fn mlir_type<'c>(ctx: &'c Context, ty: &TensorType) -> R<Type<'c>> {
 /// Short spelling for messages, e.g. `f32[2, 3]`.
 pub fn type_str(ty: &TensorType) -> String {
     let dims: Vec<String> = ty.shape.iter().map(|d| d.to_string()).collect();
-    format!("{}[{}]", dtype_name(ty.dtype), dims.join(", "))
+    format!("{}[{}]", ty.dtype.name(), dims.join(", "))
 }
 
-pub fn dtype_name(dtype: DType) -> &'static str {
-    match dtype {
-        DType::Bool => "bool",
-        DType::C64 => "c64",
-        d => element_str(d),
-    }
-}
 
 /// `array<i64: 1, 2>` (empty: `array<i64>`).
 pub fn i64_array(values: &[i64]) -> String {

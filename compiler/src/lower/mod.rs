@@ -18,7 +18,7 @@ mod sorting;
 mod view;
 
 use crate::ir::{self, Arg, DType, Graph, TensorType};
-use builder::{dtype_name, mlir_type, type_str, Builder, Operand, Scalar, Val, R};
+use builder::{mlir_type, type_str, Builder, Operand, Scalar, Val, R};
 use melior::{
     dialect::{func, DialectHandle},
     ir::{
@@ -100,7 +100,7 @@ impl A<'_> {
             A::Float(x) => format!("float {x}"),
             A::Bool(b) => format!("bool {b}"),
             A::Str(s) => format!("str {s:?}"),
-            A::DType(d) => format!("dtype {}", dtype_name(*d)),
+            A::DType(d) => format!("dtype {}", d.name()),
             A::List(l) => format!(
                 "[{}]",
                 l.iter().map(A::describe).collect::<Vec<_>>().join(", ")
