@@ -31,8 +31,8 @@ fi
 req_hash=$(sha256sum requirements.txt | cut -d' ' -f1)
 if [ "$(cat .venv/.requirements.sha256 2>/dev/null)" != "$req_hash" ]; then
   echo "setup: installing Python requirements"
-  .venv/bin/pip install -q --upgrade pip
-  .venv/bin/pip install -q -r requirements.txt
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -r requirements.txt
   echo "$req_hash" > .venv/.requirements.sha256
 fi
 
@@ -43,7 +43,7 @@ fi
 wheel=$(ls -t target/wheels/tpu_dynamo-*.whl | head -1)
 wheel_hash=$(sha256sum "$wheel" | cut -d' ' -f1)
 if [ "$(cat .venv/.wheel.sha256 2>/dev/null)" != "$wheel_hash" ]; then
-  .venv/bin/pip install -q --force-reinstall --no-deps "$wheel"
+  .venv/bin/python -m pip install -q --force-reinstall --no-deps "$wheel"
   echo "$wheel_hash" > .venv/.wheel.sha256
 fi
 echo "setup: ready ($ROOT/.venv)"
