@@ -1,7 +1,8 @@
 """LLM decode (issue #7): greedy `generate` with a StaticCache on a tiny random-weight Llama.
 
-Reports decode tokens/s for eager, Inductor and tpu_dynamo, plus tpu_dynamo's compiles and
-host->device uploads per decode step. Run: `python bench/llm_decode.py [--tokens 64] [--repeat 3] [--hidden 64 --layers 2]`.
+Reports decode tokens/s for eager, Inductor and tpu_dynamo, plus tpu_dynamo's compiles,
+host->device uploads per decode step, and how each step's updated K/V reached the host tensors
+(left in place where the executable wrote them, or copied back). Run: `python bench/llm_decode.py [--tokens 64] [--repeat 3] [--hidden 64 --layers 2]`.
 """
 from __future__ import annotations
 
@@ -68,7 +69,9 @@ def main() -> None:
             runs = args.repeat + 1
             line += (
                 f"\n          compiles {s['compiles']}, uploads/step"
-                f" {s['uploads'] / (runs * args.tokens):.2f} ({s['uploads']} over {runs} generates)"
+                f" {s['uploads'] / (runs * args.tokens):.2f} ({s['uploads']} over {runs} generates),"
+                f" updated inputs/step in place {s['updates_in_place'] / (runs * args.tokens):.2f},"
+                f" copied back {s['updates_copied'] / (runs * args.tokens):.2f}"
             )
         print(line, flush=True)
 

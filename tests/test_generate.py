@@ -47,6 +47,10 @@ def test_static_cache_generate_matches_eager_without_recompiles(kind):
     # The K/V caches stay on the device between steps: only the step's small inputs upload.
     steps = after["executions"] - before["executions"]
     assert (after["uploads"] - before["uploads"]) / steps < 4
+    # ...and come back with no copy: each step's K and V (2 layers, and any other updated
+    # input) are updated where the executable wrote them, which is where the host tensors live.
+    assert after["updates_in_place"] - before["updates_in_place"] >= 4 * steps
+    assert after["updates_copied"] == before["updates_copied"]
 
 
 def test_dynamic_cache_generate_matches_eager():
@@ -89,8 +93,27 @@ def test_input_mutations_stay_on_device_and_host_sees_them():
             uploads = tpu_dynamo.stats()["uploads"]
         if step == 3:  # steady state: only pos and x upload; cache and buffer stay resident
             assert tpu_dynamo.stats()["uploads"] - uploads == 2
-    # Both mutated inputs are donated: XLA writes their new values into the input buffers.
+    # Both mutated inputs are donated: XLA writes their new values into the input buffers, and
+    # the host tensors live in those buffers (on the CPU plugin): nothing is copied back.
     assert [m.count("tf.aliasing_output") for m in modules] == [2]
+    assert tpu_dynamo.stats()["updates_copied"] == 0
+
+
+def test_mutated_input_with_other_views_gets_a_copy():
+    """A tensor whose storage something else also views keeps its storage (the view must see
+    the update too), so its new value is copied back instead of re-pointing it."""
+    eager, compiled = Counter(), Counter()
+    run = compile_tpu(compiled)
+    cache_e, cache_c = torch.zeros(8, 4), torch.zeros(8, 4)
+    row_view = cache_c[2]
+    for step in range(4):
+        x = torch.full((1, 4), float(step + 1))
+        pos = torch.tensor([step])
+        torch.testing.assert_close(run(cache_c, pos, x), eager(cache_e, pos, x))
+        torch.testing.assert_close(cache_c, cache_e)
+    assert row_view.data_ptr() == cache_c.data_ptr() + 2 * 4 * 4
+    torch.testing.assert_close(row_view, cache_e[2])
+    assert tpu_dynamo.stats()["updates_copied"] >= 4
 
 
 def test_symbolic_graph_specializes_per_shape_without_dynamo_recompiles():

@@ -4,7 +4,7 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::NonNull;
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::{Arc, LazyLock, Mutex};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 use std::time::Instant;
 
 use pyo3::exceptions::PyValueError;
@@ -18,6 +18,7 @@ use tpu_dynamo_runtime::{Buffer, CompileOptions, DType, Error as RtError, Execut
 
 use crate::device::{target, Target};
 use crate::errors::{lower_err, runtime_err, LowerError};
+use crate::host_view::{self, Shared};
 use crate::counters::{add_time, STATS};
 use crate::persist::{disk_cache, log_warnings};
 
@@ -358,33 +359,70 @@ fn check_sizes<T>(what: &str, specs: &[TensorSpec], got: &[T], nbytes: impl Fn(&
     Ok(())
 }
 
+/// An execute argument: a buffer this graph uploaded (or keeps resident), or the buffer a host
+/// tensor views (see `host_view`).
+enum Arg {
+    Owned(Arc<Buffer>),
+    Viewed(Arc<Shared>),
+}
+
+/// An argument held for one execute; a viewed buffer stays locked so that the output which takes
+/// over its memory can replace it.
+enum Held<'a> {
+    Owned(&'a Buffer),
+    Viewed(&'a Shared, MutexGuard<'a, Buffer>),
+}
+
+impl Arg {
+    fn hold(&self) -> Held<'_> {
+        match self {
+            Arg::Owned(b) => Held::Owned(b),
+            Arg::Viewed(s) => Held::Viewed(s, s.lock()),
+        }
+    }
+}
+
+impl Held<'_> {
+    fn buffer(&self) -> &Buffer {
+        match self {
+            Held::Owned(b) => b,
+            Held::Viewed(_, guard) => guard,
+        }
+    }
+}
+
 impl CompiledGraph {
-    /// The device buffer for input `i`: the resident one if `(ptr, version)` still matches,
-    /// else a fresh upload (kept when `version >= 0`).
-    fn input_buffer(&self, i: usize, (ptr, nbytes, version): (usize, usize, i64)) -> Result<Arc<Buffer>, RtError> {
+    /// The device buffer for input `i`: the resident one if `(ptr, version)` still matches, the
+    /// one the host tensor views, else a fresh upload (kept when `version >= 0`).
+    fn input_buffer(&self, i: usize, (ptr, nbytes, version): (usize, usize, i64)) -> Result<Arg, RtError> {
+        let spec = &self.entry.inputs[i];
+        if let Some(shared) = Shared::find(ptr, spec) {
+            STATS.view_hits.fetch_add(1, Relaxed);
+            return Ok(Arg::Viewed(shared));
+        }
         let upload = || {
             STATS.uploads.fetch_add(1, Relaxed);
             // SAFETY: see `run`: the Python caller keeps the tensor alive during the call.
             let bytes = unsafe { host_slice(ptr, nbytes) };
             let t = &self.target;
-            t.client.buffer_from_host(bytes, &self.entry.inputs[i], &t.device).map(Arc::new)
+            t.client.buffer_from_host(bytes, spec, &t.device).map(Arc::new)
         };
         if version < 0 {
-            return upload();
+            return upload().map(Arg::Owned);
         }
         let mut slot = self.resident[i].lock().unwrap_or_else(|p| p.into_inner());
         if let Some((p, v, buf)) = slot.as_ref() {
             if (*p, *v) == (ptr, version) {
                 STATS.resident_hits.fetch_add(1, Relaxed);
-                return Ok(buf.clone());
+                return Ok(Arg::Owned(buf.clone()));
             }
         }
         let buf = upload()?;
         *slot = Some((ptr, version, buf.clone()));
-        Ok(buf)
+        Ok(Arg::Owned(buf))
     }
 
-    fn input_buffers(&self, inputs: &[(usize, usize, i64)]) -> Result<Vec<Arc<Buffer>>, RtError> {
+    fn input_buffers(&self, inputs: &[(usize, usize, i64)]) -> Result<Vec<Arg>, RtError> {
         inputs.iter().enumerate().map(|(i, &input)| self.input_buffer(i, input)).collect()
     }
 
@@ -396,14 +434,54 @@ impl CompiledGraph {
         }
     }
 
-    /// After an execute: an aliased input's new value stays on the device as its resident copy,
-    /// tagged `version + 1` because the Python wrapper, having received that value in the host
-    /// tensor, bumps the tensor's version once. The next call then uploads nothing for it.
-    fn keep_updated(&self, inputs: &[(usize, usize, i64)], results: Vec<Buffer>) {
-        let mut results: Vec<Option<Buffer>> = results.into_iter().map(Some).collect();
+    /// Where each updated input's new value goes after an execute (`results[o]` is taken for
+    /// the first two):
+    /// - the input was a viewed buffer and the output took over its memory: the output replaces
+    ///   it, and the host tensor already holds the value;
+    /// - the output's memory is host-addressable and the host tensor may get a new storage
+    ///   (`movable`, resident): it becomes a viewed buffer, returned for the host tensor to be
+    ///   re-pointed at (`(input, buffer)`);
+    /// - otherwise it is copied into the host tensor (`outputs[o]`) by the caller, and kept as
+    ///   the resident copy tagged `version + 1`, the version the Python wrapper's single bump
+    ///   gives the tensor, so the next call uploads nothing.
+    fn place_updates(
+        &self,
+        inputs: &[(usize, usize, i64)],
+        movable: &[usize],
+        held: &mut [Held<'_>],
+        results: &mut [Option<Buffer>],
+    ) -> Vec<(usize, Arc<Shared>)> {
+        let mut repoint = vec![];
+        for &(i, o) in &self.aliases {
+            let Some(out) = results[o].take() else { continue };
+            if let Held::Viewed(shared, guard) = &mut held[i] {
+                if out.host_address().map(|a| a.as_ptr() as usize) == Some(shared.address()) {
+                    **guard = out;
+                    STATS.updates_in_place.fetch_add(1, Relaxed);
+                    continue;
+                }
+            }
+            if inputs[i].2 < 0 || !movable.contains(&i) {
+                results[o] = Some(out);
+                continue;
+            }
+            match Shared::new(out, self.entry.inputs[i].clone()) {
+                Ok(shared) => {
+                    STATS.updates_in_place.fetch_add(1, Relaxed);
+                    repoint.push((i, shared));
+                }
+                Err(out) => results[o] = Some(out),
+            }
+        }
+        repoint
+    }
+
+    fn keep_copied(&self, inputs: &[(usize, usize, i64)], results: &mut [Option<Buffer>]) {
         for &(i, o) in &self.aliases {
             let (ptr, _, version) = inputs[i];
-            if let (true, Some(buf)) = (version >= 0, results[o].take()) {
+            let Some(buf) = results[o].take() else { continue };
+            STATS.updates_copied.fetch_add(1, Relaxed);
+            if version >= 0 {
                 *self.resident[i].lock().unwrap_or_else(|p| p.into_inner()) = Some((ptr, version + 1, Arc::new(buf)));
             }
         }
@@ -434,26 +512,45 @@ impl CompiledGraph {
     /// Runs once. `inputs`: `(data_ptr, nbytes, version)` of dense host tensors, version -1 for
     /// inputs that change every call; `outputs`: `(data_ptr, nbytes)` of dense host tensors to
     /// fill (for an aliased output: the mutated input's own memory, whose version the caller
-    /// then bumps once; see `Graph::aliases`). The caller must keep every tensor alive and
-    /// unshared until this returns; the GIL is released meanwhile. Use it through `tpu_dynamo.executable.Executable`, which does.
-    fn run(&self, py: Python<'_>, inputs: Vec<(usize, usize, i64)>, outputs: Vec<(usize, usize)>) -> PyResult<()> {
+    /// then bumps once; see `Graph::aliases`); `movable`: updated inputs whose host tensor may
+    /// get a new storage. Returns `(input, DLPack capsule)` for each of those whose new value
+    /// stays in the executable's memory: the caller re-points that host tensor at it. The caller must keep every tensor alive and unshared
+    /// until this returns; the GIL is released meanwhile. Use it through
+    /// `tpu_dynamo.executable.Executable`, which does.
+    fn run(
+        &self,
+        py: Python<'_>,
+        inputs: Vec<(usize, usize, i64)>,
+        outputs: Vec<(usize, usize)>,
+        movable: Vec<usize>,
+    ) -> PyResult<Vec<(usize, Py<PyAny>)>> {
         check_sizes("inputs", &self.entry.inputs, &inputs, |i| i.1)?;
         check_sizes("outputs", &self.entry.outputs, &outputs, |o| o.1)?;
-        py.detach(|| -> Result<(), RtError> {
-            let start = Instant::now();
-            let buffers = self.input_buffers(&inputs)?;
-            let args: Vec<&Buffer> = buffers.iter().map(|b| &**b).collect();
-            self.forget_donated();
-            let results = self.entry.exe.execute(&args)?;
-            // SAFETY: the caller allocated `nbytes` writable bytes at `ptr` for each output.
-            let dsts = outputs.iter().map(|&(ptr, nbytes)| unsafe { host_slice_mut(ptr, nbytes) });
-            Buffer::to_host_all(results.iter().zip(dsts))?;
-            self.keep_updated(&inputs, results);
-            STATS.executions.fetch_add(1, Relaxed);
-            add_time(&STATS.execute_nanos, start.elapsed());
-            Ok(())
-        })
-        .map_err(runtime_err)
+        let repoint = py
+            .detach(|| -> Result<_, RtError> {
+                let start = Instant::now();
+                let args = self.input_buffers(&inputs)?;
+                let mut held: Vec<Held> = args.iter().map(Arg::hold).collect();
+                let refs: Vec<&Buffer> = held.iter().map(Held::buffer).collect();
+                self.forget_donated();
+                let results = self.entry.exe.execute(&refs)?;
+                drop(refs);
+                let mut results: Vec<Option<Buffer>> = results.into_iter().map(Some).collect();
+                let repoint = self.place_updates(&inputs, &movable, &mut held, &mut results);
+                drop(held);
+                // SAFETY: the caller allocated `nbytes` writable bytes at `ptr` for each output.
+                let copies = results
+                    .iter()
+                    .zip(&outputs)
+                    .filter_map(|(r, &(ptr, nbytes))| Some((r.as_ref()?, unsafe { host_slice_mut(ptr, nbytes) })));
+                Buffer::to_host_all(copies)?;
+                self.keep_copied(&inputs, &mut results);
+                STATS.executions.fetch_add(1, Relaxed);
+                add_time(&STATS.execute_nanos, start.elapsed());
+                Ok(repoint)
+            })
+            .map_err(runtime_err)?;
+        repoint.into_iter().map(|(i, shared)| Ok((i, host_view::capsule(py, shared)?))).collect()
     }
 
     /// Times the bare PJRT execute, `n` times, with every input uploaded once beforehand
@@ -466,8 +563,9 @@ impl CompiledGraph {
             return Err(PyValueError::new_err("tpu_dynamo: bench_execute cannot time a graph that mutates its inputs"));
         }
         py.detach(|| -> Result<Vec<f64>, RtError> {
-            let buffers = self.input_buffers(&inputs)?;
-            let args: Vec<&Buffer> = buffers.iter().map(|b| &**b).collect();
+            let args = self.input_buffers(&inputs)?;
+            let held: Vec<Held> = args.iter().map(Arg::hold).collect();
+            let args: Vec<&Buffer> = held.iter().map(Held::buffer).collect();
             (0..n)
                 .map(|_| {
                     let start = Instant::now();

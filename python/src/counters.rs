@@ -12,6 +12,12 @@ pub struct Stats {
     pub execute_nanos: AtomicU64,
     pub uploads: AtomicU64,
     pub resident_hits: AtomicU64,
+    /// Inputs that were a host tensor viewing an executable buffer (no upload).
+    pub view_hits: AtomicU64,
+    /// Inputs updated in place: left where the executable wrote them (host tensor re-pointed or
+    /// already there) / copied back into the host tensor.
+    pub updates_in_place: AtomicU64,
+    pub updates_copied: AtomicU64,
     /// Disk cache lookups that loaded an executable (no compile).
     pub disk_hits: AtomicU64,
     /// Disk cache lookups that found nothing usable; includes `disk_rejects`.
@@ -56,6 +62,9 @@ pub static STATS: Stats = Stats {
     symbolic_graphs: AtomicU64::new(0),
     specializations: AtomicU64::new(0),
     specialize_nanos: AtomicU64::new(0),
+    view_hits: AtomicU64::new(0),
+    updates_in_place: AtomicU64::new(0),
+    updates_copied: AtomicU64::new(0),
 };
 
 pub fn add_time(counter: &AtomicU64, d: Duration) {
@@ -63,7 +72,7 @@ pub fn add_time(counter: &AtomicU64, d: Duration) {
 }
 
 impl Stats {
-    fn all(&self) -> [(&'static str, &AtomicU64); 20] {
+    fn all(&self) -> [(&'static str, &AtomicU64); 23] {
         [
             ("compiles", &self.compiles),
             ("memory_hits", &self.memory_hits),
@@ -73,6 +82,9 @@ impl Stats {
             ("execute_seconds", &self.execute_nanos),
             ("uploads", &self.uploads),
             ("resident_hits", &self.resident_hits),
+            ("view_hits", &self.view_hits),
+            ("updates_in_place", &self.updates_in_place),
+            ("updates_copied", &self.updates_copied),
             ("disk_hits", &self.disk_hits),
             ("disk_misses", &self.disk_misses),
             ("disk_rejects", &self.disk_rejects),

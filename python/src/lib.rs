@@ -3,6 +3,7 @@ mod compiled;
 mod counters;
 mod device;
 mod errors;
+mod host_view;
 mod persist;
 mod symbolic;
 

@@ -1,5 +1,6 @@
 """Type stubs for the Rust extension `tpu_dynamo._native`."""
 from collections.abc import Sequence
+from typing import Any
 
 __version__: str
 
@@ -29,10 +30,15 @@ class CompiledGraph:
     @property
     def output_types(self) -> list[tuple[str, list[int]]]: ...
     def run(
-        self, inputs: Sequence[tuple[int, int, int]], outputs: Sequence[tuple[int, int]]
-    ) -> None:
-        """inputs: (data_ptr, nbytes, version or -1); outputs: (data_ptr, nbytes). Unsafe on
-        raw pointers: call it only through `tpu_dynamo.executable.Executable`."""
+        self,
+        inputs: Sequence[tuple[int, int, int]],
+        outputs: Sequence[tuple[int, int]],
+        movable: Sequence[int],
+    ) -> list[tuple[int, Any]]:
+        """inputs: (data_ptr, nbytes, version or -1); outputs: (data_ptr, nbytes); movable:
+        updated inputs whose tensor may be re-pointed. Returns (input index, DLPack capsule) for
+        those left in the executable's memory. Unsafe
+        on raw pointers: call it only through `tpu_dynamo.executable.Executable`."""
     def bench_execute(self, inputs: Sequence[tuple[int, int, int]], n: int) -> list[float]:
         """Seconds per bare PJRT execute, `n` times, inputs uploaded once (as for `run`)."""
 

@@ -82,9 +82,10 @@ class Executable:
         outs = [torch.empty(shape, dtype=dtype) for dtype, shape in self.out_types]
         for i, o in self.mutations:
             outs[o] = held[i]
-        self.native.run(ins, [(o.data_ptr(), n) for o, n in zip(outs, self.out_nbytes)])
+        movable = [i for i, _ in self.mutations if held[i] is tensors[i] and _movable(tensors[i])]
+        in_place = self.native.run(ins, [(o.data_ptr(), n) for o, n in zip(outs, self.out_nbytes)], movable)
         if self.mutations:
-            self._commit_mutations(tensors, held)
+            self._commit_mutations(tensors, held, in_place)
         return tuple(None if i is None else outs[i] for i in self.template)
 
     def bench_execute(self, args: list[Any], n: int) -> list[float]:
@@ -92,20 +93,42 @@ class Executable:
         _tensors, _held, ins = self._host_inputs(args)
         return self.native.bench_execute(ins, n)
 
-    def _commit_mutations(self, tensors: list[torch.Tensor], held: list[torch.Tensor]) -> None:
-        """Makes each mutated input observe its new value, which Rust wrote into `held[i]`.
+    def _commit_mutations(
+        self, tensors: list[torch.Tensor], held: list[torch.Tensor], in_place: list[tuple[int, Any]]
+    ) -> None:
+        """Makes each mutated input observe its new value.
 
-        A dense input was written in place; its version must then go up exactly once, as for an
-        in-place op, so caches keyed on versions (ours included: Rust kept the new device buffer
-        as version + 1) see the change. AOTAutograd's wrapper bumps the mutations it tracks; we
-        bump the rest. A non-dense input gets the dense copy copied back (not kept resident).
+        Rust either wrote it into `held[i]`, or (`in_place`, only for `_movable` tensors) left it
+        in the executable's own host-addressable memory, handed over as a DLPack capsule: the
+        tensor is re-pointed at that memory, so later steps update it where it is, with no copy
+        either way.
+        A dense input's version must then go up exactly once, as for an in-place op, so caches
+        keyed on versions (ours included: Rust kept the new device buffer as version + 1) see
+        the change. AOTAutograd's wrapper bumps the mutations it tracks; we bump the rest. A
+        non-dense input gets the dense copy copied back (not kept resident).
         """
+        for i, capsule in in_place:
+            t = tensors[i]
+            with torch.autograd._unsafe_preserve_version_counter(t):
+                t.set_(torch.from_dlpack(capsule).untyped_storage(), 0, t.shape, t.stride())
         for i, _ in self.mutations:
             if held[i] is not tensors[i]:
                 tensors[i].copy_(held[i])
         torch.autograd.graph.increment_version(
             [tensors[i] for i in self.bump if held[i] is tensors[i] and not tensors[i].is_inference()]
         )
+
+
+def _movable(t: torch.Tensor) -> bool:
+    """Whether `t` may get a new storage: nothing else shares its storage (a view of it would
+    keep the old value), the storage is exactly `t`, and autograd does not track it."""
+    storage = t.untyped_storage()
+    return (
+        torch._C._storage_Use_Count(storage._cdata) == 2  # `t` and `storage`
+        and t._base is None
+        and storage.nbytes() == t.nbytes
+        and not t.requires_grad
+    )
 
 
 def compile_graph(

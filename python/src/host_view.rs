@@ -1,0 +1,172 @@
+//! Host tensors that live in executable buffers (CPU plugins).
+//!
+//! A graph that updates an input in place donates the input's buffer; the plugin writes the new
+//! value into that same memory. When the host can address it, the host tensor is re-pointed at
+//! that memory (a DLPack capsule hands it to torch), so from then on the tensor *is* the device
+//! buffer: every later step donates it again, nothing is uploaded or downloaded, and the user
+//! reads the current value whenever they look. A registry finds the buffer behind a tensor's
+//! address, so any graph taking that tensor reuses it instead of uploading a copy.
+
+use std::collections::HashMap;
+use std::ffi::{c_void, CStr};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard, Weak};
+
+use pyo3::ffi;
+use pyo3::prelude::*;
+use tpu_dynamo_runtime::{Buffer, DType, TensorSpec};
+
+/// A device buffer whose memory a host tensor uses as storage. After each donating execute the
+/// buffer is replaced by the output that took over the same memory.
+pub struct Shared {
+    buffer: Mutex<Buffer>,
+    address: usize,
+    spec: TensorSpec,
+}
+
+/// Address → buffer, for every `Shared` alive.
+static REGISTRY: LazyLock<Mutex<HashMap<usize, Weak<Shared>>>> = LazyLock::new(Default::default);
+
+fn registry() -> MutexGuard<'static, HashMap<usize, Weak<Shared>>> {
+    REGISTRY.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Shared {
+    /// Registers `buffer` for host tensors to view; gives it back if the host cannot address it.
+    pub fn new(buffer: Buffer, spec: TensorSpec) -> Result<Arc<Shared>, Buffer> {
+        let Some(address) = buffer.host_address() else { return Err(buffer) };
+        let address = address.as_ptr() as usize;
+        let shared = Arc::new(Shared { buffer: Mutex::new(buffer), address, spec });
+        registry().insert(address, Arc::downgrade(&shared));
+        Ok(shared)
+    }
+
+    /// The live buffer a host tensor at `address` views, if its type is `spec`.
+    pub fn find(address: usize, spec: &TensorSpec) -> Option<Arc<Shared>> {
+        let found = registry().get(&address)?.upgrade()?;
+        (found.spec == *spec).then_some(found)
+    }
+
+    pub fn address(&self) -> usize {
+        self.address
+    }
+
+    pub fn lock(&self) -> MutexGuard<'_, Buffer> {
+        self.buffer.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        let mut map = registry();
+        // A newer buffer may have been registered at the same address since this one died.
+        if map.get(&self.address).is_some_and(|w| w.strong_count() == 0) {
+            map.remove(&self.address);
+        }
+    }
+}
+
+#[repr(C)]
+struct DLDevice {
+    device_type: i32,
+    device_id: i32,
+}
+
+#[repr(C)]
+struct DLDataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+
+#[repr(C)]
+struct DLTensor {
+    data: *mut c_void,
+    device: DLDevice,
+    ndim: i32,
+    dtype: DLDataType,
+    shape: *mut i64,
+    /// Null: compact row-major.
+    strides: *mut i64,
+    byte_offset: u64,
+}
+
+#[repr(C)]
+struct DLManagedTensor {
+    dl_tensor: DLTensor,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
+}
+
+/// What a capsule keeps alive: the dims its `DLTensor` points at and the buffer.
+struct Owner {
+    dims: Vec<i64>,
+    _shared: Arc<Shared>,
+}
+
+const DLTENSOR: &CStr = c"dltensor";
+const K_DL_CPU: i32 = 1;
+
+/// DLPack's `(type code, bits)` for a dtype.
+fn dl_dtype(dtype: DType) -> DLDataType {
+    let (code, bits) = match dtype {
+        DType::Bool => (6, 8),
+        DType::U8 => (1, 8),
+        DType::I8 => (0, 8),
+        DType::I16 => (0, 16),
+        DType::I32 => (0, 32),
+        DType::I64 => (0, 64),
+        DType::F16 => (2, 16),
+        DType::Bf16 => (4, 16),
+        DType::F32 => (2, 32),
+        DType::F64 => (2, 64),
+        DType::C64 => (5, 64),
+    };
+    DLDataType { code, bits, lanes: 1 }
+}
+
+unsafe extern "C" fn delete_managed(managed: *mut DLManagedTensor) {
+    // SAFETY: `managed` and its context were leaked from boxes by `capsule`, and DLPack calls
+    // the deleter exactly once.
+    unsafe {
+        drop(Box::from_raw((*managed).manager_ctx.cast::<Owner>()));
+        drop(Box::from_raw(managed));
+    }
+}
+
+/// Frees a capsule nobody consumed (a consumer renames it and calls the deleter itself).
+unsafe extern "C" fn delete_capsule(capsule: *mut ffi::PyObject) {
+    // SAFETY: CPython passes the capsule being destroyed; the name check tells whether it was consumed.
+    unsafe {
+        if ffi::PyCapsule_IsValid(capsule, DLTENSOR.as_ptr()) == 1 {
+            let managed = ffi::PyCapsule_GetPointer(capsule, DLTENSOR.as_ptr()).cast::<DLManagedTensor>();
+            delete_managed(managed);
+        }
+    }
+}
+
+/// A DLPack capsule (CPU) over `shared`'s memory, for `torch.from_dlpack`.
+pub fn capsule(py: Python<'_>, shared: Arc<Shared>) -> PyResult<Py<PyAny>> {
+    let mut owner = Box::new(Owner { dims: shared.spec.dims.clone(), _shared: shared.clone() });
+    let managed = Box::into_raw(Box::new(DLManagedTensor {
+        dl_tensor: DLTensor {
+            data: shared.address as *mut c_void,
+            device: DLDevice { device_type: K_DL_CPU, device_id: 0 },
+            ndim: owner.dims.len() as i32,
+            dtype: dl_dtype(shared.spec.dtype),
+            shape: owner.dims.as_mut_ptr(),
+            strides: std::ptr::null_mut(),
+            byte_offset: 0,
+        },
+        manager_ctx: Box::into_raw(owner).cast(),
+        deleter: Some(delete_managed),
+    }));
+    // SAFETY: a valid pointer and a static name; on failure the capsule does not own `managed`.
+    unsafe {
+        let raw = ffi::PyCapsule_New(managed.cast(), DLTENSOR.as_ptr(), Some(delete_capsule));
+        if raw.is_null() {
+            delete_managed(managed);
+            return Err(PyErr::fetch(py));
+        }
+        Ok(Py::from_owned_ptr(py, raw))
+    }
+}
