@@ -5,7 +5,10 @@
 mod common;
 
 use common::*;
-use tpu_dynamo_runtime::*;
+
+/// 64-byte aligned host memory, as torch allocates it (XLA's CPU views demand that alignment).
+#[repr(C, align(64))]
+struct Aligned<const N: usize>([f32; N]);
 
 #[test]
 fn view_reads_caller_memory_without_copy() {
