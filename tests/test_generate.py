@@ -151,12 +151,54 @@ def test_input_mutation_under_inference_mode():
             torch.testing.assert_close(got, want)
 
 
-def test_bucket_options_compile_exact_shapes_with_a_log_line(caplog):
-    run = compile_tpu(lambda x: x.softmax(-1), options={"num_dynamic_buckets": 2, "bucket_size": 8})
+class TokenWise(torch.nn.Module):
+    """Embedding, positions from a table prefix, MLP and layer norm: every sequence position is
+    computed from its own inputs only, so padding the sequence is provably safe."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 16)
+        self.pos = torch.nn.Parameter(torch.randn(20, 16))
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+        self.norm = torch.nn.LayerNorm(16)
+
+    def forward(self, ids):
+        h = self.embed(ids) + self.pos[: ids.shape[1]]
+        h = self.norm(h + self.mlp(h))
+        return h.softmax(-1), h.cumsum(1)
+
+
+def test_buckets_pad_where_provably_safe(caplog):
+    torch.manual_seed(0)
+    model = TokenWise().eval()
+    run = compile_tpu(model, options={"bucket_size": 8, "num_dynamic_buckets": 2})
+    compiles = []
+    with caplog.at_level("INFO", logger="tpu_dynamo"), torch.no_grad():
+        for s in (3, 5, 8, 2, 11, 16, 19, 20):
+            ids = torch.randint(0, 50, (2, s))
+            torch._dynamo.mark_dynamic(ids, 1)
+            want = model(ids)
+            got = run(ids)
+            assert [g.shape for g in got] == [w.shape for w in want]
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+            compiles.append(tpu_dynamo.stats()["compiles"])
+    assert "padding symbolic sizes to multiples of 8" in caplog.text
+    # 2..8 share the bucket of 8, 11 and 16 that of 16; 19 and 20 lie past the last bucket (2 x 8),
+    # so they compile exactly (and the 20-row position table caps any padding anyway).
+    assert compiles == [1, 1, 1, 1, 2, 2, 3, 4]
+
+
+def test_buckets_fall_back_to_exact_shapes_with_the_reason(caplog):
+    def attention(x):  # contracts over the padded key positions: padding would change the result
+        return (x @ x.transpose(-1, -2)).softmax(-1) @ x
+
+    run = compile_tpu(attention, options={"num_dynamic_buckets": 2, "bucket_size": 8})
     with caplog.at_level("INFO", logger="tpu_dynamo"):
         for s in (3, 5):
-            x = torch.randn(2, s)
+            x = torch.randn(2, s, 4)
             torch._dynamo.mark_dynamic(x, 1)
-            torch.testing.assert_close(run(x), x.softmax(-1))
-    assert "compiling exact shapes" in caplog.text
+            torch.testing.assert_close(run(x), attention(x))
+    assert "compiling exact shapes, padding is not proven safe" in caplog.text
+    assert "aten._softmax.default (node 7) normalizes over a padded dimension" in caplog.text
     assert tpu_dynamo.stats()["compiles"] == 2

@@ -24,9 +24,13 @@ def test_unimplemented_options_are_rejected_when_not_default(key, value):
         parse({key: value}, None, None)
 
 
-def test_bucket_options_are_validated_and_accepted():
-    assert parse({"num_dynamic_buckets": 2, "bucket_size": 128}, None, None).buckets_requested
-    assert not parse(None, None, None).buckets_requested
+def test_bucket_options_are_validated_with_torchtpu_defaults():
+    buckets = parse({"num_dynamic_buckets": 2, "bucket_size": 16}, None, None).buckets
+    assert (buckets.size, buckets.count) == (16, 2)
+    assert [buckets.pad(n) for n in (1, 16, 17, 32, 33)] == [16, 16, 32, 32, 33]  # past the last: exact
+    assert parse({"bucket_size": 64}, None, None).buckets.count == 8
+    assert parse({"num_dynamic_buckets": 3}, None, None).buckets.size == 128
+    assert parse(None, None, None).buckets is None
     with pytest.raises(ValueError, match="num_dynamic_buckets"):
         parse({"num_dynamic_buckets": 9}, None, None)
 

@@ -2,10 +2,12 @@
 //!
 //! `ir` is the contract; `lower` turns a [`ir::Graph`] into a StableHLO module (text and
 //! bytecode) through MLIR, with one module per ATen op family; `specialize` turns a symbolic graph
-//! into the concrete graph for one call's shapes.
+//! into the concrete graph for one call's shapes; `padding` proves when a symbolic graph may run
+//! on padded inputs (buckets).
 
 pub mod ir;
 pub mod lower;
+pub mod padding;
 pub mod specialize;
 
 pub use lower::{lower, LowerError, LowerErrorKind, Lowered};

@@ -36,6 +36,15 @@ impl SymbolicGraph {
         Ok(SymbolicGraph { ir, graph_hash })
     }
 
+    /// How to run on inputs padded along the symbolic dimensions (buckets): per input and per
+    /// output its `(dimension, symbol)` pairs, per scalar its symbol, and `(symbol, limit)`
+    /// caps on the padded size. ValueError saying which op makes padding unsafe otherwise.
+    #[allow(clippy::type_complexity)]
+    fn padding_plan(&self) -> PyResult<(Vec<Vec<(u32, u32)>>, Vec<Vec<(u32, u32)>>, Vec<Option<u32>>, Vec<(u32, i64)>)> {
+        let p = self.ir.padding_plan().map_err(PyValueError::new_err)?;
+        Ok((p.inputs, p.outputs, p.scalars, p.limits))
+    }
+
     /// The graph for inputs of these shapes (one per graph input) and these integer scalars,
     /// compiled or found in the memory or disk cache (keyed by the concrete graph's bytes).
     #[pyo3(signature = (shapes, scalars, need_stablehlo = false))]

@@ -15,18 +15,29 @@ _UNIMPLEMENTED_DEFAULTS: dict[str, Any] = {
 }
 
 
-# TorchTPU's bucketing keys and their valid ranges. Accepted; graphs still compile per exact
-# shape, because padding a dynamic dim is only correct when no op mixes positions along it
-# (softmax, reductions, cumsum over it would read the padding), which nothing proves yet.
+# TorchTPU's bucketing keys, their valid ranges and defaults: a symbolic size n up to
+# bucket_size * num_dynamic_buckets is padded to the next multiple of bucket_size, where the
+# compiler proves padding safe for the graph (see `Buckets`).
 _BUCKET_RANGES: dict[str, tuple[int, int]] = {"num_dynamic_buckets": (1, 8), "bucket_size": (1, 1 << 20)}
+_BUCKET_DEFAULTS = {"num_dynamic_buckets": 8, "bucket_size": 128}
+
+
+@dataclass(frozen=True)
+class Buckets:
+    size: int
+    count: int
+
+    def pad(self, n: int) -> int:
+        """The bucket of size `n`: the next multiple of `size`, or `n` itself past the last one."""
+        return n if n > self.size * self.count else -(-n // self.size) * self.size
 
 
 @dataclass(frozen=True)
 class Options:
     debug_callback: DebugCallback | None = None
     name: str | None = None
-    buckets_requested: bool = False
-    """`num_dynamic_buckets`/`bucket_size` was given: symbolic graphs log that shapes stay exact."""
+    buckets: Buckets | None = None
+    """Set when `num_dynamic_buckets` or `bucket_size` was given (the other at its default)."""
 
 
 def parse(options: Mapping[str, Any] | None, mode: str | None, name: str | None) -> Options:
@@ -61,5 +72,8 @@ def parse(options: Mapping[str, Any] | None, mode: str | None, name: str | None)
     graph_name = opts.get("name", name)
     if graph_name is not None and not isinstance(graph_name, str):
         raise TypeError(f"tpu_dynamo: name must be a str, got {type(graph_name).__name__}")
-    buckets = any(opts.get(key) is not None for key in _BUCKET_RANGES)
-    return Options(debug_callback=callback, name=graph_name, buckets_requested=buckets)
+    buckets = None
+    if any(opts.get(key) is not None for key in _BUCKET_RANGES):
+        given = {k: opts.get(k) or default for k, default in _BUCKET_DEFAULTS.items()}
+        buckets = Buckets(size=given["bucket_size"], count=given["num_dynamic_buckets"])
+    return Options(debug_callback=callback, name=graph_name, buckets=buckets)

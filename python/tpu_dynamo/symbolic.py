@@ -8,6 +8,11 @@ never asked to recompile for a new size.
 
 A graph whose sizes the IR cannot express (float/bool symbols, data-dependent sizes) falls back
 to converting per signature in Python with every size resolved to a literal.
+
+With TorchTPU's bucket options, sizes are padded up to their bucket where the compiler proves
+that safe for the graph (`_native.SymbolicGraph.padding_plan`): the inputs are zero-padded, one
+executable serves the whole bucket, and the outputs are cut back to the true sizes. Otherwise
+shapes stay exact, and the log says which op prevents padding.
 """
 from __future__ import annotations
 
@@ -67,20 +72,25 @@ class PerShape:
     ) -> None:
         self.gm, self.kinds, self.options, self.caller_bumps = gm, kinds, options, caller_bumps
         self.placeholders = gm.graph.find_nodes(op="placeholder")
-        self.compiled: dict[tuple[Any, ...], Executable] = {}
+        self.compiled: dict[tuple[Any, ...], Executable | _Padded] = {}
+        self.padded: dict[tuple[Any, ...], Executable] = {}
         name = options.name or "graph"
-        if options.buckets_requested:
-            debug.log.info(
-                "%s: num_dynamic_buckets/bucket_size: compiling exact shapes (padding a dynamic"
-                " dim is not proven safe for this graph)",
-                name,
-            )
         try:
             self.converted = convert_symbolic(gm, kinds)
             self.symbolic: _native.SymbolicGraph | None = _native.SymbolicGraph(self.converted.json)
         except (NotImplementedError, ValueError) as e:
             debug.log.info("%s: specializing per shape in Python: %s", name, e)
             self.symbolic = None
+        self.plan = None
+        if options.buckets is not None:
+            if self.symbolic is None:
+                debug.log.info("%s: buckets: compiling exact shapes (graph specialized in Python)", name)
+            else:
+                try:
+                    self.plan = self.symbolic.padding_plan()
+                    debug.log.info("%s: buckets: padding symbolic sizes to multiples of %d", name, options.buckets.size)
+                except ValueError as e:
+                    debug.log.info("%s: buckets: compiling exact shapes, padding is not proven safe: %s", name, e)
 
     def __call__(self, args: list[Any]) -> tuple[torch.Tensor | None, ...]:
         signature = tuple((a.dtype, tuple(a.shape)) if isinstance(a, torch.Tensor) else a for a in args)
@@ -90,13 +100,86 @@ class PerShape:
             self.compiled[signature] = exe
         return exe(args)
 
-    def _compile(self, args: list[Any]) -> Executable:
+    def _compile(self, args: list[Any]) -> Executable | _Padded:
+        if self.plan is not None:
+            return self._bucketed(args)
         if self.symbolic is None:
             resolve = _resolver(_bindings(self.placeholders, args))
             return compile_graph(self.gm, self.kinds, self.options, self.caller_bumps, resolve)
-        start, c = time.perf_counter(), self.converted
+        c = self.converted
         shapes = [list(args[i].shape) for i in c.tensor_args] + [list(t.shape) for t in c.constants]
-        native = self.symbolic.specialize(
-            shapes, [int(args[i]) for i in c.scalar_args], need_stablehlo=debug.wanted(self.options)
+        return self._specialize(shapes, [int(args[i]) for i in c.scalar_args])
+
+    def _specialize(self, shapes: list[list[int]], scalars: list[int]) -> Executable:
+        start = time.perf_counter()
+        assert self.symbolic is not None
+        native = self.symbolic.specialize(shapes, scalars, need_stablehlo=debug.wanted(self.options))
+        return wrap(native, self.gm, self.converted, self.options, self.caller_bumps, start)
+
+    def _bucketed(self, args: list[Any]) -> _Padded:
+        """The call for `args`' sizes: the executable of their buckets, shared by every size in
+        them, with the padding of the inputs and the cut of the outputs."""
+        assert self.plan is not None and self.options.buckets is not None
+        plan_inputs, plan_outputs, plan_scalars, limits = self.plan
+        c = self.converted
+        shapes = [list(args[i].shape) for i in c.tensor_args] + [list(t.shape) for t in c.constants]
+        true = {sym: shapes[i][d] for i, pairs in enumerate(plan_inputs) for d, sym in pairs}
+        padded = {sym: self.options.buckets.pad(n) for sym, n in true.items()}
+        for sym, limit in limits:
+            padded[sym] = max(true[sym], min(padded[sym], limit))
+        pads = []
+        for i, pairs in enumerate(plan_inputs):
+            for d, sym in pairs:
+                if padded[sym] != shapes[i][d]:
+                    shapes[i][d] = padded[sym]
+                    pads.append((c.tensor_args[i], d, padded[sym]))
+        scalars = [padded[sym] if sym is not None else int(args[i]) for i, sym in zip(c.scalar_args, plan_scalars)]
+        key = (tuple(map(tuple, shapes)), tuple(scalars))
+        exe = self.padded.get(key)
+        if exe is None:
+            exe = self.padded[key] = self._specialize(shapes, scalars)
+        scalar_pads = [(i, v) for i, v in zip(c.scalar_args, scalars)]
+        cuts = [[] if o is None else [(d, true[sym]) for d, sym in plan_outputs[o]] for o in c.outputs]
+        debug.log.info(
+            "%s: buckets: sizes %s run padded to %s",
+            self.options.name or "graph",
+            sorted(true.values()),
+            sorted(padded.values()),
         )
-        return wrap(native, self.gm, c, self.options, self.caller_bumps, start)
+        return _Padded(exe, pads, scalar_pads, cuts)
+
+
+class _Padded:
+    """A call at sizes below their bucket's: zero-pads the inputs along their symbolic
+    dimensions, runs the bucket's executable, and cuts each output back to the true sizes."""
+
+    _boxed_call = True
+
+    def __init__(
+        self,
+        exe: Executable,
+        pads: list[tuple[int, int, int]],
+        scalars: list[tuple[int, int]],
+        cuts: list[list[tuple[int, int]]],
+    ) -> None:
+        self.exe, self.pads, self.scalars, self.cuts = exe, pads, scalars, cuts
+
+    def __call__(self, args: list[Any]) -> tuple[torch.Tensor | None, ...]:
+        args = list(args)
+        for i, d, size in self.pads:
+            t = args[i]
+            fill = list(t.shape)
+            fill[d] = size - t.shape[d]
+            args[i] = torch.cat([t, t.new_zeros(fill)], d)
+        for i, value in self.scalars:
+            args[i] = value
+        outs = self.exe(args)
+        return tuple(
+            out if out is None or not cut else _cut(out, cut) for out, cut in zip(outs, self.cuts)
+        )
+
+
+def _cut(t: torch.Tensor, cut: list[tuple[int, int]]) -> torch.Tensor:
+    for d, n in cut:
+        t = t.narrow(d, 0, n)
+    return t

@@ -153,6 +153,22 @@ fn registry() -> &'static Registry {
     })
 }
 
+/// Whether `op`'s rule computes each output element from the same-position elements of its
+/// (broadcast) operands: the elementwise, comparison and conversion families, minus dropout
+/// (random, so never "the same" on a padded input).
+pub fn is_pointwise(op: &str) -> bool {
+    static OPS: OnceLock<Registry> = OnceLock::new();
+    let ops = OPS.get_or_init(|| {
+        let mut r = Registry(HashMap::new());
+        elementwise::register(&mut r);
+        compare::register(&mut r);
+        convert::register(&mut r);
+        r.0.remove("aten.native_dropout.default");
+        r
+    });
+    ops.0.contains_key(op)
+}
+
 /// The ops that have a lowering rule, sorted.
 pub fn supported_ops() -> Vec<&'static str> {
     let mut v: Vec<_> = registry().0.keys().copied().collect();

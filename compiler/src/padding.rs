@@ -1,0 +1,522 @@
+//! Buckets: whether a symbolic graph may run on inputs padded along its symbolic dimensions, so
+//! that many sizes share one executable (TorchTPU's `bucket_size` / `num_dynamic_buckets`).
+//!
+//! Padding is safe when every output's elements at positions below the true size are exactly
+//! what the unpadded graph computes; the caller then cuts the outputs back. That is proven op by
+//! op. Each dimension of each value is static or *padded*: its size is `outer·S·inner` for a
+//! padded symbol S, the position along S being one digit of the index. An op keeps the proof if
+//! positions below n along S depend only on positions below n: elementwise ops, reductions and
+//! contractions over static dimensions, reshapes that keep the S digit whole, prefix slices,
+//! cumulative ops, gathers from unpadded tables. Anything else refuses, naming the op:
+//! attention contracting over a padded key dimension, a scatter at padded indices, a size used
+//! as a value, an in-place update of a padded input. The caller then compiles exact shapes.
+
+use std::collections::HashMap;
+
+use crate::ir::{Arg, Node, SymExpr, SymSlot, SymbolicGraph, TensorType};
+use crate::lower::is_pointwise;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Dim {
+    Static(i64),
+    /// Size `outer * S * inner`, S the padded size of symbol `sym`.
+    Padded { sym: u32, outer: i64, inner: i64 },
+}
+
+use Dim::{Padded, Static};
+
+impl Dim {
+    fn bare(sym: u32) -> Dim {
+        Padded { sym, outer: 1, inner: 1 }
+    }
+    fn is_padded(self) -> bool {
+        matches!(self, Padded { .. })
+    }
+}
+
+/// How to pad a symbolic graph's inputs and cut its outputs back.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct PaddingPlan {
+    /// Per graph input: its padded `(dimension, symbol)` pairs.
+    pub inputs: Vec<Vec<(u32, u32)>>,
+    /// Per graph output: the `(dimension, symbol)` pairs to cut back to the true size.
+    pub outputs: Vec<Vec<(u32, u32)>>,
+    /// Per integer scalar input: the symbol it carries (then passed padded too), if any.
+    pub scalars: Vec<Option<u32>>,
+    /// `(symbol, limit)`: the padded size may not exceed `limit` (a prefix slice of a static
+    /// dimension that long).
+    pub limits: Vec<(u32, i64)>,
+}
+
+type R<T> = Result<T, String>;
+
+/// A size as the trace recorded it: `m·s_k`, or something else that mentions a symbol.
+#[derive(Clone, Debug, PartialEq)]
+enum Recorded {
+    Scaled { sym: u32, by: i64 },
+    Other(SymExpr),
+}
+
+fn recorded(e: &SymExpr) -> Recorded {
+    match e {
+        SymExpr::Sym(k) => Recorded::Scaled { sym: *k, by: 1 },
+        SymExpr::Mul(xs) => match xs.as_slice() {
+            [SymExpr::Const(m), SymExpr::Sym(k)] | [SymExpr::Sym(k), SymExpr::Const(m)] if *m > 0 => {
+                Recorded::Scaled { sym: *k, by: *m }
+            }
+            _ => Recorded::Other(e.clone()),
+        },
+        _ => Recorded::Other(e.clone()),
+    }
+}
+
+/// Symbolic argument slots of one node: `(argument index, path) -> expression`.
+type ArgSyms<'a> = HashMap<(u32, &'a [u32]), &'a SymExpr>;
+
+/// The analysis state: every value's dimensions, plus the limits found.
+struct Walk<'a> {
+    types: Vec<&'a TensorType>,
+    dims: Vec<Vec<Dim>>,
+    recorded: HashMap<(u32, u32), Recorded>,
+    limits: Vec<(u32, i64)>,
+}
+
+/// Positional argument `i`, else keyword `name`.
+fn arg<'n>(node: &'n Node, i: usize, name: &str) -> Option<&'n Arg> {
+    node.args.get(i).or_else(|| node.kwargs.iter().find(|(k, _)| k == name).map(|(_, a)| a))
+}
+
+fn int_list(a: Option<&Arg>) -> Option<Vec<i64>> {
+    match a? {
+        Arg::Int(i) => Some(vec![*i]),
+        Arg::List(xs) => xs.iter().map(|x| if let Arg::Int(i) = x { Some(*i) } else { None }).collect(),
+        _ => None,
+    }
+}
+
+fn flag(node: &Node, i: usize, name: &str) -> bool {
+    matches!(arg(node, i, name), Some(Arg::Bool(true)))
+}
+
+fn norm(d: i64, rank: usize) -> R<usize> {
+    let r = rank as i64;
+    let d = if d < 0 { d + r } else { d };
+    if (0..r.max(1)).contains(&d) { Ok(d as usize) } else { Err(format!("dimension {d} out of range for rank {rank}")) }
+}
+
+impl<'a> Walk<'a> {
+    fn value(&self, a: Option<&Arg>) -> R<&[Dim]> {
+        match a {
+            Some(Arg::Value(v)) => Ok(&self.dims[*v as usize]),
+            _ => Err("expected a tensor argument".into()),
+        }
+    }
+
+    /// Every tensor operand of `node` (nested lists included).
+    fn operands(&self, node: &Node) -> Vec<&[Dim]> {
+        fn walk<'x>(a: &Arg, dims: &'x [Vec<Dim>], out: &mut Vec<&'x [Dim]>) {
+            match a {
+                Arg::Value(v) => out.push(&dims[*v as usize]),
+                Arg::List(xs) => xs.iter().for_each(|x| walk(x, dims, out)),
+                _ => {}
+            }
+        }
+        let mut out = vec![];
+        node.args.iter().chain(node.kwargs.iter().map(|(_, a)| a)).for_each(|a| walk(a, &self.dims, &mut out));
+        out
+    }
+
+    /// The dimensions the trace recorded for `value`, every symbolic one read as `by·S` split
+    /// as `outer = by`, `inner = 1` (a rule that knows better, like reshape, corrects the split).
+    fn recorded_dims(&self, value: u32) -> R<Vec<Dim>> {
+        let ty = self.types[value as usize];
+        (0..ty.rank() as u32)
+            .map(|d| match self.recorded.get(&(value, d)) {
+                None => Ok(Static(ty.shape[d as usize])),
+                Some(Recorded::Scaled { sym, by }) => Ok(Padded { sym: *sym, outer: *by, inner: 1 }),
+                Some(Recorded::Other(e)) => Err(format!("dimension {d} has size {e:?}, not a multiple of one size")),
+            })
+            .collect()
+    }
+
+    /// Pointwise with broadcasting: a padded output dimension comes from operands padded alike.
+    fn broadcast(&self, node: &Node, rank: usize) -> R<Vec<Dim>> {
+        let mut out = vec![None::<Dim>; rank];
+        for op in self.operands(node) {
+            let skip = rank.checked_sub(op.len()).ok_or("an operand has a higher rank than the result")?;
+            for (d, &dim) in op.iter().enumerate() {
+                let slot = &mut out[skip + d];
+                match (dim, *slot) {
+                    (Static(1), _) => {}
+                    (_, None) | (_, Some(Static(1))) => *slot = Some(dim),
+                    (a, Some(b)) if a == b => {}
+                    (a, Some(b)) if a.is_padded() || b.is_padded() => {
+                        return Err(format!("operands broadcast {a:?} against {b:?}"))
+                    }
+                    _ => {}
+                }
+            }
+        }
+        Ok(out.into_iter().map(|d| d.unwrap_or(Static(1))).collect())
+    }
+
+    /// Output dimensions of `node`, one list per output; `Err` names why padding is unsafe.
+    fn rule(&mut self, node: &Node, first: u32, syms: &ArgSyms) -> R<Vec<Vec<Dim>>> {
+        let op = node.op.as_str();
+        let n_out = node.outputs.len();
+        let out_rank = |o: usize| node.outputs[o].rank();
+        // Argument slots that may hold a padded size (a size role); any other symbolic argument
+        // is a size used as a value, which padding would change.
+        let size_roles: &[u32] = match op {
+            "aten.view.default" | "aten.reshape.default" | "aten._unsafe_view.default" | "aten.view_copy.default"
+            | "aten.expand.default" | "aten.expand_copy.default" | "aten.new_full.default"
+            | "aten.new_zeros.default" | "aten.new_ones.default" | "aten.new_empty.default" => &[1],
+            "aten.full.default" | "aten.zeros.default" | "aten.ones.default" | "aten.empty.memory_format"
+            | "aten.arange.default" => &[0],
+            "aten.arange.start" | "aten.arange.start_step" => &[1],
+            "aten.slice.Tensor" | "aten.slice_copy.Tensor" => &[3],
+            _ => &[],
+        };
+        if let Some(((i, _), e)) = syms.iter().find(|((i, _), _)| !size_roles.contains(i)) {
+            return Err(format!("argument {i} is the size {e:?}, used as a value"));
+        }
+        let x = || self.value(arg(node, 0, "self"));
+        let same = |x: &[Dim]| Ok(vec![x.to_vec(); n_out]);
+        if is_pointwise(op) {
+            return (0..n_out).map(|o| self.broadcast(node, out_rank(o))).collect();
+        }
+        match op {
+            "aten.clone.default" | "aten.alias.default" | "aten.detach.default" | "aten.contiguous.default"
+            | "aten.alias_copy.default" | "aten.lift_fresh_copy.default" | "aten.lift_fresh.default" => same(x()?),
+            // Fills and ranges: the value at a position below n does not depend on the length.
+            "aten.full.default" | "aten.zeros.default" | "aten.ones.default" | "aten.empty.memory_format"
+            | "aten.scalar_tensor.default" | "aten.full_like.default" | "aten.zeros_like.default"
+            | "aten.ones_like.default" | "aten.empty_like.default" | "aten.new_full.default"
+            | "aten.new_zeros.default" | "aten.new_ones.default" | "aten.new_empty.default"
+            | "aten.arange.default" | "aten.arange.start" | "aten.arange.start_step" => {
+                let dims = self.recorded_dims(first)?;
+                if dims.iter().any(|d| matches!(d, Padded { outer, .. } if *outer != 1)) {
+                    return Err("creates a dimension of a multiple of a padded size".into());
+                }
+                Ok(vec![dims])
+            }
+            "aten.view.default" | "aten.reshape.default" | "aten._unsafe_view.default" | "aten.view_copy.default" => {
+                Ok(vec![self.reshape(x()?, first)?])
+            }
+            "aten.permute.default" | "aten.permute_copy.default" => {
+                let x = x()?;
+                let perm = int_list(arg(node, 1, "dims")).ok_or("permutation")?;
+                Ok(vec![perm.iter().map(|&p| norm(p, x.len()).map(|p| x[p])).collect::<R<_>>()?])
+            }
+            "aten.transpose.int" | "aten.t.default" => {
+                let mut x = x()?.to_vec();
+                let (a, b) = match int_list(arg(node, 1, "dim0")).zip(int_list(arg(node, 2, "dim1"))) {
+                    Some((a, b)) => (norm(a[0], x.len())?, norm(b[0], x.len())?),
+                    None => (0, x.len().saturating_sub(1)),
+                };
+                x.swap(a, b);
+                Ok(vec![x])
+            }
+            "aten.unsqueeze.default" | "aten.unsqueeze_copy.default" => {
+                let mut x = x()?.to_vec();
+                let d = int_list(arg(node, 1, "dim")).ok_or("dim")?[0];
+                x.insert(norm(d, x.len() + 1)?, Static(1));
+                Ok(vec![x])
+            }
+            "aten.squeeze.dims" | "aten.squeeze.dim" | "aten.squeeze.default" => {
+                let x = x()?;
+                let dims = match int_list(arg(node, 1, "dim")) {
+                    Some(ds) => ds.iter().map(|&d| norm(d, x.len())).collect::<R<Vec<_>>>()?,
+                    None => (0..x.len()).collect(),
+                };
+                let kept = x.iter().enumerate().filter(|(i, d)| !(dims.contains(i) && **d == Static(1)));
+                let out: Vec<Dim> = kept.map(|(_, d)| *d).collect();
+                (out.len() == out_rank(0)).then(|| vec![out]).ok_or_else(|| "squeezes a padded dimension".into())
+            }
+            "aten.expand.default" | "aten.expand_copy.default" => {
+                let x = x()?;
+                let mut out = self.recorded_dims(first)?;
+                let skip = out.len() - x.len();
+                for (d, &dim) in x.iter().enumerate() {
+                    if dim != Static(1) {
+                        out[skip + d] = dim;
+                    }
+                }
+                Ok(vec![out])
+            }
+            "aten.slice.Tensor" | "aten.slice_copy.Tensor" => {
+                let x = x()?.to_vec();
+                let d = norm(int_list(arg(node, 1, "dim")).map_or(0, |v| v[0]), x.len())?;
+                let start = int_list(arg(node, 2, "start")).map_or(0, |v| v[0]);
+                let step = int_list(arg(node, 4, "step")).map_or(1, |v| v[0]);
+                let mut out = x.to_vec();
+                let end_sym = syms.get(&(3, &[][..])).map(|e| recorded(e));
+                match (x[d], end_sym) {
+                    (_, None) if !x[d].is_padded() => out[d] = self.recorded_dims(first)?[d],
+                    // A prefix of a static dimension, as long as the padded size: the positions
+                    // below n are the same elements; the padded size may not exceed the dimension.
+                    (Static(len), Some(Recorded::Scaled { sym, by: 1 })) if start == 0 && step == 1 => {
+                        self.limits.push((sym, len));
+                        out[d] = Dim::bare(sym);
+                    }
+                    // The whole of a padded dimension.
+                    (Padded { sym, .. }, Some(Recorded::Scaled { sym: s, by: 1 })) if start == 0 && step == 1 && sym == s => {}
+                    (Padded { .. }, None) if start == 0 && step == 1 && self.recorded_dims(first)?[d] == x[d] => {}
+                    _ => return Err("slices a padded dimension other than as a prefix of the padded size".into()),
+                }
+                Ok(vec![out])
+            }
+            "aten.select.int" | "aten.select_copy.int" => {
+                let mut x = x()?.to_vec();
+                let d = norm(int_list(arg(node, 1, "dim")).ok_or("dim")?[0], x.len())?;
+                if x[d].is_padded() {
+                    return Err("selects along a padded dimension".into());
+                }
+                x.remove(d);
+                Ok(vec![x])
+            }
+            "aten.cat.default" | "aten.concat.default" => {
+                let parts = self.operands(node);
+                let rank = out_rank(0);
+                let d = norm(int_list(arg(node, 1, "dim")).map_or(0, |v| v[0]), rank)?;
+                let mut out = self.broadcast_except(&parts, rank, d)?;
+                if parts.iter().any(|p| p.len() == rank && p[d].is_padded()) {
+                    return Err("concatenates along a padded dimension".into());
+                }
+                out[d] = Static(node.outputs[0].shape[d]);
+                Ok(vec![out])
+            }
+            "aten.split_with_sizes.default" | "aten.split.Tensor" | "aten.unbind.int" => {
+                let x = x()?;
+                let d = norm(int_list(arg(node, if op == "aten.unbind.int" { 1 } else { 2 }, "dim")).map_or(0, |v| v[0]), x.len())?;
+                if x[d].is_padded() {
+                    return Err("splits along a padded dimension".into());
+                }
+                (0..n_out)
+                    .map(|o| {
+                        let mut y = x.to_vec();
+                        if op == "aten.unbind.int" {
+                            y.remove(d);
+                        } else {
+                            y[d] = Static(node.outputs[o].shape[d]);
+                        }
+                        Ok(y)
+                    })
+                    .collect()
+            }
+            // Reductions and normalizations over static dimensions; cumulative ops along any
+            // dimension (position i depends on positions up to i only).
+            "aten.sum.dim_IntList" | "aten.mean.dim" | "aten.amax.default" | "aten.amin.default" | "aten.any.dims"
+            | "aten.all.dims" | "aten.any.dim" | "aten.all.dim" | "aten.prod.dim_int" | "aten.var.correction"
+            | "aten.var_mean.correction" => {
+                let x = x()?;
+                let dims = match int_list(arg(node, 1, "dim")) {
+                    Some(ds) if !ds.is_empty() => ds.iter().map(|&d| norm(d, x.len())).collect::<R<Vec<_>>>()?,
+                    _ => (0..x.len()).collect(),
+                };
+                if dims.iter().any(|&d| x[d].is_padded()) {
+                    return Err("reduces over a padded dimension".into());
+                }
+                let keep = flag(node, 2, "keepdim") || flag(node, 3, "keepdim");
+                let out: Vec<Dim> = x
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, &d)| match (dims.contains(&i), keep) {
+                        (false, _) => Some(d),
+                        (true, true) => Some(Static(1)),
+                        (true, false) => None,
+                    })
+                    .collect();
+                Ok(vec![out; n_out])
+            }
+            "aten._softmax.default" | "aten._log_softmax.default" | "aten.softmax.int" | "aten.log_softmax.int" => {
+                let x = x()?;
+                let d = norm(int_list(arg(node, 1, "dim")).ok_or("dim")?[0], x.len())?;
+                if x[d].is_padded() {
+                    return Err("normalizes over a padded dimension".into());
+                }
+                same(x)
+            }
+            "aten.cumsum.default" | "aten.cummax.default" | "aten.cummin.default" => same(x()?),
+            "aten.native_layer_norm.default" => {
+                let x = x()?;
+                let n = int_list(arg(node, 1, "normalized_shape")).ok_or("normalized_shape")?.len();
+                let lead = x.len() - n;
+                if x[lead..].iter().any(|d| d.is_padded()) {
+                    return Err("normalizes over a padded dimension".into());
+                }
+                let stats: Vec<Dim> = x[..lead].iter().copied().chain((0..n).map(|_| Static(1))).collect();
+                Ok(vec![x.to_vec(), stats.clone(), stats])
+            }
+            "aten.mm.default" | "aten.addmm.default" | "aten.bmm.default" | "aten.baddbmm.default" => {
+                let (ai, bi) = if op.contains("add") { (1, 2) } else { (0, 1) };
+                let a = self.value(node.args.get(ai))?;
+                let b = self.value(node.args.get(bi))?;
+                let r = a.len();
+                if a[r - 1].is_padded() || b[r - 2].is_padded() {
+                    return Err("contracts over a padded dimension".into());
+                }
+                if r == 3 && a[0] != b[0] && (a[0].is_padded() || b[0].is_padded()) {
+                    return Err("batch dimensions are padded differently".into());
+                }
+                let mut out: Vec<Dim> = a[..r - 1].to_vec();
+                out.push(b[r - 1]);
+                if op.contains("add") {
+                    let bias = self.value(node.args.first())?;
+                    let skip = r - bias.len();
+                    if bias.iter().enumerate().any(|(i, &d)| d.is_padded() && d != out[skip + i]) {
+                        return Err("bias is padded unlike the product".into());
+                    }
+                }
+                Ok(vec![out])
+            }
+            // Row gathers from a table with no padded dimension: each output position reads the
+            // table at its own index.
+            "aten.embedding.default" => {
+                let table = x()?;
+                let ids = self.value(arg(node, 1, "indices"))?;
+                if table.iter().any(|d| d.is_padded()) {
+                    return Err("gathers from a padded table".into());
+                }
+                Ok(vec![ids.iter().copied().chain(std::iter::once(table[table.len() - 1])).collect()])
+            }
+            _ => Err("has no padding rule".into()),
+        }
+    }
+
+    /// `cat`'s operands broadcast over every dimension but `skip`.
+    fn broadcast_except(&self, parts: &[&[Dim]], rank: usize, skip: usize) -> R<Vec<Dim>> {
+        let mut out = vec![Static(1); rank];
+        for p in parts.iter().filter(|p| p.len() == rank) {
+            for (d, &dim) in p.iter().enumerate() {
+                if d != skip && out[d] == Static(1) {
+                    out[d] = dim;
+                } else if d != skip && out[d] != dim {
+                    return Err(format!("operands disagree in dimension {d}"));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// A reshape keeps the proof when each S digit survives whole: the input's only padded
+    /// dimension and the output's have the same stride under S (`inner` times the static
+    /// dimensions after it); with several, the dimensions from the first padded one on are kept.
+    fn reshape(&self, x: &[Dim], first: u32) -> R<Vec<Dim>> {
+        let mut out = self.recorded_dims(first)?;
+        let padded = |ds: &[Dim]| ds.iter().enumerate().filter(|(_, d)| d.is_padded()).map(|(i, _)| i).collect::<Vec<_>>();
+        let (pi, po) = (padded(x), padded(&out));
+        let after = |ds: &[Dim], i: usize| ds[i + 1..].iter().map(|d| if let Static(v) = d { *v } else { 0 }).product::<i64>();
+        match (pi.as_slice(), po.as_slice()) {
+            ([], []) => Ok(out),
+            ([i], [o]) => {
+                let (Padded { sym, inner, .. }, Padded { sym: s2, outer: by, .. }) = (x[*i], out[*o]) else { unreachable!() };
+                let stride = inner * after(x, *i);
+                let tail = after(&out, *o);
+                if sym != s2 || tail == 0 || stride % tail != 0 || by % (stride / tail) != 0 {
+                    return Err("reshape splits the padded dimension's positions".into());
+                }
+                let inner = stride / tail;
+                out[*o] = Padded { sym, outer: by / inner, inner };
+                Ok(out)
+            }
+            // Several padded dimensions: only static dimensions before the first one may change.
+            ([i, ..], [o, ..]) if x.len() - i == out.len() - o => {
+                let scaled = |d: &Dim| match *d {
+                    Padded { sym, outer, inner } => Padded { sym, outer: outer * inner, inner: 1 },
+                    s => s,
+                };
+                if x[*i..].iter().map(scaled).ne(out[*o..].iter().map(scaled)) {
+                    return Err("reshape moves several padded dimensions".into());
+                }
+                out[*o..].copy_from_slice(&x[*i..]);
+                Ok(out)
+            }
+            _ => Err("reshape moves several padded dimensions".into()),
+        }
+    }
+}
+
+impl SymbolicGraph {
+    /// The padding plan if padding every symbolic input dimension is safe, else why not
+    /// (naming the first op that breaks the proof).
+    pub fn padding_plan(&self) -> R<PaddingPlan> {
+        let g = &self.graph.graph;
+        let n_in = g.inputs.len() as u32;
+        let mut recorded_sizes = HashMap::new();
+        let mut arg_syms: HashMap<u32, ArgSyms> = HashMap::new();
+        for s in &self.sizes {
+            match &s.at {
+                SymSlot::Dim { value, dim } => {
+                    recorded_sizes.insert((*value, *dim), recorded(&s.expr));
+                }
+                SymSlot::Arg { node, arg, path } => {
+                    arg_syms.entry(*node).or_default().insert((*arg, path.as_slice()), &s.expr);
+                }
+            }
+        }
+        let mut walk = Walk { types: g.value_types(), dims: vec![], recorded: recorded_sizes, limits: vec![] };
+        let mut plan = PaddingPlan::default();
+        for v in 0..n_in {
+            let dims = walk.recorded_dims(v).map_err(|e| format!("input {v}: {e}"))?;
+            if dims.iter().any(|d| matches!(d, Padded { outer, .. } if *outer != 1)) {
+                return Err(format!("input {v} has a dimension of a multiple of a symbolic size"));
+            }
+            plan.inputs.push(
+                dims.iter()
+                    .enumerate()
+                    .filter_map(|(d, dim)| if let Padded { sym, .. } = dim { Some((d as u32, *sym)) } else { None })
+                    .collect(),
+            );
+            walk.dims.push(dims);
+        }
+        let padded: Vec<u32> = plan.inputs.iter().flatten().map(|&(_, s)| s).collect();
+        if padded.is_empty() {
+            return Err("no input dimension is symbolic".into());
+        }
+        for e in &self.scalars {
+            plan.scalars.push(match e {
+                SymExpr::Sym(k) if padded.contains(k) => Some(*k),
+                SymExpr::Const(_) => None,
+                e => return Err(format!("a scalar input is the size {e:?}")),
+            });
+        }
+        let mut first = n_in;
+        let no_syms = ArgSyms::new();
+        for (j, node) in g.nodes.iter().enumerate() {
+            let syms = arg_syms.get(&(j as u32)).unwrap_or(&no_syms);
+            let outs = walk.rule(node, first, syms).map_err(|e| format!("{} (node {j}) {e}", node.op))?;
+            for (o, dims) in outs.into_iter().enumerate() {
+                let value = first + o as u32;
+                let want = walk.recorded_dims(value).map_err(|e| format!("{} (node {j}): {e}", node.op))?;
+                let scale = |d: &Dim| match d {
+                    Padded { sym, outer, inner } => Padded { sym: *sym, outer: outer * inner, inner: 1 },
+                    s => *s,
+                };
+                if dims.len() != want.len() || dims.iter().map(scale).ne(want.iter().copied()) {
+                    return Err(format!("{} (node {j}): derived sizes {dims:?} disagree with the trace {want:?}", node.op));
+                }
+                walk.dims.push(dims);
+            }
+            first += node.outputs.len() as u32;
+        }
+        for a in &g.aliases {
+            if !plan.inputs[a.input as usize].is_empty() {
+                return Err(format!("input {} is updated in place and has a symbolic dimension", a.input));
+            }
+        }
+        for (o, &v) in g.outputs.iter().enumerate() {
+            let mut cut = vec![];
+            for (d, dim) in walk.dims[v as usize].iter().enumerate() {
+                match *dim {
+                    Static(_) => {}
+                    Padded { sym, outer: 1, inner: 1 } => cut.push((d as u32, sym)),
+                    _ => return Err(format!("output {o} has a dimension of a multiple of a padded size")),
+                }
+            }
+            plan.outputs.push(cut);
+        }
+        plan.limits = walk.limits;
+        Ok(plan)
+    }
+}
