@@ -195,9 +195,6 @@ impl Buffer {
     }
 }
 
-/// The caller owns a viewed buffer's memory, so there is nothing to free.
-unsafe extern "C" fn view_released(_ptr: *mut std::ffi::c_void, _arg: *mut std::ffi::c_void) {}
-
 impl Client {
     /// Copies `data` (dense row-major, exactly `spec`'s size) to `device`. The copy is finished
     /// when this returns, so `data` may be reused at once.
@@ -234,44 +231,5 @@ impl Client {
         // Even with copy-during-call semantics the done event must be awaited and destroyed.
         event::wait(plugin, args.done_with_host_buffer)?;
         Ok(buffer)
-    }
-
-    /// A buffer over `len` bytes the caller owns at `ptr`, without a copy, on a device whose
-    /// memory the host addresses (a CPU plugin). An execute that donates it writes its aliased
-    /// output there, so the caller's memory holds the result with no transfer either way.
-    /// `Err` when the plugin cannot view that memory (e.g. misaligned for it); callers then
-    /// upload a copy instead.
-    ///
-    /// # Safety
-    /// The memory must stay alive, and be touched by nothing else while an execute reads or
-    /// writes it, until the buffer (and any output that took it over by donation) is dropped.
-    pub unsafe fn view_host(
-        &self,
-        ptr: *mut u8,
-        len: usize,
-        spec: &TensorSpec,
-        device: &Device,
-    ) -> Result<Buffer> {
-        let expected = spec.byte_size()?;
-        if len != expected || ptr.is_null() {
-            return Err(Error::invalid(format!(
-                "view_host: {spec} needs {expected} bytes at a non-null address, got {len}"
-            )));
-        }
-        if !device.belongs_to(&self.inner) {
-            return Err(Error::invalid("view_host: device belongs to another client"));
-        }
-        let plugin = &*self.inner.plugin;
-        let mut args = PJRT_Client_CreateViewOfDeviceBuffer_Args::new();
-        args.client = self.inner.raw;
-        args.device_buffer_ptr = ptr.cast();
-        args.dims = spec.dims.as_ptr();
-        args.num_dims = spec.dims.len();
-        args.element_type = spec.dtype.to_pjrt();
-        args.device = device.raw();
-        // The CPU plugin calls this unconditionally when the view dies (a null one aborts).
-        args.on_delete_callback = Some(view_released);
-        call!(plugin, PJRT_Client_CreateViewOfDeviceBuffer, &mut args)?;
-        Ok(Buffer::adopt(&self.inner, args.buffer))
     }
 }
