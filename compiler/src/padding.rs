@@ -520,3 +520,117 @@ impl SymbolicGraph {
         Ok(plan)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::{Alias, DType, Graph, GraphWithSources, Input, InputKind, SymSize};
+
+    const S: SymExpr = SymExpr::Sym(0);
+
+    /// A graph over `inputs`, with `nodes` as `(op, args, output shape)` and symbolic `sizes`.
+    fn graph(inputs: Vec<Vec<i64>>, nodes: Vec<(&str, Vec<Arg>, Vec<i64>)>, sizes: Vec<(SymSlot, SymExpr)>) -> SymbolicGraph {
+        let n = (inputs.len() + nodes.len()) as u32;
+        let graph = Graph {
+            inputs: inputs.into_iter().map(|shape| Input { ty: TensorType::new(DType::F32, shape), kind: InputKind::User }).collect(),
+            nodes: nodes
+                .into_iter()
+                .map(|(op, args, shape)| Node { op: op.into(), args, kwargs: vec![], outputs: vec![TensorType::new(DType::F32, shape)] })
+                .collect(),
+            outputs: vec![n - 1],
+            aliases: vec![],
+        };
+        let sizes = sizes.into_iter().map(|(at, expr)| SymSize { at, expr }).collect();
+        SymbolicGraph { graph: GraphWithSources { graph, sources: vec![] }, sizes, scalars: vec![] }
+    }
+    fn dim(value: u32, dim: u32) -> SymSlot {
+        SymSlot::Dim { value, dim }
+    }
+    fn size_arg(node: u32, arg: u32, path: Vec<u32>) -> SymSlot {
+        SymSlot::Arg { node, arg, path }
+    }
+    fn times(m: i64) -> SymExpr {
+        SymExpr::Mul(vec![SymExpr::Const(m), S])
+    }
+    fn ints(v: &[i64]) -> Arg {
+        Arg::List(v.iter().map(|&i| Arg::Int(i)).collect())
+    }
+
+    /// x: [2, s, 4] -> view [2s, 4] -> mm [4, 3] -> view [2, s, 3]: a Linear on a padded sequence.
+    fn linear(back: Vec<i64>, back_sizes: Vec<(SymSlot, SymExpr)>) -> SymbolicGraph {
+        let mut sizes = vec![
+            (dim(0, 1), S),
+            (dim(2, 0), times(2)),
+            (size_arg(0, 1, vec![0]), times(2)),
+            (dim(3, 0), times(2)),
+        ];
+        sizes.extend(back_sizes);
+        graph(
+            vec![vec![2, 0, 4], vec![4, 3]],
+            vec![
+                ("aten.view.default", vec![Arg::Value(0), ints(&[0, 4])], vec![0, 4]),
+                ("aten.mm.default", vec![Arg::Value(2), Arg::Value(1)], vec![0, 3]),
+                ("aten.view.default", vec![Arg::Value(3), ints(&back)], back.clone()),
+            ],
+            sizes,
+        )
+    }
+
+    #[test]
+    fn merged_rows_through_a_matmul_keep_the_proof() {
+        let g = linear(vec![2, 0, 3], vec![(dim(4, 1), S), (size_arg(2, 1, vec![1]), S)]);
+        let plan = g.padding_plan().unwrap();
+        assert_eq!(plan.inputs, vec![vec![(1, 0)], vec![]]);
+        assert_eq!(plan.outputs, vec![vec![(1, 0)]]);
+    }
+
+    #[test]
+    fn a_reshape_that_splits_the_position_digit_is_refused() {
+        // [2s, 3] -> [s, 6]: row r of the result mixes batch rows 2r and 2r+1.
+        let g = linear(vec![0, 6], vec![(dim(4, 0), S), (size_arg(2, 1, vec![0]), S)]);
+        assert!(g.padding_plan().unwrap_err().contains("splits the padded dimension"));
+    }
+
+    #[test]
+    fn reductions_over_padded_positions_and_sizes_as_values_are_refused() {
+        let sum = graph(
+            vec![vec![2, 0]],
+            vec![("aten.sum.dim_IntList", vec![Arg::Value(0), ints(&[1])], vec![2])],
+            vec![(dim(0, 1), S)],
+        );
+        assert!(sum.padding_plan().unwrap_err().contains("reduces over a padded dimension"));
+        let add = graph(
+            vec![vec![2, 0]],
+            vec![("aten.add.Scalar", vec![Arg::Value(0), Arg::Int(0)], vec![2, 0])],
+            vec![(dim(0, 1), S), (dim(1, 1), S), (size_arg(0, 1, vec![]), S)],
+        );
+        assert!(add.padding_plan().unwrap_err().contains("used as a value"));
+    }
+
+    #[test]
+    fn a_prefix_of_a_static_table_caps_the_padded_size() {
+        // table[:s] + x, x: [s, 4], table: [10, 4].
+        let g = graph(
+            vec![vec![0, 4], vec![10, 4]],
+            vec![
+                ("aten.slice.Tensor", vec![Arg::Value(1), Arg::Int(0), Arg::Int(0), Arg::Int(0)], vec![0, 4]),
+                ("aten.add.Tensor", vec![Arg::Value(0), Arg::Value(2)], vec![0, 4]),
+            ],
+            vec![(dim(0, 0), S), (dim(2, 0), S), (size_arg(0, 3, vec![]), S), (dim(3, 0), S)],
+        );
+        let plan = g.padding_plan().unwrap();
+        assert_eq!(plan.limits, vec![(0, 10)]);
+        assert_eq!(plan.outputs, vec![vec![(0, 0)]]);
+    }
+
+    #[test]
+    fn a_padded_input_updated_in_place_is_refused() {
+        let mut g = graph(
+            vec![vec![0]],
+            vec![("aten.mul.Scalar", vec![Arg::Value(0), Arg::Float(crate::ir::FloatBits(2f64.to_bits()))], vec![0])],
+            vec![(dim(0, 0), S), (dim(1, 0), S)],
+        );
+        g.graph.graph.aliases = vec![Alias { input: 0, output: 0 }];
+        assert!(g.padding_plan().unwrap_err().contains("updated in place"));
+    }
+}
