@@ -392,33 +392,30 @@ impl Held<'_> {
 }
 
 impl CompiledGraph {
-    /// The device buffer for input `i`: the resident one if `(ptr, version)` still matches, the
-    /// one the host tensor views, else a fresh upload (kept when `version >= 0`).
+    /// The device buffer for input `i`: the resident one if `(ptr, version)` still matches
+    /// (checked first: parameters are most inputs), the one the host tensor views, else a fresh
+    /// upload (kept when `version >= 0`).
     fn input_buffer(&self, i: usize, (ptr, nbytes, version): (usize, usize, i64)) -> Result<Arg, RtError> {
         let spec = &self.entry.inputs[i];
-        if let Some(shared) = Shared::find(ptr, spec) {
-            STATS.view_hits.fetch_add(1, Relaxed);
-            return Ok(Arg::Viewed(shared));
-        }
-        let upload = || {
-            STATS.uploads.fetch_add(1, Relaxed);
-            // SAFETY: see `run`: the Python caller keeps the tensor alive during the call.
-            let bytes = unsafe { host_slice(ptr, nbytes) };
-            let t = &self.target;
-            t.client.buffer_from_host(bytes, spec, &t.device).map(Arc::new)
-        };
-        if version < 0 {
-            return upload().map(Arg::Owned);
-        }
-        let mut slot = self.resident[i].lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((p, v, buf)) = slot.as_ref() {
+        let mut slot = (version >= 0).then(|| self.resident[i].lock().unwrap_or_else(|p| p.into_inner()));
+        if let Some(Some((p, v, buf))) = slot.as_deref() {
             if (*p, *v) == (ptr, version) {
                 STATS.resident_hits.fetch_add(1, Relaxed);
                 return Ok(Arg::Owned(buf.clone()));
             }
         }
-        let buf = upload()?;
-        *slot = Some((ptr, version, buf.clone()));
+        if let Some(shared) = Shared::find(ptr, spec) {
+            STATS.view_hits.fetch_add(1, Relaxed);
+            return Ok(Arg::Viewed(shared));
+        }
+        STATS.uploads.fetch_add(1, Relaxed);
+        // SAFETY: see `run`: the Python caller keeps the tensor alive during the call.
+        let bytes = unsafe { host_slice(ptr, nbytes) };
+        let t = &self.target;
+        let buf = Arc::new(t.client.buffer_from_host(bytes, spec, &t.device)?);
+        if let Some(slot) = slot.as_deref_mut() {
+            *slot = Some((ptr, version, buf.clone()));
+        }
         Ok(Arg::Owned(buf))
     }
 
