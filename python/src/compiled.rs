@@ -436,8 +436,9 @@ impl CompiledGraph {
     /// - the input was a viewed buffer and the output took over its memory: the output replaces
     ///   it, and the host tensor already holds the value;
     /// - the output's memory is host-addressable and the host tensor may get a new storage
-    ///   (`movable`, resident): it becomes a viewed buffer, returned for the host tensor to be
-    ///   re-pointed at (`(input, buffer)`);
+    ///   (`movable`): it becomes a viewed buffer, returned for the host tensor to be re-pointed
+    ///   at (`(input, buffer)`); from then on the tensor is found by its address, whatever its
+    ///   version (an inference tensor has none);
     /// - otherwise it is copied into the host tensor (`outputs[o]`) by the caller, and kept as
     ///   the resident copy tagged `version + 1`, the version the Python wrapper's single bump
     ///   gives the tensor, so the next call uploads nothing.
@@ -458,7 +459,7 @@ impl CompiledGraph {
                     continue;
                 }
             }
-            if inputs[i].2 < 0 || !movable.contains(&i) {
+            if !movable.contains(&i) {
                 results[o] = Some(out);
                 continue;
             }

@@ -1,6 +1,7 @@
 """One ATen graph compiled for one input signature, callable with torch CPU tensors."""
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Any
@@ -109,7 +110,9 @@ class Executable:
         """
         for i, capsule in in_place:
             t = tensors[i]
-            with torch.autograd._unsafe_preserve_version_counter(t):
+            # An inference tensor has no version to preserve (and needs no bump).
+            keep = contextlib.nullcontext() if t.is_inference() else torch.autograd._unsafe_preserve_version_counter(t)
+            with keep:
                 t.set_(torch.from_dlpack(capsule).untyped_storage(), 0, t.shape, t.stride())
         for i, _ in self.mutations:
             if held[i] is not tensors[i]:
@@ -121,7 +124,10 @@ class Executable:
 
 def _movable(t: torch.Tensor) -> bool:
     """Whether `t` may get a new storage: nothing else shares its storage (a view of it would
-    keep the old value), the storage is exactly `t`, and autograd does not track it."""
+    keep the old value), the storage is exactly `t`, and autograd does not track it. An
+    inference tensor qualifies inside inference mode (outside, torch forbids changing it)."""
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        return False
     storage = t.untyped_storage()
     return (
         torch._C._storage_Use_Count(storage._cdata) == 2  # `t` and `storage`
