@@ -9,6 +9,7 @@ mod compare;
 mod convert;
 mod creation;
 mod elementwise;
+mod fft;
 mod indexing;
 mod linalg;
 mod normalization;
@@ -139,6 +140,7 @@ fn registry() -> &'static Registry {
     REG.get_or_init(|| {
         let mut r = Registry(HashMap::new());
         elementwise::register(&mut r);
+        fft::register(&mut r);
         compare::register(&mut r);
         convert::register(&mut r);
         creation::register(&mut r);
