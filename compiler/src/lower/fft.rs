@@ -13,7 +13,14 @@ pub fn register(r: &mut Registry) {
     r.add(&["aten._fft_c2c.default"], fft_c2c);
     r.add(&["aten._fft_r2c.default"], fft_r2c);
     r.add(&["aten._fft_c2r.default"], fft_c2r);
-    r.add(&["aten._conj.default", "aten.conj_physical.default"], conj);
+    r.add(
+        &[
+            "aten._conj.default",
+            "aten.conj_physical.default",
+            "aten._conj_physical.default",
+        ],
+        conj,
+    );
 }
 
 #[derive(Clone, Copy, PartialEq)]

@@ -1,0 +1,66 @@
+"""FFTs, complex constants and miscellaneous ops through backend="tpu" vs eager, on random
+inputs kept away from zero. FFT tolerances are relative to the largest output magnitude (the
+sums grow with the signal size)."""
+import pytest
+import torch
+
+from conftest import compile_tpu
+
+fft = torch.fft
+
+
+def rand(*shape, complex=False):
+    t = (torch.rand(shape) + 0.5) * torch.where(torch.rand(shape) < 0.5, -1.0, 1.0)
+    return torch.complex(t, rand(*shape)) if complex else t
+
+
+def check(fn, *args, tol=1e-5):
+    with torch.no_grad():
+        got, want = compile_tpu(fn)(*args), fn(*args)
+    for g, w in zip(*(x if isinstance(x, tuple) else (x,) for x in (got, want))):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        scale = max(1.0, w.abs().max().item()) if w.is_floating_point() or w.is_complex() else 1
+        assert (g - w).abs().max().item() <= tol * scale, (g, w)
+
+
+FFT_CASES = [
+    ("fft_dim1_ortho", lambda x: fft.fft(x, dim=1, norm="ortho"), False),
+    ("fft_n_pad", lambda x: fft.fft(x, n=9), True),
+    ("ifft_forward", lambda x: fft.ifft(x, norm="forward"), True),
+    ("ifft_backward", lambda x: fft.ifft(x), True),
+    ("fft2_s", lambda x: fft.fft2(x, s=(4, 9)), True),
+    ("ifftn", lambda x: fft.ifftn(x, dim=(0, 2)), True),
+    ("rfft", lambda x: fft.rfft(x), False),
+    ("rfft2_ortho", lambda x: fft.rfft2(x, norm="ortho"), False),
+    ("rfftn_all", lambda x: fft.rfftn(x), False),
+    ("irfft_odd", lambda x: fft.irfft(x, n=11), True),
+    ("irfft_ortho", lambda x: fft.irfft(x, norm="ortho"), True),
+    ("irfftn_s", lambda x: fft.irfftn(x, s=(5, 8)), True),
+    ("irfft2_forward", lambda x: fft.irfft2(x, norm="forward"), True),
+    ("hfft", lambda x: fft.hfft(x), True),
+    ("ihfft", lambda x: fft.ihfft(x), False),
+    ("ihfft2", lambda x: fft.ihfft2(x), False),
+    ("fftshift", lambda x: fft.fftshift(fft.fft(x)), False),
+    ("stft", lambda x: torch.stft(x.flatten(), 8, hop_length=3, window=torch.hann_window(8), return_complex=True), False),
+]
+
+
+@pytest.mark.parametrize("fn,complex", [c[1:] for c in FFT_CASES], ids=[c[0] for c in FFT_CASES])
+def test_fft(fn, complex):
+    torch.manual_seed(0)
+    check(fn, rand(5, 6, 7, complex=complex))
+
+
+def test_fft_over_more_than_three_dims():
+    torch.manual_seed(0)
+    x = rand(2, 3, 4, 5, 3)
+    check(lambda x: fft.fftn(x, dim=(0, 1, 2, 4)), x)
+    check(lambda x: fft.rfftn(x), x)
+    check(lambda x: fft.irfftn(x, dim=(1, 2, 3, 4)), rand(2, 3, 4, 5, 3, complex=True))
+
+
+def test_complex_constants_and_conj():
+    torch.manual_seed(0)
+    z = rand(3, 4, complex=True)
+    check(lambda z: torch.nn.functional.pad(z, (1, 2)) * 2, z)
+    check(lambda z: z.conj() * z + 1.5, z)
