@@ -1007,6 +1007,15 @@ impl<'a> Builder<'a> {
     }
 }
 
+/// The permutation that undoes `perm` (as given to `transpose`).
+pub fn inverse_perm(perm: &[usize]) -> Vec<usize> {
+    let mut inv = vec![0; perm.len()];
+    for (i, &p) in perm.iter().enumerate() {
+        inv[p] = i;
+    }
+    inv
+}
+
 /// `shape` with the reduced `dims` set to 1.
 pub fn keep_dims_shape(shape: &[i64], dims: &[usize]) -> Vec<i64> {
     shape

@@ -5,7 +5,7 @@
 //! their `normalization` argument instead (0: none, 1: 1/sqrt(n), 2: 1/n), so the rules undo
 //! XLA's factor and apply ATen's in one multiply.
 
-use super::builder::{i64_array, norm_dim, type_str, Builder, Scalar, Val, R};
+use super::builder::{i64_array, inverse_perm, norm_dim, type_str, Builder, Scalar, Val, R};
 use super::{NodeCtx, Registry, Res};
 use crate::ir::{DType, TensorType};
 
@@ -68,11 +68,7 @@ fn fft_over<'a>(
         ("fft_length", i64_array(&lengths)),
     ];
     let y = b.op("stablehlo.fft", &[&xt], &attrs, TensorType::new(dtype, shape))?;
-    let mut inverse = vec![0; rank];
-    for (i, &p) in perm.iter().enumerate() {
-        inverse[p] = i;
-    }
-    b.transpose(&y, &inverse)
+    b.transpose(&y, &inverse_perm(&perm))
 }
 
 /// Complex-to-complex FFT (or IFFT) over any number of dims, in chunks of at most 3 (the

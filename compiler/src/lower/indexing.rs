@@ -2,7 +2,7 @@
 //! `gather` / `scatter`, and the slice/select scatters.
 
 use super::builder::{
-    broadcast_shapes, norm_dim, type_str, Builder, Combiner, IndexMap, Operand, Scalar, Val, R,
+    broadcast_shapes, inverse_perm, norm_dim, type_str, Builder, Combiner, IndexMap, Operand, Scalar, Val, R,
 };
 use super::reduction::scan;
 use super::{NodeCtx, Registry, Res};
@@ -12,6 +12,9 @@ pub fn register(r: &mut Registry) {
     r.add(&["aten.embedding.default"], embedding);
     r.add(&["aten.index.Tensor", "aten.index_select.default"], index);
     r.add(&["aten.index_put.default"], index_put);
+    r.add(&["aten.take.default"], take);
+    r.add(&["aten.put.default"], put);
+    r.add(&["aten.masked_scatter.default"], masked_scatter);
     r.add(&["aten.gather.default"], gather);
     r.add(
         &[
@@ -185,17 +188,15 @@ fn advanced<'a>(b: &Builder<'a>, x: &Val<'a>, indices: &[Option<Val<'a>>]) -> R<
     })
 }
 
-fn inverse(perm: &[usize]) -> Vec<usize> {
-    let mut inv = vec![0; perm.len()];
-    for (i, &p) in perm.iter().enumerate() {
-        inv[p] = i;
-    }
-    inv
-}
-
 /// `x[indices]` (`index.Tensor`, with None for full dims) and `index_select(x, dim, index)`.
 fn index(n: NodeCtx<'_>) -> Res<'_> {
-    let x = n.tensor(0, "self")?;
+    let b = &n.b;
+    let out = n.out(0)?;
+    if out.numel() == 0 {
+        return Ok(vec![b.splat(Scalar::Int(0), out)?]);
+    }
+    // `index_select` accepts a 0-d `self` (dim 0 or -1) as one element.
+    let x = at_least_1d(b, &n.tensor(0, "self")?)?;
     let indices = if n.op == "aten.index_select.default" {
         let dim = norm_dim(n.int(1, "dim")?, x.rank())?;
         let mut v = vec![None; dim];
@@ -204,12 +205,73 @@ fn index(n: NodeCtx<'_>) -> Res<'_> {
     } else {
         n.opt_tensors(1, "indices")?
     };
-    let b = &n.b;
     let a = advanced(b, &x, &indices)?;
     let mut slice_sizes = vec![1; a.map.collapsed.len()];
     slice_sizes.extend(&a.xt.shape()[a.map.collapsed.len()..]);
     let g = b.gather(&a.xt, &a.indices, &a.map, &slice_sizes, a.shape.clone())?;
-    Ok(vec![b.transpose(&g, &a.result_perm)?])
+    Ok(vec![b.reshape(&b.transpose(&g, &a.result_perm)?, &out.shape)?])
+}
+
+/// `x` flattened and `index` (wrapped) as the `[k, 1]` coordinates of a pointwise gather or
+/// scatter on it.
+fn flat_coordinates<'a>(b: &Builder<'a>, x: &Val<'a>, index: &Val<'a>) -> R<(Val<'a>, Val<'a>)> {
+    let numel = x.ty.numel();
+    let k = index.ty.numel();
+    let flat = b.reshape(x, &[numel])?;
+    let idx = b.reshape(&wrap_index(b, index, numel)?, &[k, 1])?;
+    Ok((flat, idx))
+}
+
+/// `take(x, index)`: elements of the flattened `x` at `index` (negative wraps), shaped like
+/// `index`.
+fn take(n: NodeCtx<'_>) -> Res<'_> {
+    let (x, index) = (n.tensor(0, "self")?, n.tensor(1, "index")?);
+    let b = &n.b;
+    let out = n.out(0)?;
+    if out.numel() == 0 {
+        return Ok(vec![b.splat(Scalar::Int(0), out)?]);
+    }
+    let (flat, idx) = flat_coordinates(b, &x, &index)?;
+    let g = b.gather(&flat, &idx, &pointwise_map(1), &[1], vec![index.ty.numel()])?;
+    Ok(vec![b.reshape(&g, &out.shape)?])
+}
+
+/// `put(x, index, source, accumulate)`: `source`'s elements written (or added) into the
+/// flattened `x` at `index`.
+fn put(n: NodeCtx<'_>) -> Res<'_> {
+    let (x, index, source) = (n.tensor(0, "self")?, n.tensor(1, "index")?, n.tensor(2, "source")?);
+    let b = &n.b;
+    if index.ty.numel() == 0 {
+        return Ok(vec![x]);
+    }
+    let (flat, idx) = flat_coordinates(b, &x, &index)?;
+    let src = b.reshape(&source, &[index.ty.numel()])?;
+    let accumulate = n.bool_or(3, "accumulate", false)?;
+    let y = b.scatter(&flat, &idx, &src, &pointwise_map(1), accumulate.then_some(Combiner::Add))?;
+    Ok(vec![b.reshape(&y, x.shape())?])
+}
+
+/// `masked_scatter(x, mask, source)`: the positions where `mask` (broadcast) is true take
+/// `source`'s elements in row-major order; each one's source element is its exclusive prefix
+/// count of true positions.
+fn masked_scatter(n: NodeCtx<'_>) -> Res<'_> {
+    let (x, mask, source) = (n.tensor(0, "self")?, n.tensor(1, "mask")?, n.tensor(2, "source")?);
+    let b = &n.b;
+    let shape = n.out(0)?.shape.clone();
+    let x = b.broadcast_to(&x, &shape)?;
+    let mask = b.broadcast_to(&b.convert(&mask, DType::Bool)?, &shape)?;
+    let (numel, available) = (x.ty.numel(), source.ty.numel());
+    if numel == 0 || available == 0 {
+        // ATen requires as many source elements as true positions: none are taken here.
+        return Ok(vec![x]);
+    }
+    let taken = b.reshape(&b.convert(&mask, DType::I64)?, &[numel])?;
+    let rank = b.sub(&scan(b, &taken, 0, Combiner::Add)?, &taken)?;
+    let rank = b.binary("minimum", &rank, &b.full_like(Scalar::Int(available - 1), &rank)?)?;
+    let src = b.reshape(&source, &[available])?;
+    let g = b.gather(&src, &b.reshape(&rank, &[numel, 1])?, &pointwise_map(1), &[1], vec![numel])?;
+    let g = b.convert(&b.reshape(&g, &shape)?, x.dtype())?;
+    Ok(vec![b.select(&mask, &g, &x)?])
 }
 
 /// `index_put(x, indices, values, accumulate)`: the scatter form of [`index`].
@@ -221,7 +283,7 @@ fn index_put(n: NodeCtx<'_>) -> Res<'_> {
     let torch_shape: Vec<i64> = a.result_perm.iter().map(|&p| a.shape[p]).collect();
     let updates = b.transpose(
         &b.broadcast_to(&values, &torch_shape)?,
-        &inverse(&a.result_perm),
+        &inverse_perm(&a.result_perm),
     )?;
     let y = b.scatter(
         &a.xt,
@@ -230,7 +292,7 @@ fn index_put(n: NodeCtx<'_>) -> Res<'_> {
         &a.map,
         n.bool_or(3, "accumulate", false)?.then_some(Combiner::Add),
     )?;
-    Ok(vec![b.transpose(&y, &inverse(&a.x_perm))?])
+    Ok(vec![b.transpose(&y, &inverse_perm(&a.x_perm))?])
 }
 
 /// Full coordinates for `gather`/`scatter` along `dim`: `index` there, the position elsewhere;

@@ -3,7 +3,7 @@
 //! Half-precision inputs accumulate in f32 and round once, as PyTorch's CPU kernels do.
 
 use super::builder::{
-    keep_dims_shape, norm_dim, norm_dims, opmath, Builder, Combiner, Scalar, Val, R,
+    inverse_perm, keep_dims_shape, norm_dim, norm_dims, opmath, Builder, Combiner, Scalar, Val, R,
 };
 use super::{NodeCtx, Registry, Res};
 use crate::ir::{DType, TensorType};
@@ -56,6 +56,7 @@ pub fn register(r: &mut Registry) {
         softmax,
     );
     r.add(&["aten.cumsum.default"], cumsum);
+    r.add(&["aten.logcumsumexp.default"], logcumsumexp);
     r.add(&["aten.cummax.default", "aten.cummin.default"], cumextremum);
     r.add(&["aten.histc.default"], histc);
     r.add(&["aten.segment_reduce.default"], segment_reduce);
@@ -215,6 +216,46 @@ fn cumsum(n: NodeCtx<'_>) -> Res<'_> {
     let b = &n.b;
     let y = scan(b, &b.convert(&x, opmath(out))?, dim, Combiner::Add)?;
     Ok(vec![b.convert(&y, out)?])
+}
+
+/// `logcumsumexp(x, dim)`: `m + log(sum exp(x_k - m))` over each prefix, with `m` the prefix's
+/// own max so no term underflows against a later, larger one; built over all (position,
+/// earlier position) pairs. An infinite prefix max is the answer itself (avoids inf - inf).
+fn logcumsumexp(n: NodeCtx<'_>) -> Res<'_> {
+    let x = n.tensor(0, "self")?;
+    let b = &n.b;
+    if x.rank() == 0 {
+        return Ok(vec![x]);
+    }
+    let dim = norm_dim(n.int(1, "dim")?, x.rank())?;
+    let mut perm: Vec<usize> = (0..x.rank()).filter(|&d| d != dim).collect();
+    perm.push(dim);
+    let xt = b.transpose(&b.convert(&x, opmath(x.dtype()))?, &perm)?;
+    let r = xt.rank();
+    let mut pair = xt.shape().to_vec();
+    pair.push(xt.shape()[r - 1]);
+    let mut dims: Vec<usize> = (0..r - 1).collect();
+    dims.push(r);
+    let xk = b.broadcast_in_dim(&xt, &pair, &dims)?;
+    let (i, k) = (
+        b.iota(&TensorType::new(DType::I64, pair.clone()), r - 1)?,
+        b.iota(&TensorType::new(DType::I64, pair.clone()), r)?,
+    );
+    let prefix = b.compare(&k, &i, "LE")?;
+    let neg_inf = b.full_like(Scalar::Float(f64::NEG_INFINITY), &xk)?;
+    let m = b.reduce(&b.select(&prefix, &xk, &neg_inf)?, &[r], Combiner::Max, true)?;
+    let terms = b.unary("exponential", &b.sub(&xk, &m)?)?;
+    let zero = b.full_like(Scalar::Int(0), &terms)?;
+    let sum = b.reduce(&b.select(&prefix, &terms, &zero)?, &[r], Combiner::Add, false)?;
+    let m = b.reshape(&m, xt.shape())?;
+    let y = b.add(&m, &b.unary("log", &sum)?)?;
+    let inf = b.compare(
+        &b.unary("abs", &m)?,
+        &b.full_like(Scalar::Float(f64::INFINITY), &m)?,
+        "EQ",
+    )?;
+    let y = b.select(&inf, &m, &y)?;
+    Ok(vec![b.convert(&b.transpose(&y, &inverse_perm(&perm))?, x.dtype())?])
 }
 
 /// `cummax` / `cummin`: the running extremum (NaN sticks, as max/min propagate it) and the index
