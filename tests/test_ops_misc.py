@@ -100,3 +100,14 @@ def test_mode_and_logcumsumexp():
     check(lambda x: torch.mode(x, 0, keepdim=True), torch.randint(0, 3, (6, 5)).float())
     check(lambda x: torch.logcumsumexp(x, 1), x * 40)
     check(lambda x: torch.logcumsumexp(x, 0), torch.tensor([[-float("inf"), 1.0], [-float("inf"), float("inf")], [2.0, 3.0]]))
+
+
+def test_bilinear_index_put_mask_as_strided_scatter():
+    torch.manual_seed(0)
+    w, bias = rand(5, 3, 4), rand(5)
+    check(lambda a, c: torch.nn.functional.bilinear(a, c, w, bias), rand(2, 3, 3), rand(2, 3, 4))
+    x, mask = rand(5, 4), torch.tensor([True, False, True, True, False])
+    check(lambda x, v: x.index_put((mask,), v), x, rand(4))
+    check(lambda x, v: x.index_put((mask,), v, accumulate=True), x, rand(3, 4))
+    check(lambda x: x.index_put((x > 0,), torch.tensor(2.5)), x)
+    check(lambda x, s: torch.as_strided_scatter(x, s, (2, 2), (1, 3), 1), x, rand(2, 2))

@@ -15,6 +15,10 @@ pub fn register(r: &mut Registry) {
     r.add(&["aten.take.default"], take);
     r.add(&["aten.put.default"], put);
     r.add(&["aten.masked_scatter.default"], masked_scatter);
+    r.add(
+        &["aten.as_strided_scatter.default", "prims.as_strided_scatter.default"],
+        as_strided_scatter,
+    );
     r.add(&["aten.gather.default"], gather);
     r.add(
         &[
@@ -39,6 +43,32 @@ pub fn register(r: &mut Registry) {
     );
 }
 
+/// Flat storage positions of an `as_strided(size, stride, offset)` view of a contiguous tensor,
+/// `offset + sum(i_k * stride_k)`, as `size + [1]` coordinates, with the map that gathers or
+/// scatters one element of the flattened tensor per position.
+fn strided_positions<'a>(
+    b: &Builder<'a>,
+    size: &[i64],
+    stride: &[i64],
+    offset: i64,
+) -> R<(Val<'a>, IndexMap)> {
+    let ty = TensorType::new(DType::I64, size.to_vec());
+    let mut idx = b.splat(Scalar::Int(offset), &ty)?;
+    for (k, &st) in stride.iter().enumerate() {
+        let term = b.binary("multiply", &b.iota(&ty, k)?, &b.splat(Scalar::Int(st), &ty)?)?;
+        idx = b.binary("add", &idx, &term)?;
+    }
+    let mut shape = size.to_vec();
+    shape.push(1);
+    let map = IndexMap {
+        window_dims: vec![],
+        collapsed: vec![0],
+        index_to_operand: vec![0],
+        index_vector_dim: size.len(),
+    };
+    Ok((b.reshape(&idx, &shape)?, map))
+}
+
 /// `as_strided(x, size, stride, offset)` over `x`'s contiguous storage (a functional graph's
 /// values are contiguous): element `i` reads `flat[offset + sum(i_k * stride_k)]`, one gather.
 fn as_strided(n: NodeCtx<'_>) -> Res<'_> {
@@ -52,31 +82,24 @@ fn as_strided(n: NodeCtx<'_>) -> Res<'_> {
         return Ok(vec![b.splat(Scalar::Int(0), &out)?]);
     }
     let flat = b.reshape(&x, &[numel])?;
-    let ty = TensorType::new(DType::I64, size.clone());
-    let mut idx = b.splat(Scalar::Int(offset), &ty)?;
-    for (k, &st) in stride.iter().enumerate() {
-        let term = b.binary(
-            "multiply",
-            &b.iota(&ty, k)?,
-            &b.splat(Scalar::Int(st), &ty)?,
-        )?;
-        idx = b.binary("add", &idx, &term)?;
+    let (idx, map) = strided_positions(b, &size, &stride, offset)?;
+    Ok(vec![b.gather(&flat, &idx, &map, &[1], size)?])
+}
+
+/// `as_strided_scatter(x, src, size, stride, offset)`: `x` with its `as_strided` view replaced
+/// by `src`, one scatter into the flattened storage.
+fn as_strided_scatter(n: NodeCtx<'_>) -> Res<'_> {
+    let (x, src) = (n.tensor(0, "self")?, n.tensor(1, "src")?);
+    let (size, stride) = (n.ints(2, "size")?, n.ints(3, "stride")?);
+    let offset = n.int_or(4, "storage_offset", 0)?;
+    let b = &n.b;
+    if x.ty.numel() == 0 || size.iter().product::<i64>() == 0 {
+        return Ok(vec![x]);
     }
-    let mut shape = size.clone();
-    shape.push(1);
-    let map = IndexMap {
-        window_dims: vec![],
-        collapsed: vec![0],
-        index_to_operand: vec![0],
-        index_vector_dim: size.len(),
-    };
-    Ok(vec![b.gather(
-        &flat,
-        &b.reshape(&idx, &shape)?,
-        &map,
-        &[1],
-        size,
-    )?])
+    let flat = b.reshape(&x, &[x.ty.numel()])?;
+    let (idx, map) = strided_positions(b, &size, &stride, offset)?;
+    let y = b.scatter(&flat, &idx, &b.reshape(&src, &size)?, &map, None)?;
+    Ok(vec![b.reshape(&y, x.shape())?])
 }
 
 fn range(from: usize, to: usize) -> Vec<i64> {
@@ -278,8 +301,15 @@ fn masked_scatter(n: NodeCtx<'_>) -> Res<'_> {
 fn index_put(n: NodeCtx<'_>) -> Res<'_> {
     let x = n.tensor(0, "self")?;
     let b = &n.b;
-    let a = advanced(b, &x, &n.opt_tensors(1, "indices")?)?;
+    let indices = n.opt_tensors(1, "indices")?;
     let values = n.tensor(2, "values")?;
+    let accumulate = n.bool_or(3, "accumulate", false)?;
+    if let [Some(mask)] = &indices[..] {
+        if mask.dtype() == DType::Bool {
+            return Ok(vec![index_put_mask(b, &x, mask, &values, accumulate)?]);
+        }
+    }
+    let a = advanced(b, &x, &indices)?;
     let torch_shape: Vec<i64> = a.result_perm.iter().map(|&p| a.shape[p]).collect();
     let updates = b.transpose(
         &b.broadcast_to(&values, &torch_shape)?,
@@ -290,9 +320,60 @@ fn index_put(n: NodeCtx<'_>) -> Res<'_> {
         &a.indices,
         &updates,
         &a.map,
-        n.bool_or(3, "accumulate", false)?.then_some(Combiner::Add),
+        accumulate.then_some(Combiner::Add),
     )?;
     Ok(vec![b.transpose(&y, &inverse_perm(&a.x_perm))?])
+}
+
+/// `x[mask] = values` (or `+=`) with one bool `mask` over `x`'s leading dims: the selected rows
+/// keep a static place in `x`, so this is a select. `values` is one row broadcast to all, or one
+/// row per selected position in row-major order (each row's exclusive prefix count of `mask`
+/// picks it, as `masked_scatter` does).
+fn index_put_mask<'a>(
+    b: &Builder<'a>,
+    x: &Val<'a>,
+    mask: &Val<'a>,
+    values: &Val<'a>,
+    accumulate: bool,
+) -> R<Val<'a>> {
+    let m = mask.rank();
+    if m > x.rank() || mask.shape() != &x.shape()[..m] {
+        return Err(format!(
+            "index_put: bool mask {} must match the leading dims of {}",
+            type_str(&mask.ty),
+            type_str(&x.ty)
+        ));
+    }
+    let rows = mask.ty.numel();
+    let post = &x.shape()[m..];
+    let row_shape: Vec<i64> = [&[rows][..], post].concat();
+    let values = b.convert(values, x.dtype())?;
+    let per_row = values.rank() == post.len() + 1 && values.shape()[0] != 1;
+    let values = if per_row && rows > 0 {
+        let available = values.shape()[0];
+        let taken = b.convert(&b.reshape(mask, &[rows])?, DType::I64)?;
+        let rank = b.sub(&scan(b, &taken, 0, Combiner::Add)?, &taken)?;
+        let rank = b.binary("minimum", &rank, &b.full_like(Scalar::Int(available - 1), &rank)?)?;
+        let map = IndexMap {
+            window_dims: range(1, post.len() + 1),
+            collapsed: vec![0],
+            index_to_operand: vec![0],
+            index_vector_dim: 1,
+        };
+        let slice: Vec<i64> = [&[1][..], post].concat();
+        b.gather(&values, &b.reshape(&rank, &[rows, 1])?, &map, &slice, row_shape.clone())?
+    } else {
+        let values = if values.rank() == post.len() + 1 {
+            b.reshape(&values, &values.shape()[1..])?
+        } else {
+            values
+        };
+        b.broadcast_to(&values, &row_shape)?
+    };
+    let xr = b.reshape(x, &row_shape)?;
+    let new = if accumulate { b.add(&xr, &values)? } else { values };
+    let pick = b.broadcast_in_dim(&b.reshape(mask, &[rows])?, &row_shape, &[0])?;
+    b.reshape(&b.select(&pick, &new, &xr)?, x.shape())
 }
 
 /// Full coordinates for `gather`/`scatter` along `dim`: `index` there, the position elsewhere;
