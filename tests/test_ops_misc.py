@@ -3,6 +3,7 @@ inputs kept away from zero. FFT tolerances are relative to the largest output ma
 sums grow with the signal size)."""
 import pytest
 import torch
+from torch.utils._pytree import tree_leaves
 
 from conftest import compile_tpu
 
@@ -17,7 +18,9 @@ def rand(*shape, complex=False):
 def check(fn, *args, tol=1e-5):
     with torch.no_grad():
         got, want = compile_tpu(fn)(*args), fn(*args)
-    for g, w in zip(*(x if isinstance(x, tuple) else (x,) for x in (got, want))):
+    got, want = tree_leaves(got), tree_leaves(want)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
         assert g.dtype == w.dtype and g.shape == w.shape
         finite = w[w.isfinite()].abs() if w.is_floating_point() or w.is_complex() else w.new_ones(1)
         scale = max(1.0, finite.max().item()) if finite.numel() else 1.0
@@ -111,3 +114,14 @@ def test_bilinear_index_put_mask_as_strided_scatter():
     check(lambda x, v: x.index_put((mask,), v, accumulate=True), x, rand(3, 4))
     check(lambda x: x.index_put((x > 0,), torch.tensor(2.5)), x)
     check(lambda x, s: torch.as_strided_scatter(x, s, (2, 2), (1, 3), 1), x, rand(2, 2))
+
+
+def test_histogram():
+    torch.manual_seed(0)
+    x = rand(40)
+    check(lambda x: torch.histogram(x, 7), x)
+    check(lambda x: torch.histogram(x, 5, range=(-1.0, 1.0), weight=x.abs(), density=True), x)
+    check(lambda x, e: torch.histogram(x, e), x, torch.tensor([-1.2, -0.3, 0.0, 0.4, 1.5]))
+    check(lambda x: torch.histogram(x, 3), torch.full((4,), 2.0))
+    check(lambda x: torch.histogramdd(x, [3, 4]), rand(30, 2))
+    check(lambda x: torch.histogramdd(x, [2, 2, 3], range=[-1.0, 1.0, 0.0, 1.5, -1.5, 0.0], density=True), rand(30, 3))

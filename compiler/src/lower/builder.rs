@@ -429,7 +429,10 @@ impl<'a> Builder<'a> {
             DType::C64 => {
                 // A Scalar is real: the constant is (value, 0).
                 let part = TensorType::new(DType::F32, ty.shape.clone());
-                let (re, im) = (self.splat(value, &part)?, self.splat(Scalar::Int(0), &part)?);
+                let (re, im) = (
+                    self.splat(value, &part)?,
+                    self.splat(Scalar::Int(0), &part)?,
+                );
                 return self.complex(&re, &im);
             }
             _ => match value {

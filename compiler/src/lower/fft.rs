@@ -67,7 +67,12 @@ fn fft_over<'a>(
         ("fft_type", format!("#stablehlo<fft_type {name}>")),
         ("fft_length", i64_array(&lengths)),
     ];
-    let y = b.op("stablehlo.fft", &[&xt], &attrs, TensorType::new(dtype, shape))?;
+    let y = b.op(
+        "stablehlo.fft",
+        &[&xt],
+        &attrs,
+        TensorType::new(dtype, shape),
+    )?;
     b.transpose(&y, &inverse_perm(&perm))
 }
 
@@ -128,7 +133,13 @@ fn fft_c2c(n: NodeCtx<'_>) -> Res<'_> {
     let forward = n.bool_or(3, "forward", true)?;
     let kind = if forward { Kind::Fft } else { Kind::Ifft };
     let y = c2c_over(&n.b, &x, &dims, kind)?;
-    Ok(vec![normalize(&n.b, &y, points(&x, &dims), norm, !forward)?])
+    Ok(vec![normalize(
+        &n.b,
+        &y,
+        points(&x, &dims),
+        norm,
+        !forward,
+    )?])
 }
 
 /// `_fft_r2c(x, dim, normalization, onesided)`: a forward transform; `onesided` keeps only the

@@ -2,7 +2,8 @@
 //! `gather` / `scatter`, and the slice/select scatters.
 
 use super::builder::{
-    broadcast_shapes, inverse_perm, norm_dim, type_str, Builder, Combiner, IndexMap, Operand, Scalar, Val, R,
+    broadcast_shapes, inverse_perm, norm_dim, type_str, Builder, Combiner, IndexMap, Operand,
+    Scalar, Val, R,
 };
 use super::reduction::scan;
 use super::{NodeCtx, Registry, Res};
@@ -16,7 +17,10 @@ pub fn register(r: &mut Registry) {
     r.add(&["aten.put.default"], put);
     r.add(&["aten.masked_scatter.default"], masked_scatter);
     r.add(
-        &["aten.as_strided_scatter.default", "prims.as_strided_scatter.default"],
+        &[
+            "aten.as_strided_scatter.default",
+            "prims.as_strided_scatter.default",
+        ],
         as_strided_scatter,
     );
     r.add(&["aten.gather.default"], gather);
@@ -55,7 +59,11 @@ fn strided_positions<'a>(
     let ty = TensorType::new(DType::I64, size.to_vec());
     let mut idx = b.splat(Scalar::Int(offset), &ty)?;
     for (k, &st) in stride.iter().enumerate() {
-        let term = b.binary("multiply", &b.iota(&ty, k)?, &b.splat(Scalar::Int(st), &ty)?)?;
+        let term = b.binary(
+            "multiply",
+            &b.iota(&ty, k)?,
+            &b.splat(Scalar::Int(st), &ty)?,
+        )?;
         idx = b.binary("add", &idx, &term)?;
     }
     let mut shape = size.to_vec();
@@ -232,7 +240,9 @@ fn index(n: NodeCtx<'_>) -> Res<'_> {
     let mut slice_sizes = vec![1; a.map.collapsed.len()];
     slice_sizes.extend(&a.xt.shape()[a.map.collapsed.len()..]);
     let g = b.gather(&a.xt, &a.indices, &a.map, &slice_sizes, a.shape.clone())?;
-    Ok(vec![b.reshape(&b.transpose(&g, &a.result_perm)?, &out.shape)?])
+    Ok(vec![
+        b.reshape(&b.transpose(&g, &a.result_perm)?, &out.shape)?
+    ])
 }
 
 /// `x` flattened and `index` (wrapped) as the `[k, 1]` coordinates of a pointwise gather or
@@ -262,7 +272,11 @@ fn take(n: NodeCtx<'_>) -> Res<'_> {
 /// `put(x, index, source, accumulate)`: `source`'s elements written (or added) into the
 /// flattened `x` at `index`.
 fn put(n: NodeCtx<'_>) -> Res<'_> {
-    let (x, index, source) = (n.tensor(0, "self")?, n.tensor(1, "index")?, n.tensor(2, "source")?);
+    let (x, index, source) = (
+        n.tensor(0, "self")?,
+        n.tensor(1, "index")?,
+        n.tensor(2, "source")?,
+    );
     let b = &n.b;
     if index.ty.numel() == 0 {
         return Ok(vec![x]);
@@ -270,7 +284,13 @@ fn put(n: NodeCtx<'_>) -> Res<'_> {
     let (flat, idx) = flat_coordinates(b, &x, &index)?;
     let src = b.reshape(&source, &[index.ty.numel()])?;
     let accumulate = n.bool_or(3, "accumulate", false)?;
-    let y = b.scatter(&flat, &idx, &src, &pointwise_map(1), accumulate.then_some(Combiner::Add))?;
+    let y = b.scatter(
+        &flat,
+        &idx,
+        &src,
+        &pointwise_map(1),
+        accumulate.then_some(Combiner::Add),
+    )?;
     Ok(vec![b.reshape(&y, x.shape())?])
 }
 
@@ -278,7 +298,11 @@ fn put(n: NodeCtx<'_>) -> Res<'_> {
 /// `source`'s elements in row-major order; each one's source element is its exclusive prefix
 /// count of true positions.
 fn masked_scatter(n: NodeCtx<'_>) -> Res<'_> {
-    let (x, mask, source) = (n.tensor(0, "self")?, n.tensor(1, "mask")?, n.tensor(2, "source")?);
+    let (x, mask, source) = (
+        n.tensor(0, "self")?,
+        n.tensor(1, "mask")?,
+        n.tensor(2, "source")?,
+    );
     let b = &n.b;
     let shape = n.out(0)?.shape.clone();
     let x = b.broadcast_to(&x, &shape)?;
@@ -290,9 +314,19 @@ fn masked_scatter(n: NodeCtx<'_>) -> Res<'_> {
     }
     let taken = b.reshape(&b.convert(&mask, DType::I64)?, &[numel])?;
     let rank = b.sub(&scan(b, &taken, 0, Combiner::Add)?, &taken)?;
-    let rank = b.binary("minimum", &rank, &b.full_like(Scalar::Int(available - 1), &rank)?)?;
+    let rank = b.binary(
+        "minimum",
+        &rank,
+        &b.full_like(Scalar::Int(available - 1), &rank)?,
+    )?;
     let src = b.reshape(&source, &[available])?;
-    let g = b.gather(&src, &b.reshape(&rank, &[numel, 1])?, &pointwise_map(1), &[1], vec![numel])?;
+    let g = b.gather(
+        &src,
+        &b.reshape(&rank, &[numel, 1])?,
+        &pointwise_map(1),
+        &[1],
+        vec![numel],
+    )?;
     let g = b.convert(&b.reshape(&g, &shape)?, x.dtype())?;
     Ok(vec![b.select(&mask, &g, &x)?])
 }
@@ -353,7 +387,11 @@ fn index_put_mask<'a>(
         let available = values.shape()[0];
         let taken = b.convert(&b.reshape(mask, &[rows])?, DType::I64)?;
         let rank = b.sub(&scan(b, &taken, 0, Combiner::Add)?, &taken)?;
-        let rank = b.binary("minimum", &rank, &b.full_like(Scalar::Int(available - 1), &rank)?)?;
+        let rank = b.binary(
+            "minimum",
+            &rank,
+            &b.full_like(Scalar::Int(available - 1), &rank)?,
+        )?;
         let map = IndexMap {
             window_dims: range(1, post.len() + 1),
             collapsed: vec![0],
@@ -361,7 +399,13 @@ fn index_put_mask<'a>(
             index_vector_dim: 1,
         };
         let slice: Vec<i64> = [&[1][..], post].concat();
-        b.gather(&values, &b.reshape(&rank, &[rows, 1])?, &map, &slice, row_shape.clone())?
+        b.gather(
+            &values,
+            &b.reshape(&rank, &[rows, 1])?,
+            &map,
+            &slice,
+            row_shape.clone(),
+        )?
     } else {
         let values = if values.rank() == post.len() + 1 {
             b.reshape(&values, &values.shape()[1..])?
@@ -371,7 +415,11 @@ fn index_put_mask<'a>(
         b.broadcast_to(&values, &row_shape)?
     };
     let xr = b.reshape(x, &row_shape)?;
-    let new = if accumulate { b.add(&xr, &values)? } else { values };
+    let new = if accumulate {
+        b.add(&xr, &values)?
+    } else {
+        values
+    };
     let pick = b.broadcast_in_dim(&b.reshape(mask, &[rows])?, &row_shape, &[0])?;
     b.reshape(&b.select(&pick, &new, &xr)?, x.shape())
 }

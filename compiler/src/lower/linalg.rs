@@ -33,7 +33,11 @@ pub fn register(r: &mut Registry) {
 fn trilinear(n: NodeCtx<'_>) -> Res<'_> {
     let b = &n.b;
     let inputs = [n.tensor(0, "i1")?, n.tensor(1, "i2")?, n.tensor(2, "i3")?];
-    let expands = [n.ints(3, "expand1")?, n.ints(4, "expand2")?, n.ints(5, "expand3")?];
+    let expands = [
+        n.ints(3, "expand1")?,
+        n.ints(4, "expand2")?,
+        n.ints(5, "expand3")?,
+    ];
     let total = inputs[0].rank() + expands[0].len();
     let out = n.out_dtype()?;
     let mut product: Option<Val> = None;
@@ -47,7 +51,13 @@ fn trilinear(n: NodeCtx<'_>) -> Res<'_> {
         }
         let mut dims = x.shape().iter();
         let shape: Vec<i64> = (0..total)
-            .map(|i| if expand.contains(&i) { 1 } else { *dims.next().unwrap_or(&1) })
+            .map(|i| {
+                if expand.contains(&i) {
+                    1
+                } else {
+                    *dims.next().unwrap_or(&1)
+                }
+            })
             .collect();
         let x = b.reshape(&b.convert(x, opmath(out))?, &shape)?;
         product = Some(match product {

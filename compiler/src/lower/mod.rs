@@ -280,6 +280,23 @@ impl<'a> NodeCtx<'a> {
         }
     }
 
+    /// A list of numbers (`float[]?`); `None` when absent.
+    pub fn opt_floats(&self, pos: usize, name: &str) -> R<Option<Vec<f64>>> {
+        match self.arg(pos, name) {
+            None => Ok(None),
+            Some(A::List(l)) => l
+                .iter()
+                .map(|a| match a {
+                    A::Float(f) => Ok(*f),
+                    A::Int(i) => Ok(*i as f64),
+                    _ => Err(Self::missing(name)),
+                })
+                .collect::<R<Vec<_>>>()
+                .map(Some),
+            Some(_) => Err(Self::missing(name)),
+        }
+    }
+
     /// A list of optional tensors (`Tensor?[]`).
     pub fn opt_tensors(&self, pos: usize, name: &str) -> R<Vec<Option<Val<'a>>>> {
         match self.arg(pos, name) {

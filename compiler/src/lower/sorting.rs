@@ -216,20 +216,33 @@ fn median<'a>(n: NodeCtx<'a>) -> Res<'a> {
 fn searchsorted(n: NodeCtx<'_>) -> Res<'_> {
     let bucketize = n.op.starts_with("aten.bucketize");
     let (seq_pos, val_pos) = if bucketize { (1, 0) } else { (0, 1) };
-    let seq = n.tensor(seq_pos, if bucketize { "boundaries" } else { "sorted_sequence" })?;
+    let seq = n.tensor(
+        seq_pos,
+        if bucketize {
+            "boundaries"
+        } else {
+            "sorted_sequence"
+        },
+    )?;
     let values = n.operand(val_pos, "self")?;
-    let right = n.bool_or(usize::MAX, "right", false)?
-        || n.str_or(usize::MAX, "side", "left")? == "right";
+    let right =
+        n.bool_or(usize::MAX, "right", false)? || n.str_or(usize::MAX, "side", "left")? == "right";
     let b = &n.b;
     let dtype = result_type(&[&Operand::Tensor(seq.clone()), &values]);
     let (seq, v) = (b.convert(&seq, dtype)?, b.materialize(&values, dtype)?);
-    let m = *seq.shape().last().ok_or("searchsorted: 0-d sorted_sequence")?;
+    let m = *seq
+        .shape()
+        .last()
+        .ok_or("searchsorted: 0-d sorted_sequence")?;
     let vshape = v.shape().to_vec();
     let (seq_b, v_b) = if seq.rank() == 1 {
         let mut shape = vshape.clone();
         shape.push(m);
         let v_col = b.reshape(&v, &[&vshape[..], &[1]].concat())?;
-        (b.broadcast_to(&seq, &shape)?, b.broadcast_to(&v_col, &shape)?)
+        (
+            b.broadcast_to(&seq, &shape)?,
+            b.broadcast_to(&v_col, &shape)?,
+        )
     } else {
         let lead = &seq.shape()[..seq.rank() - 1];
         if vshape.len() != seq.rank() || &vshape[..lead.len()] != lead {
@@ -242,11 +255,22 @@ fn searchsorted(n: NodeCtx<'_>) -> Res<'_> {
         shape.push(m);
         let seq_row = b.reshape(&seq, &[lead, &[1, m]].concat())?;
         let v_col = b.reshape(&v, &[&vshape[..], &[1]].concat())?;
-        (b.broadcast_to(&seq_row, &shape)?, b.broadcast_to(&v_col, &shape)?)
+        (
+            b.broadcast_to(&seq_row, &shape)?,
+            b.broadcast_to(&v_col, &shape)?,
+        )
     };
-    let passed = b.unary("not", &b.compare(&seq_b, &v_b, if right { "GT" } else { "GE" })?)?;
+    let passed = b.unary(
+        "not",
+        &b.compare(&seq_b, &v_b, if right { "GT" } else { "GE" })?,
+    )?;
     let out = n.out_dtype()?;
-    let count = b.reduce(&b.convert(&passed, out)?, &[vshape.len()], Combiner::Add, false)?;
+    let count = b.reduce(
+        &b.convert(&passed, out)?,
+        &[vshape.len()],
+        Combiner::Add,
+        false,
+    )?;
     Ok(vec![count])
 }
 
@@ -280,8 +304,17 @@ fn mode<'a>(n: NodeCtx<'a>) -> Res<'a> {
     let top = b.reduce(&freq, &[r - 1], Combiner::Max, true)?;
     let candidate = b.compare(&freq, &b.broadcast_to(&top, freq.shape())?, "EQ")?;
     let inf = b.full_like(Scalar::Float(f64::INFINITY), &xt)?;
-    let inf = if x.dtype().is_float() { inf } else { b.full_like(Combiner::Min.identity(x.dtype()), &xt)? };
-    let value = b.reduce(&b.select(&candidate, &xt, &inf)?, &[r - 1], Combiner::Min, true)?;
+    let inf = if x.dtype().is_float() {
+        inf
+    } else {
+        b.full_like(Combiner::Min.identity(x.dtype()), &xt)?
+    };
+    let value = b.reduce(
+        &b.select(&candidate, &xt, &inf)?,
+        &[r - 1],
+        Combiner::Min,
+        true,
+    )?;
     let pos = b.iota(&TensorType::new(DType::I64, xt.shape().to_vec()), r - 1)?;
     let at = b.compare(&xt, &b.broadcast_to(&value, xt.shape())?, "EQ")?;
     let index = b.reduce(
