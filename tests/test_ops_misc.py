@@ -125,3 +125,25 @@ def test_histogram():
     check(lambda x: torch.histogram(x, 3), torch.full((4,), 2.0))
     check(lambda x: torch.histogramdd(x, [3, 4]), rand(30, 2))
     check(lambda x: torch.histogramdd(x, [2, 2, 3], range=[-1.0, 1.0, 0.0, 1.5, -1.5, 0.0], density=True), rand(30, 3))
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("padding_idx", [None, 2])
+def test_embedding_bag(mode, padding_idx):
+    torch.manual_seed(0)
+    w, idx = rand(6, 3), torch.tensor([1, 2, 2, 4, 5, 0, 3])
+    bag = torch.nn.functional.embedding_bag
+    check(lambda w: bag(idx, w, torch.tensor([0, 3, 3, 5]), mode=mode, padding_idx=padding_idx), w)
+    check(lambda w: bag(idx, w, torch.tensor([0, 3, 3, 7]), mode=mode, padding_idx=padding_idx,
+                        include_last_offset=True), w)
+    check(lambda w: bag(idx[:6].reshape(2, 3), w, mode=mode, padding_idx=padding_idx), w)
+    if mode == "sum":
+        check(lambda w, p: bag(idx, w, torch.tensor([0, 4]), mode="sum", per_sample_weights=p, padding_idx=padding_idx), w, rand(7))
+
+
+def test_embedding_bag_aux_outputs():
+    torch.manual_seed(0)
+    w, idx, off = rand(6, 3), torch.tensor([1, 2, 2, 4, 5, 0, 3]), torch.tensor([0, 3, 3, 5])
+    f = torch.ops.aten._embedding_bag_forward_only
+    for mode in (1, 2):
+        check(lambda w: f(w, idx, off, False, mode, False, None, False, 2), w)

@@ -11,6 +11,7 @@ use crate::ir::{DType, TensorType};
 
 pub fn register(r: &mut Registry) {
     r.add(&["aten.embedding.default"], embedding);
+    r.add(&["aten._embedding_bag_forward_only.default"], embedding_bag);
     r.add(&["aten.index.Tensor", "aten.index_select.default"], index);
     r.add(&["aten.index_put.default"], index_put);
     r.add(&["aten.take.default"], take);
@@ -150,6 +151,147 @@ fn embedding(n: NodeCtx<'_>) -> Res<'_> {
         &[1, w.shape()[1]],
         shape,
     )?])
+}
+
+/// `_embedding_bag_forward_only(weight, indices, offsets, scale_grad_by_freq, mode, sparse,
+/// per_sample_weights, include_last_offset, padding_idx)` with 1-D indices. Bag b holds the
+/// indices `offsets[b] <= j < offsets[b + 1]` (the last bag runs to the end unless
+/// `include_last_offset`, whose final offset must then be the index count, as documented; ATen's
+/// kernels disagree among themselves otherwise), rows equal to `padding_idx` left out. The outputs are what ATen's CPU
+/// kernel gives without grad: the bag sum (rows scaled by `per_sample_weights`), mean or max,
+/// 0 for an empty bag; each index's bag (when the recorded offset2bag is not empty); bag sizes
+/// (non-padding counts for mean/max, zeros for sum); max_indices (max: each feature's weight row
+/// of the bag's first maximum; mean: the bag sizes; sum: zeros). Recorded shapes longer than
+/// the bag count (ATen's meta sizes bag_size like offsets) are padded with zeros.
+fn embedding_bag<'a>(n: NodeCtx<'a>) -> Res<'a> {
+    let b = &n.b;
+    let w = n.tensor(0, "weight")?;
+    let (idx, offsets) = (n.tensor(1, "indices")?, n.tensor(2, "offsets")?);
+    let mode = n.int_or(4, "mode", 0)?;
+    let weights = n.opt_tensor(6, "per_sample_weights")?;
+    let include_last = n.bool_or(7, "include_last_offset", false)?;
+    let padding = n.int_or(8, "padding_idx", -1)?;
+    if idx.rank() != 1 || offsets.rank() != 1 || w.rank() != 2 || !(0..=2).contains(&mode) {
+        return Err(format!(
+            "embedding_bag of indices {} offsets {} weight {} mode {mode} is not lowered",
+            type_str(&idx.ty),
+            type_str(&offsets.ty),
+            type_str(&w.ty)
+        ));
+    }
+    let (len, dim, bags) = (idx.shape()[0], w.shape()[1], n.out(0)?.shape[0]);
+    let d = w.dtype();
+    let idx = b.convert(&idx, DType::I64)?;
+    let offsets = b.convert(&offsets, DType::I64)?;
+    let starts = b.slice_dim(&offsets, 0, 0, bags, 1)?;
+    let ends = if include_last {
+        b.slice_dim(&offsets, 0, 1, bags + 1, 1)?
+    } else {
+        let end = b.splat(Scalar::Int(len), &TensorType::new(DType::I64, vec![1]))?;
+        b.concat(&[&b.slice_dim(&offsets, 0, 1, bags, 1)?, &end], 0)?
+    };
+    let pair = [bags, len];
+    let j = b.iota(&TensorType::new(DType::I64, pair.to_vec()), 1)?;
+    let starts_b = b.broadcast_in_dim(&starts, &pair, &[0])?;
+    let in_bag = b.binary(
+        "and",
+        &b.compare(&j, &starts_b, "GE")?,
+        &b.compare(&j, &b.broadcast_in_dim(&ends, &pair, &[0])?, "LT")?,
+    )?;
+    let member = if padding >= 0 {
+        let kept = b.compare(&idx, &b.full_like(Scalar::Int(padding), &idx)?, "NE")?;
+        b.binary("and", &in_bag, &b.broadcast_in_dim(&kept, &pair, &[1])?)?
+    } else {
+        in_bag
+    };
+    let counts = b.reduce(&b.convert(&member, DType::I64)?, &[1], Combiner::Add, false)?;
+    let cube = [bags, len, dim];
+    let rows = if len == 0 {
+        b.splat(Scalar::Int(0), &TensorType::new(d, vec![len, dim]))?
+    } else {
+        let map = IndexMap {
+            window_dims: vec![1],
+            collapsed: vec![0],
+            index_to_operand: vec![0],
+            index_vector_dim: 1,
+        };
+        b.gather(&w, &b.reshape(&idx, &[len, 1])?, &map, &[1, dim], vec![len, dim])?
+    };
+    let rows = match &weights {
+        Some(s) => b.mul(&rows, &b.broadcast_in_dim(&b.convert(s, d)?, &[len, dim], &[0])?)?,
+        None => rows,
+    };
+    let rows = b.broadcast_in_dim(&rows, &cube, &[1, 2])?;
+    let member3 = b.broadcast_in_dim(&member, &cube, &[0, 1])?;
+    let zero = b.splat(Scalar::Int(0), &TensorType::new(d, vec![bags, dim]))?;
+    let counts_f = b.broadcast_in_dim(&b.convert(&counts, d)?, &[bags, dim], &[0])?;
+    let empty = b.compare(&counts_f, &zero, "EQ")?;
+    let mut max_index = None;
+    let out = if mode == 2 {
+        let lowest = b.full_like(Scalar::Float(f64::NEG_INFINITY), &rows)?;
+        let masked = b.select(&member3, &rows, &lowest)?;
+        let max = b.reduce(&masked, &[1], Combiner::Max, false)?;
+        let at_max = b.binary(
+            "and",
+            &member3,
+            &b.compare(&masked, &b.broadcast_in_dim(&max, &cube, &[0, 2])?, "EQ")?,
+        )?;
+        let j3 = b.iota(&TensorType::new(DType::I64, cube.to_vec()), 1)?;
+        let first = b.reduce(
+            &b.select(&at_max, &j3, &b.full_like(Scalar::Int(len), &j3)?)?,
+            &[1],
+            Combiner::Min,
+            false,
+        )?;
+        let pick = b.compare(&j3, &b.broadcast_in_dim(&first, &cube, &[0, 2])?, "EQ")?;
+        let idx3 = b.broadcast_in_dim(&idx, &cube, &[1])?;
+        let row = b.reduce(
+            &b.select(&pick, &idx3, &b.full_like(Scalar::Int(0), &idx3)?)?,
+            &[1],
+            Combiner::Add,
+            false,
+        )?;
+        max_index = Some(row);
+        b.select(&empty, &zero, &max)?
+    } else {
+        let sum = b.reduce(
+            &b.select(&member3, &rows, &b.full_like(Scalar::Int(0), &rows)?)?,
+            &[1],
+            Combiner::Add,
+            false,
+        )?;
+        if mode == 1 {
+            let one = b.full_like(Scalar::Int(1), &counts_f)?;
+            b.div(&sum, &b.select(&empty, &one, &counts_f)?)?
+        } else {
+            sum
+        }
+    };
+    // Bag-sized i64 vectors padded (or cut) to a recorded shape and dtype.
+    let fit = |v: &Val<'a>, k: usize| -> R<Val<'a>> {
+        let ty = n.out(k)?;
+        if ty.rank() != 1 {
+            return Err(format!("embedding_bag output {k}: expected 1-D, got {}", type_str(ty)));
+        }
+        let fill = b.scalar(Scalar::Int(0), DType::I64)?;
+        let v = b.pad(v, &fill, &[0], &[ty.shape[0] - v.shape()[0]], &[0])?;
+        b.convert(&v, ty.dtype)
+    };
+    let zeros = b.splat(Scalar::Int(0), &TensorType::new(DType::I64, vec![bags]))?;
+    let offset2bag = if n.out(1)?.numel() == 0 {
+        b.splat(Scalar::Int(0), n.out(1)?)?
+    } else {
+        let opened = b.convert(&b.compare(&starts_b, &j, "LE")?, DType::I64)?;
+        let bag = b.reduce(&opened, &[0], Combiner::Add, false)?;
+        fit(&b.sub(&bag, &b.full_like(Scalar::Int(1), &bag)?)?, 1)?
+    };
+    let sizes = if mode == 0 { zeros.clone() } else { counts };
+    let max_indices = match max_index {
+        Some(m) => b.convert(&m, n.out(3)?.dtype)?,
+        None if mode == 1 => fit(&sizes, 3)?,
+        None => fit(&zeros, 3)?,
+    };
+    Ok(vec![out, offset2bag, fit(&sizes, 2)?, max_indices])
 }
 
 /// Advanced indexing as one gather/scatter over the indexed dims moved to the front.
