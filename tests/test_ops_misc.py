@@ -147,3 +147,12 @@ def test_embedding_bag_aux_outputs():
     f = torch.ops.aten._embedding_bag_forward_only
     for mode in (1, 2):
         check(lambda w: f(w, idx, off, False, mode, False, None, False, 2), w)
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "nearest"])
+@pytest.mark.parametrize("padding", ["zeros", "border", "reflection"])
+@pytest.mark.parametrize("align", [False, True])
+def test_grid_sample_3d(mode, padding, align):
+    torch.manual_seed(0)
+    x, g = rand(2, 3, 4, 5, 6), torch.rand(2, 3, 4, 2, 3) * 2.6 - 1.3  # some points outside
+    check(lambda x, g: torch.nn.functional.grid_sample(x, g, mode=mode, padding_mode=padding, align_corners=align), x, g)

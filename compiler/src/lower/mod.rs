@@ -15,6 +15,7 @@ mod linalg;
 mod normalization;
 mod pooling;
 mod reduction;
+mod sampling;
 mod sorting;
 mod view;
 
@@ -149,6 +150,7 @@ fn registry() -> &'static Registry {
         normalization::register(&mut r);
         pooling::register(&mut r);
         reduction::register(&mut r);
+        sampling::register(&mut r);
         sorting::register(&mut r);
         view::register(&mut r);
         r

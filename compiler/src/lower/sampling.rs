@@ -1,0 +1,179 @@
+//! Resampling: `grid_sampler_3d` (PyTorch decomposes the 2-D one) and antialiased
+//! bilinear/bicubic upsampling, all following ATen's CPU kernels' formulas.
+
+use super::builder::{opmath, type_str, Builder, IndexMap, Scalar, Val, R};
+use super::{NodeCtx, Registry, Res};
+use crate::ir::{DType, TensorType};
+
+pub fn register(r: &mut Registry) {
+    r.add(&["aten.grid_sampler_3d.default"], grid_sampler_3d);
+}
+
+/// One grid coordinate in [-1, 1] mapped to input pixels and then by the padding mode, as
+/// ATen's `grid_sampler_compute_source_index` does (border clips, reflection reflects then
+/// clips; NaN/inf become -100, out of bounds).
+fn source_index<'a>(
+    b: &Builder<'a>,
+    coord: &Val<'a>,
+    size: i64,
+    padding: i64,
+    align: bool,
+) -> R<Val<'a>> {
+    let size_f = size as f64;
+    let c = if align {
+        b.mul_scalar(&b.mul_scalar(&b.add_scalar(coord, 1.0)?, 0.5)?, size_f - 1.0)?
+    } else {
+        b.mul_scalar(&b.add_scalar(&b.mul_scalar(&b.add_scalar(coord, 1.0)?, size_f)?, -1.0)?, 0.5)?
+    };
+    let clip = |c: &Val<'a>| -> R<Val<'a>> {
+        let lo = b.full_like(Scalar::Int(0), c)?;
+        let hi = b.full_like(Scalar::Int(size - 1), c)?;
+        b.binary("minimum", &hi, &b.binary("maximum", c, &lo)?)
+    };
+    let c = match padding {
+        0 => c,
+        1 => clip(&c)?,
+        2 => {
+            let (twice_low, twice_high) = if align {
+                (0.0, 2.0 * (size_f - 1.0))
+            } else {
+                (-1.0, 2.0 * size_f - 1.0)
+            };
+            let reflected = if twice_low == twice_high {
+                b.full_like(Scalar::Int(0), &c)?
+            } else {
+                let (min, span) = (twice_low / 2.0, (twice_high - twice_low) / 2.0);
+                let dist = b.unary("abs", &b.add_scalar(&c, -min)?)?;
+                let span_v = b.full_like(Scalar::Float(span), &dist)?;
+                let extra = b.binary("remainder", &dist, &span_v)?;
+                let flips = b.unary("floor", &b.div(&dist, &span_v)?)?;
+                let two = b.full_like(Scalar::Int(2), &flips)?;
+                let even = b.compare(
+                    &b.binary("remainder", &flips, &two)?,
+                    &b.full_like(Scalar::Int(0), &flips)?,
+                    "EQ",
+                )?;
+                let up = b.add_scalar(&extra, min)?;
+                let down = b.add_scalar(&b.sub(&span_v, &extra)?, min)?;
+                b.select(&even, &up, &down)?
+            };
+            clip(&reflected)?
+        }
+        _ => return Err(format!("grid_sampler: unknown padding mode {padding}")),
+    };
+    let safe = b.compare(
+        &b.unary("abs", &c)?,
+        &b.full_like(Scalar::Float(2147483647.0), &c)?,
+        "LT",
+    )?;
+    b.select(&safe, &c, &b.full_like(Scalar::Float(-100.0), &c)?)
+}
+
+/// `grid_sampler_3d(input [N, C, D, H, W], grid [N, D', H', W', 3], interpolation, padding,
+/// align_corners)`: trilinear (0) or nearest (1, ties to even) samples at the grid's (x, y, z);
+/// corners outside the input contribute nothing.
+fn grid_sampler_3d<'a>(n: NodeCtx<'a>) -> Res<'a> {
+    let b = &n.b;
+    let (input, grid) = (n.tensor(0, "input")?, n.tensor(1, "grid")?);
+    let (mode, padding) = (n.int(2, "interpolation_mode")?, n.int(3, "padding_mode")?);
+    let align = n.bool_or(4, "align_corners", false)?;
+    if input.rank() != 5 || grid.rank() != 5 || grid.shape()[4] != 3 || mode > 1 {
+        return Err(format!(
+            "grid_sampler_3d of {} with grid {} and interpolation mode {mode} is not lowered",
+            type_str(&input.ty),
+            type_str(&grid.ty)
+        ));
+    }
+    let out_ty = n.out(0)?.clone();
+    if out_ty.numel() == 0 || input.ty.numel() == 0 {
+        return Ok(vec![b.splat(Scalar::Int(0), &out_ty)?]);
+    }
+    let d = opmath(input.dtype());
+    let ch = input.shape()[1];
+    let sizes = [input.shape()[4], input.shape()[3], input.shape()[2]]; // W, H, D for x, y, z
+    let pts: Vec<i64> = grid.shape()[..4].to_vec();
+    let grid = b.convert(&grid, d)?;
+    let coords = (0..3)
+        .map(|k| {
+            let g = b.reshape(&b.slice_dim(&grid, 4, k, k + 1, 1)?, &pts)?;
+            source_index(b, &g, sizes[k as usize], padding, align)
+        })
+        .collect::<R<Vec<_>>>()?;
+    let xt = b.transpose(&b.convert(&input, d)?, &[0, 2, 3, 4, 1])?;
+    let batch = b.iota(&TensorType::new(DType::I64, pts.clone()), 0)?;
+    let mut col_shape = pts.clone();
+    col_shape.push(1);
+    let mut val_shape = pts.clone();
+    val_shape.push(ch);
+    let map = IndexMap {
+        window_dims: vec![4],
+        collapsed: vec![0, 1, 2, 3],
+        index_to_operand: vec![0, 1, 2, 3],
+        index_vector_dim: 4,
+    };
+    // The input value at integer-valued float corner (x, y, z), scaled by `weight`; zero when
+    // the corner is outside the input.
+    let corner = |c: [&Val<'a>; 3], weight: &Val<'a>| -> R<Val<'a>> {
+        let mut valid: Option<Val<'a>> = None;
+        let mut columns = vec![b.reshape(&batch, &col_shape)?];
+        for k in [2, 1, 0] {
+            let inside = b.binary(
+                "and",
+                &b.compare(c[k], &b.full_like(Scalar::Int(0), c[k])?, "GE")?,
+                &b.compare(c[k], &b.full_like(Scalar::Int(sizes[k] - 1), c[k])?, "LE")?,
+            )?;
+            valid = Some(match valid {
+                None => inside,
+                Some(v) => b.binary("and", &v, &inside)?,
+            });
+            let i = b.convert(c[k], DType::I64)?;
+            let i = b.binary("maximum", &i, &b.full_like(Scalar::Int(0), &i)?)?;
+            let i = b.binary("minimum", &i, &b.full_like(Scalar::Int(sizes[k] - 1), &i)?)?;
+            columns.push(b.reshape(&i, &col_shape)?);
+        }
+        let idx = b.concat(&columns.iter().collect::<Vec<_>>(), 4)?;
+        let v = b.gather(&xt, &idx, &map, &[1, 1, 1, 1, ch], val_shape.clone())?;
+        let w = b.broadcast_in_dim(weight, &val_shape, &[0, 1, 2, 3])?;
+        let valid = b.broadcast_in_dim(&valid.ok_or("no coordinates")?, &val_shape, &[0, 1, 2, 3])?;
+        b.select(&valid, &b.mul(&v, &w)?, &b.full_like(Scalar::Int(0), &v)?)
+    };
+    let sum = if mode == 1 {
+        let r: Vec<Val> = coords
+            .iter()
+            .map(|c| b.unary("round_nearest_even", c))
+            .collect::<R<_>>()?;
+        corner([&r[0], &r[1], &r[2]], &b.full_like(Scalar::Int(1), &r[0])?)?
+    } else {
+        let lo: Vec<Val> = coords.iter().map(|c| b.unary("floor", c)).collect::<R<_>>()?;
+        let hi: Vec<Val> = lo.iter().map(|l| b.add_scalar(l, 1.0)).collect::<R<_>>()?;
+        // Distances to the far corner (weight of the near one) and from the near one.
+        let near: Vec<Val> = (0..3).map(|k| b.sub(&hi[k], &coords[k])).collect::<R<_>>()?;
+        let far: Vec<Val> = (0..3).map(|k| b.sub(&coords[k], &lo[k])).collect::<R<_>>()?;
+        let mut acc: Option<Val> = None;
+        // ATen's order: tnw, tne, tsw, tse, bnw, bne, bsw, bse (z outer, then y, then x).
+        for bits in 0..8 {
+            let pick = |k: usize| (bits >> (2 - k)) & 1 == 1; // k: 0 = z, 1 = y, 2 = x
+            let (z, y, x) = (2, 1, 0);
+            let w = b.mul(
+                &b.mul(
+                    if pick(2) { &far[x] } else { &near[x] },
+                    if pick(1) { &far[y] } else { &near[y] },
+                )?,
+                if pick(0) { &far[z] } else { &near[z] },
+            )?;
+            let c = [
+                if pick(2) { &hi[x] } else { &lo[x] },
+                if pick(1) { &hi[y] } else { &lo[y] },
+                if pick(0) { &hi[z] } else { &lo[z] },
+            ];
+            let v = corner(c, &w)?;
+            acc = Some(match acc {
+                None => v,
+                Some(a) => b.add(&a, &v)?,
+            });
+        }
+        acc.ok_or("no corners")?
+    };
+    let y = b.transpose(&sum, &[0, 4, 1, 2, 3])?;
+    Ok(vec![b.convert(&y, out_ty.dtype)?])
+}
