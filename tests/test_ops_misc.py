@@ -156,3 +156,13 @@ def test_grid_sample_3d(mode, padding, align):
     torch.manual_seed(0)
     x, g = rand(2, 3, 4, 5, 6), torch.rand(2, 3, 4, 2, 3) * 2.6 - 1.3  # some points outside
     check(lambda x, g: torch.nn.functional.grid_sample(x, g, mode=mode, padding_mode=padding, align_corners=align), x, g)
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
+@pytest.mark.parametrize("align", [False, True])
+@pytest.mark.parametrize("resize", [dict(size=(3, 7)), dict(size=(17, 33)), dict(scale_factor=(1.7, 0.45))],
+                         ids=["down", "up", "scales"])
+def test_upsample_antialias(mode, align, resize):
+    torch.manual_seed(0)
+    check(lambda x: torch.nn.functional.interpolate(x, mode=mode, align_corners=align, antialias=True, **resize),
+          rand(2, 3, 10, 20))

@@ -445,6 +445,22 @@ impl<'a> Builder<'a> {
         self.op("stablehlo.constant", &[], &[("value", attr)], ty.clone())
     }
 
+    /// An f32 constant of `shape` holding `values` (row-major), as the raw little-endian
+    /// bytes MLIR's hex form takes, so every bit survives.
+    pub fn constant_f32(&self, values: &[f32], shape: &[i64]) -> R<Val<'a>> {
+        let ty = TensorType::new(DType::F32, shape.to_vec());
+        if values.len() as i64 != ty.numel() {
+            return Err(format!("{} values for a {} constant", values.len(), type_str(&ty)));
+        }
+        let hex: String = values
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .map(|byte| format!("{byte:02X}"))
+            .collect();
+        let attr = format!("dense<\"0x{hex}\"> : {}", tensor_str(&ty));
+        self.op("stablehlo.constant", &[], &[("value", attr)], ty)
+    }
+
     pub fn scalar(&self, value: Scalar, dtype: DType) -> R<Val<'a>> {
         self.splat(value, &TensorType::new(dtype, vec![]))
     }

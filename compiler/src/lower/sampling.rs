@@ -7,6 +7,104 @@ use crate::ir::{DType, TensorType};
 
 pub fn register(r: &mut Registry) {
     r.add(&["aten.grid_sampler_3d.default"], grid_sampler_3d);
+    r.add(
+        &[
+            "aten._upsample_bilinear2d_aa.default",
+            "aten._upsample_bicubic2d_aa.default",
+        ],
+        upsample_aa,
+    );
+}
+
+/// ATen's antialiasing filters: the triangle (bilinear) and Keys' cubic with a = -0.5.
+fn aa_filter(cubic: bool, x: f32) -> f32 {
+    let x = x.abs();
+    if !cubic {
+        return if x < 1.0 { 1.0 - x } else { 0.0 };
+    }
+    let a = -0.5f32;
+    if x < 1.0 {
+        ((a + 2.0) * x - (a + 3.0)) * x * x + 1.0
+    } else if x < 2.0 {
+        ((a * x - 5.0 * a) * x + 8.0 * a) * x - 4.0 * a
+    } else {
+        0.0
+    }
+}
+
+/// The `[out, in]` resampling matrix of one dim, row i holding output i's normalized filter
+/// weights, computed with the f32/f64 mix of ATen's `_compute_weights_aa` so the weights agree
+/// bit for bit: the filter widens by the scale when downsampling.
+fn aa_weights(input: i64, output: i64, align: bool, scale: Option<f64>, cubic: bool) -> Vec<f32> {
+    let scale: f32 = if align {
+        if output > 1 {
+            (input - 1) as f32 / (output - 1) as f32
+        } else {
+            0.0
+        }
+    } else {
+        match scale {
+            Some(s) if s > 0.0 => (1.0 / s) as f32,
+            _ => input as f32 / output as f32,
+        }
+    };
+    let half = if cubic { 2.0f32 } else { 1.0 };
+    let support = if scale >= 1.0 { half * scale } else { half };
+    let invscale: f32 = if scale >= 1.0 { (1.0 / scale as f64) as f32 } else { 1.0 };
+    let mut m = vec![0f32; (output * input) as usize];
+    for i in 0..output {
+        let center = (scale as f64 * (i as f64 + 0.5)) as f32;
+        let xmin = (((center - support) as f64 + 0.5) as i64).max(0);
+        let xsize = (((center + support) as f64 + 0.5) as i64).min(input) - xmin;
+        let w: Vec<f32> = (0..xsize.max(0))
+            .map(|j| {
+                let x = ((j + xmin) as f32 - center) as f64 + 0.5;
+                aa_filter(cubic, (x * invscale as f64) as f32)
+            })
+            .collect();
+        let total: f32 = w.iter().sum();
+        for (j, wj) in w.iter().enumerate() {
+            let v = if total != 0.0 { wj / total } else { *wj };
+            m[(i * input + xmin) as usize + j] = v;
+        }
+    }
+    m
+}
+
+/// `_upsample_{bilinear,bicubic}2d_aa(x [N, C, H, W], output_size, align_corners, scales_h,
+/// scales_w)`: separable resampling, width first then height as ATen does, each a product with
+/// a constant weight matrix (a dim whose size is unchanged is left alone, as in ATen).
+fn upsample_aa<'a>(n: NodeCtx<'a>) -> Res<'a> {
+    let b = &n.b;
+    let x = n.tensor(0, "self")?;
+    let size = n.ints(1, "output_size")?;
+    let align = n.bool_or(2, "align_corners", false)?;
+    let scales = [
+        n.opt_scalar(3, "scales_h")?.map(Scalar::as_f64),
+        n.opt_scalar(4, "scales_w")?.map(Scalar::as_f64),
+    ];
+    let cubic = n.op.contains("bicubic");
+    if x.rank() != 4 || size.len() != 2 || x.dtype() != DType::F32 {
+        return Err(format!(
+            "{} of {} to {size:?} is not lowered (needs f32 [N, C, H, W])",
+            n.op,
+            type_str(&x.ty)
+        ));
+    }
+    let mut y = x.clone();
+    for (k, dim) in [(1usize, 3usize), (0, 2)] {
+        let (input, output) = (x.shape()[dim], size[k]);
+        if input == output {
+            continue;
+        }
+        let w = aa_weights(input, output, align, scales[k], cubic);
+        let w = b.constant_f32(&w, &[output, input])?;
+        let z = b.dot_general(&y, &w, (&[], &[]), (&[dim as i64], &[1]), DType::F32)?;
+        // The new dim comes last; put it back in place.
+        let perm: Vec<usize> = (0..dim).chain([3]).chain(dim..3).collect();
+        y = b.transpose(&z, &perm)?;
+    }
+    Ok(vec![y])
 }
 
 /// One grid coordinate in [-1, 1] mapped to input pixels and then by the padding mode, as
