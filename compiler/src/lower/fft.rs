@@ -5,7 +5,7 @@
 //! their `normalization` argument instead (0: none, 1: 1/sqrt(n), 2: 1/n), so the rules undo
 //! XLA's factor and apply ATen's in one multiply.
 
-use super::builder::{i64_array, inverse_perm, norm_dim, type_str, Builder, Scalar, Val, R};
+use super::builder::{i64_array, inverse_perm, norm_dim, type_str, Builder, Val, R};
 use super::{NodeCtx, Registry, Res};
 use crate::ir::{DType, TensorType};
 
@@ -97,7 +97,13 @@ fn normalize<'a>(b: &Builder<'a>, y: &Val<'a>, n: i64, norm: i64, inverse: bool)
     if scale == 1.0 {
         return Ok(y.clone());
     }
-    b.binary("multiply", y, &b.full_like(Scalar::Float(scale), y)?)
+    if y.dtype() != DType::C64 {
+        return b.mul_scalar(y, scale);
+    }
+    // Part by part: a complex product with (scale, 0) would turn an infinite part into NaN.
+    let re = b.mul_scalar(&b.complex_part("real", y)?, scale)?;
+    let im = b.mul_scalar(&b.complex_part("imag", y)?, scale)?;
+    b.complex(&re, &im)
 }
 
 /// The transform dims, in the order given; every rule needs at least one.

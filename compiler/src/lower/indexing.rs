@@ -1,5 +1,6 @@
 //! Gathers and scatters: embedding, advanced indexing (`index`, `index_put`, `index_select`),
-//! `gather` / `scatter`, and the slice/select scatters.
+//! `gather` / `scatter`, the slice/select/as_strided scatters, `take` / `put`,
+//! `masked_scatter` and `embedding_bag`.
 
 use super::builder::{
     broadcast_shapes, inverse_perm, norm_dim, type_str, Builder, Combiner, IndexMap, Operand,
@@ -156,9 +157,9 @@ fn embedding(n: NodeCtx<'_>) -> Res<'_> {
 /// `_embedding_bag_forward_only(weight, indices, offsets, scale_grad_by_freq, mode, sparse,
 /// per_sample_weights, include_last_offset, padding_idx)` with 1-D indices. Bag b holds the
 /// indices `offsets[b] <= j < offsets[b + 1]` (the last bag runs to the end unless
-/// `include_last_offset`, whose final offset must then be the index count, as documented; ATen's
-/// kernels disagree among themselves otherwise), rows equal to `padding_idx` left out. The outputs are what ATen's CPU
-/// kernel gives without grad: the bag sum (rows scaled by `per_sample_weights`), mean or max,
+/// `include_last_offset`, whose final offset must then be the index count, as documented;
+/// ATen's kernels disagree among themselves otherwise), rows equal to `padding_idx` left out.
+/// The outputs are what ATen's CPU kernel gives without grad: the bag sum (rows scaled by `per_sample_weights`), mean or max,
 /// 0 for an empty bag; each index's bag (when the recorded offset2bag is not empty); bag sizes
 /// (non-padding counts for mean/max, zeros for sum); max_indices (max: each feature's weight row
 /// of the bag's first maximum; mean: the bag sizes; sum: zeros). Recorded shapes longer than
@@ -436,6 +437,14 @@ fn put(n: NodeCtx<'_>) -> Res<'_> {
     Ok(vec![b.reshape(&y, x.shape())?])
 }
 
+/// For each position of a 1-D bool `mask`, how many true positions precede it (which source
+/// element a true one takes), capped at `available - 1` so false positions still index safely.
+fn true_ranks<'a>(b: &Builder<'a>, mask: &Val<'a>, available: i64) -> R<Val<'a>> {
+    let taken = b.convert(mask, DType::I64)?;
+    let rank = b.sub(&scan(b, &taken, 0, Combiner::Add)?, &taken)?;
+    b.binary("minimum", &rank, &b.full_like(Scalar::Int(available - 1), &rank)?)
+}
+
 /// `masked_scatter(x, mask, source)`: the positions where `mask` (broadcast) is true take
 /// `source`'s elements in row-major order; each one's source element is its exclusive prefix
 /// count of true positions.
@@ -454,13 +463,7 @@ fn masked_scatter(n: NodeCtx<'_>) -> Res<'_> {
         // ATen requires as many source elements as true positions: none are taken here.
         return Ok(vec![x]);
     }
-    let taken = b.reshape(&b.convert(&mask, DType::I64)?, &[numel])?;
-    let rank = b.sub(&scan(b, &taken, 0, Combiner::Add)?, &taken)?;
-    let rank = b.binary(
-        "minimum",
-        &rank,
-        &b.full_like(Scalar::Int(available - 1), &rank)?,
-    )?;
+    let rank = true_ranks(b, &b.reshape(&mask, &[numel])?, available)?;
     let src = b.reshape(&source, &[available])?;
     let g = b.gather(
         &src,
@@ -527,13 +530,7 @@ fn index_put_mask<'a>(
     let per_row = values.rank() == post.len() + 1 && values.shape()[0] != 1;
     let values = if per_row && rows > 0 {
         let available = values.shape()[0];
-        let taken = b.convert(&b.reshape(mask, &[rows])?, DType::I64)?;
-        let rank = b.sub(&scan(b, &taken, 0, Combiner::Add)?, &taken)?;
-        let rank = b.binary(
-            "minimum",
-            &rank,
-            &b.full_like(Scalar::Int(available - 1), &rank)?,
-        )?;
+        let rank = true_ranks(b, &b.reshape(mask, &[rows])?, available)?;
         let map = IndexMap {
             window_dims: range(1, post.len() + 1),
             collapsed: vec![0],

@@ -1,4 +1,4 @@
-//! Matrix products and convolution. Half-precision operands accumulate in f32 (the dot or
+//! Matrix products (and `_trilinear`) and convolution. Half-precision operands accumulate in f32 (the dot or
 //! convolution yields f32, rounded once), which is what PyTorch's CPU GEMMs do.
 
 use super::builder::{

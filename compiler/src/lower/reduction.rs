@@ -1,4 +1,5 @@
-//! Reductions (sum, mean, amax/amin, any/all), softmax / log_softmax, cumsum / cummax / cummin, segment_reduce, histc.
+//! Reductions (sum, mean, amax/amin, any/all), softmax / log_softmax, cumsum / cummax / cummin /
+//! logcumsumexp, segment_reduce, histc, histogram / histogramdd.
 //!
 //! Half-precision inputs accumulate in f32 and round once, as PyTorch's CPU kernels do.
 

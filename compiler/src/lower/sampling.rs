@@ -275,3 +275,25 @@ fn grid_sampler_3d<'a>(n: NodeCtx<'a>) -> Res<'a> {
     let y = b.transpose(&sum, &[0, 4, 1, 2, 3])?;
     Ok(vec![b.convert(&y, out_ty.dtype)?])
 }
+
+#[cfg(test)]
+mod tests {
+    use super::aa_weights;
+
+    #[test]
+    fn aa_weight_rows_are_normalized_and_same_size_is_identity() {
+        for cubic in [false, true] {
+            for (input, output) in [(10, 3), (10, 17), (7, 7)] {
+                let w = aa_weights(input, output, false, None, cubic);
+                for row in w.chunks(input as usize) {
+                    assert!((row.iter().sum::<f32>() - 1.0).abs() < 1e-6);
+                }
+                if input == output {
+                    for (i, row) in w.chunks(input as usize).enumerate() {
+                        assert_eq!(row[i], 1.0);
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,6 +1,7 @@
 //! Sorting and selection: sort, topk, kthvalue, median, max/min along a dim, argmax/argmin, all on one stable
 //! `stablehlo.sort` of (values, indices). Stability gives PyTorch's tie order (the first
 //! occurrence wins), and the comparator ranks NaN like PyTorch: above every number.
+//! `searchsorted` / `bucketize` and `mode` need no sort: they count comparisons.
 
 use super::builder::{norm_dim, result_type, type_str, Builder, Combiner, Operand, Scalar, Val, R};
 use super::{NodeCtx, Registry, Res};
@@ -235,14 +236,8 @@ fn searchsorted(n: NodeCtx<'_>) -> Res<'_> {
         .last()
         .ok_or("searchsorted: 0-d sorted_sequence")?;
     let vshape = v.shape().to_vec();
-    let (seq_b, v_b) = if seq.rank() == 1 {
-        let mut shape = vshape.clone();
-        shape.push(m);
-        let v_col = b.reshape(&v, &[&vshape[..], &[1]].concat())?;
-        (
-            b.broadcast_to(&seq, &shape)?,
-            b.broadcast_to(&v_col, &shape)?,
-        )
+    let seq_row = if seq.rank() == 1 {
+        seq.clone()
     } else {
         let lead = &seq.shape()[..seq.rank() - 1];
         if vshape.len() != seq.rank() || &vshape[..lead.len()] != lead {
@@ -251,15 +246,14 @@ fn searchsorted(n: NodeCtx<'_>) -> Res<'_> {
                 type_str(&seq.ty)
             ));
         }
-        let mut shape = vshape.clone();
-        shape.push(m);
-        let seq_row = b.reshape(&seq, &[lead, &[1, m]].concat())?;
-        let v_col = b.reshape(&v, &[&vshape[..], &[1]].concat())?;
-        (
-            b.broadcast_to(&seq_row, &shape)?,
-            b.broadcast_to(&v_col, &shape)?,
-        )
+        b.reshape(&seq, &[lead, &[1, m]].concat())?
     };
+    let shape = [&vshape[..], &[m]].concat();
+    let v_col = b.reshape(&v, &[&vshape[..], &[1]].concat())?;
+    let (seq_b, v_b) = (
+        b.broadcast_to(&seq_row, &shape)?,
+        b.broadcast_to(&v_col, &shape)?,
+    );
     let passed = b.unary(
         "not",
         &b.compare(&seq_b, &v_b, if right { "GT" } else { "GE" })?,
@@ -275,8 +269,10 @@ fn searchsorted(n: NodeCtx<'_>) -> Res<'_> {
 }
 
 /// `mode(x, dim, keepdim)`: the most frequent value along `dim` (the smallest among equally
-/// frequent ones, as ATen scans its sorted values with a strict `>`) and the last index holding
-/// it (ATen's small-row sort is stable, so the last of the run is the highest index). Counts
+/// frequent ones, as ATen scans its sorted values with a strict `>`) and the highest index
+/// holding it. That index is ATen's for rows of up to 16 (its sort keeps equal values in order
+/// there); for a longer row whose mode repeats, ATen's unstable sort picks some index of it,
+/// which is not reproduced. Counts
 /// come from an all-pairs equality, so NaN (equal to nothing) never wins over a number.
 fn mode<'a>(n: NodeCtx<'a>) -> Res<'a> {
     let x = n.tensor(0, "self")?;
@@ -303,14 +299,9 @@ fn mode<'a>(n: NodeCtx<'a>) -> Res<'a> {
     )?;
     let top = b.reduce(&freq, &[r - 1], Combiner::Max, true)?;
     let candidate = b.compare(&freq, &b.broadcast_to(&top, freq.shape())?, "EQ")?;
-    let inf = b.full_like(Scalar::Float(f64::INFINITY), &xt)?;
-    let inf = if x.dtype().is_float() {
-        inf
-    } else {
-        b.full_like(Combiner::Min.identity(x.dtype()), &xt)?
-    };
+    let highest = b.full_like(Combiner::Min.identity(x.dtype()), &xt)?;
     let value = b.reduce(
-        &b.select(&candidate, &xt, &inf)?,
+        &b.select(&candidate, &xt, &highest)?,
         &[r - 1],
         Combiner::Min,
         true,
