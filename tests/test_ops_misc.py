@@ -166,3 +166,19 @@ def test_upsample_antialias(mode, align, resize):
     torch.manual_seed(0)
     check(lambda x: torch.nn.functional.interpolate(x, mode=mode, align_corners=align, antialias=True, **resize),
           rand(2, 3, 10, 20))
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, float("inf")])
+def test_embedding_max_norm(norm_type):
+    torch.manual_seed(0)
+    w, idx = rand(6, 4) * 2, torch.tensor([[0, 2], [2, 5]])
+    w_tpu, w_eager = w.clone(), w.clone()
+    emb = lambda w: torch.nn.functional.embedding(idx, w, max_norm=1.5, norm_type=norm_type)
+    with torch.no_grad():
+        got, want = compile_tpu(emb)(w_tpu), emb(w_eager)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w_tpu, w_eager, rtol=1e-5, atol=1e-5)  # the renorm is in place
+
+
+def test_squeeze_empty_dims_keeps_shape():
+    check(lambda x: x.squeeze(()) * 2, rand(1, 3, 1))

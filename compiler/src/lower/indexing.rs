@@ -12,6 +12,7 @@ use crate::ir::{DType, TensorType};
 
 pub fn register(r: &mut Registry) {
     r.add(&["aten.embedding.default"], embedding);
+    r.add(&["aten.embedding_renorm.default"], embedding_renorm);
     r.add(&["aten._embedding_bag_forward_only.default"], embedding_bag);
     r.add(&["aten.index.Tensor", "aten.index_select.default"], index);
     r.add(&["aten.index_put.default"], index_put);
@@ -152,6 +153,44 @@ fn embedding(n: NodeCtx<'_>) -> Res<'_> {
         &[1, w.shape()[1]],
         shape,
     )?])
+}
+
+/// `embedding_renorm(weight, indices, max_norm, norm_type)` (`embedding`'s `max_norm`): each
+/// row that `indices` names, once, is scaled by `max_norm / (norm + 1e-7)` when its p-norm
+/// exceeds `max_norm`; the scale is formed in f64 as ATen does and applied in the row's dtype.
+fn embedding_renorm(n: NodeCtx<'_>) -> Res<'_> {
+    let (w, idx) = (n.tensor(0, "self")?, n.tensor(1, "indices")?);
+    let (max_norm, p) = (n.float_or(2, "max_norm", 0.0)?, n.float_or(3, "norm_type", 2.0)?);
+    let b = &n.b;
+    if w.rank() != 2 || !w.dtype().is_float() {
+        return Err(format!("embedding_renorm of {} is not lowered", type_str(&w.ty)));
+    }
+    let rows = w.shape()[0];
+    let k = idx.ty.numel();
+    let pair = [rows, k];
+    let r = b.iota(&TensorType::new(DType::I64, pair.to_vec()), 0)?;
+    let named = b.broadcast_in_dim(&b.reshape(&b.convert(&idx, DType::I64)?, &[k])?, &pair, &[1])?;
+    let used = b.reduce(&b.compare(&r, &named, "EQ")?, &[1], Combiner::Or, false)?;
+    let a = b.unary("abs", &w)?;
+    let norm = if p == f64::INFINITY {
+        b.reduce(&a, &[1], Combiner::Max, false)?
+    } else if p == 1.0 {
+        b.reduce(&a, &[1], Combiner::Add, false)?
+    } else if p == 2.0 {
+        let squares = b.binary("multiply", &a, &a)?;
+        b.unary("sqrt", &b.reduce(&squares, &[1], Combiner::Add, false)?)?
+    } else {
+        let powered = b.binary("power", &a, &b.full_like(Scalar::Float(p), &a)?)?;
+        let sum = b.reduce(&powered, &[1], Combiner::Add, false)?;
+        b.binary("power", &sum, &b.full_like(Scalar::Float(1.0 / p), &sum)?)?
+    };
+    let norm = b.convert(&norm, DType::F64)?;
+    let limit = b.full_like(Scalar::Float(max_norm), &norm)?;
+    let scale = b.div(&limit, &b.add_scalar(&norm, 1e-7)?)?;
+    let shrink = b.binary("and", &used, &b.compare(&norm, &limit, "GT")?)?;
+    let one = b.full_like(Scalar::Int(1), &scale)?;
+    let scale = b.convert(&b.select(&shrink, &scale, &one)?, w.dtype())?;
+    Ok(vec![b.mul(&w, &b.broadcast_in_dim(&scale, w.shape(), &[0])?)?])
 }
 
 /// `_embedding_bag_forward_only(weight, indices, offsets, scale_grad_by_freq, mode, sparse,

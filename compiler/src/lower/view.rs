@@ -172,7 +172,11 @@ fn squeeze(n: NodeCtx<'_>) -> Res<'_> {
     let dims = match n.op.as_str() {
         "aten.squeeze.default" => (0..x.rank()).collect(),
         _ if x.rank() == 0 => vec![],
-        _ => norm_dims(&n.ints(1, "dim")?, x.rank())?,
+        // An empty dim list squeezes nothing (unlike a reduction's, which means every dim).
+        _ => match n.ints(1, "dim")? {
+            dims if dims.is_empty() => vec![],
+            dims => norm_dims(&dims, x.rank())?,
+        },
     };
     let shape: Vec<i64> = x
         .shape()
