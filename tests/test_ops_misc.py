@@ -182,3 +182,12 @@ def test_embedding_max_norm(norm_type):
 
 def test_squeeze_empty_dims_keeps_shape():
     check(lambda x: x.squeeze(()) * 2, rand(1, 3, 1))
+
+
+def test_complex_magnitude_angle_polar():
+    torch.manual_seed(0)
+    x = rand(4, 16)
+    check(lambda x: torch.fft.rfft(x).abs(), x)
+    check(lambda x: torch.fft.rfft(x).angle(), x)
+    check(lambda x: torch.stft(x.flatten(), 8, window=torch.hann_window(8), return_complex=True).abs() ** 2, x)
+    check(lambda r, t: torch.polar(r, t), rand(3, 4).abs(), rand(3, 4))

@@ -1,4 +1,5 @@
-//! FFTs: ATen's `_fft_r2c` / `_fft_c2c` / `_fft_c2r` as `stablehlo.fft`, and complex conjugation.
+//! FFTs: ATen's `_fft_r2c` / `_fft_c2c` / `_fft_c2r` as `stablehlo.fft`, and the complex ops
+//! that come with spectra: conjugation and `polar`.
 //!
 //! `stablehlo.fft` transforms the trailing (at most 3) dims, so the requested dims are moved to
 //! the end and back. XLA's inverse transforms divide by the signal size; ATen's do not and apply
@@ -21,6 +22,7 @@ pub fn register(r: &mut Registry) {
         ],
         conj,
     );
+    r.add(&["aten.polar.default"], polar);
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -199,5 +201,22 @@ fn conj(n: NodeCtx<'_>) -> Res<'_> {
     }
     let re = b.complex_part("real", &x)?;
     let im = b.unary("negate", &b.complex_part("imag", &x)?)?;
+    Ok(vec![b.complex(&re, &im)?])
+}
+
+/// `polar(abs, angle)`: `abs * cos(angle) + i * abs * sin(angle)` (PyTorch's decomposition
+/// writes into a view in place, which a functional graph cannot hold).
+fn polar(n: NodeCtx<'_>) -> Res<'_> {
+    let (r, theta) = (n.tensor(0, "abs")?, n.tensor(1, "angle")?);
+    let b = &n.b;
+    if r.dtype() != DType::F32 || theta.dtype() != DType::F32 {
+        return Err(format!(
+            "polar of {} and {} is not lowered (needs f32)",
+            type_str(&r.ty),
+            type_str(&theta.ty)
+        ));
+    }
+    let re = b.mul(&r, &b.unary("cosine", &theta)?)?;
+    let im = b.mul(&r, &b.unary("sine", &theta)?)?;
     Ok(vec![b.complex(&re, &im)?])
 }
