@@ -1,7 +1,7 @@
 //! Resampling: `grid_sampler_3d` (PyTorch decomposes the 2-D one) and antialiased
 //! bilinear/bicubic upsampling, all following ATen's CPU kernels' formulas.
 
-use super::builder::{opmath, type_str, Builder, IndexMap, Scalar, Val, R};
+use super::builder::{type_str, Builder, IndexMap, Scalar, Val, R};
 use super::{NodeCtx, Registry, Res};
 use crate::ir::{DType, TensorType};
 
@@ -186,7 +186,8 @@ fn grid_sampler_3d<'a>(n: NodeCtx<'a>) -> Res<'a> {
     if out_ty.numel() == 0 || input.ty.numel() == 0 {
         return Ok(vec![b.splat(Scalar::Int(0), &out_ty)?]);
     }
-    let d = opmath(input.dtype());
+    // ATen's kernel computes in the input dtype itself, half types included.
+    let d = input.dtype();
     let ch = input.shape()[1];
     let sizes = [input.shape()[4], input.shape()[3], input.shape()[2]]; // W, H, D for x, y, z
     let pts: Vec<i64> = grid.shape()[..4].to_vec();
