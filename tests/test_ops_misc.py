@@ -77,6 +77,8 @@ def test_searchsorted_and_bucketize():
     check(lambda s, x: torch.searchsorted(s, x), seq, x)
     check(lambda s, x: torch.searchsorted(s, x, right=True, out_int32=True), seq, x)
     check(lambda s, x: torch.searchsorted(s, x, side="right"), rows, x)
+    row_perm = torch.stack([torch.randperm(7) for _ in range(3)])
+    check(lambda s, p, x: torch.searchsorted(s, x, sorter=p), torch.gather(rows, 1, torch.argsort(row_perm, 1)), row_perm, x)
     perm = torch.randperm(7)
     check(lambda s, p, x: torch.searchsorted(s, x, sorter=p), seq[torch.argsort(perm)], perm, x)
     check(lambda s: torch.searchsorted(s, 0.25), seq)
@@ -125,6 +127,8 @@ def test_histogram():
     check(lambda x: torch.histogram(x, 3), torch.full((4,), 2.0))
     check(lambda x: torch.histogramdd(x, [3, 4]), rand(30, 2))
     check(lambda x: torch.histogramdd(x, [2, 2, 3], range=[-1.0, 1.0, 0.0, 1.5, -1.5, 0.0], density=True), rand(30, 3))
+    edges = [torch.tensor([-1.0, 0.0, 1.5]), torch.tensor([-2.0, -0.5, 0.0, 0.3, 2.0])]
+    check(lambda x: torch.histogramdd(x, edges, weight=x[:, 0].abs(), density=True), rand(30, 2))
 
 
 @pytest.mark.parametrize("mode", ["sum", "mean", "max"])
