@@ -55,102 +55,113 @@ def test_fft(fn, complex):
     check(fn, rand(5, 6, 7, complex=complex))
 
 
-def test_fft_over_more_than_three_dims():
-    torch.manual_seed(0)
-    x = rand(2, 3, 4, 5, 3)
-    check(lambda x: fft.fftn(x, dim=(0, 1, 2, 4)), x)
-    check(lambda x: fft.rfftn(x), x)
-    check(lambda x: fft.irfftn(x, dim=(1, 2, 3, 4)), rand(2, 3, 4, 5, 3, complex=True))
+def seq():
+    return torch.sort(rand(7)).values
 
 
-def test_complex_constants_and_conj():
-    torch.manual_seed(0)
-    z = rand(3, 4, complex=True)
-    check(lambda z: torch.nn.functional.pad(z, (1, 2)) * 2, z)
-    check(lambda z: z.conj() * z + 1.5, z)
+def rows():
+    return torch.sort(rand(3, 7), dim=-1).values
 
 
-def test_searchsorted_and_bucketize():
-    torch.manual_seed(0)
-    seq, rows = torch.sort(rand(7)).values, torch.sort(rand(3, 7), dim=-1).values
-    x = torch.cat([rand(3, 5), seq[:5].reshape(1, 5)])[:3]  # some values equal a boundary
-    check(lambda s, x: torch.searchsorted(s, x), seq, x)
-    check(lambda s, x: torch.searchsorted(s, x, right=True, out_int32=True), seq, x)
-    check(lambda s, x: torch.searchsorted(s, x, side="right"), rows, x)
-    row_perm = torch.stack([torch.randperm(7) for _ in range(3)])
-    check(lambda s, p, x: torch.searchsorted(s, x, sorter=p), torch.gather(rows, 1, torch.argsort(row_perm, 1)), row_perm, x)
+def values():
+    return torch.cat([rand(2, 5), seq()[:5].reshape(1, 5)])  # some values equal a boundary
+
+
+def row_sorter():
+    perm = torch.stack([torch.randperm(7) for _ in range(3)])
+    return torch.gather(rows(), 1, torch.argsort(perm, 1)), perm, values()
+
+
+def sorter():
     perm = torch.randperm(7)
-    check(lambda s, p, x: torch.searchsorted(s, x, sorter=p), seq[torch.argsort(perm)], perm, x)
-    check(lambda s: torch.searchsorted(s, 0.25), seq)
-    check(lambda s, x: torch.bucketize(x, s, right=True), seq, x)
-    check(lambda s, x: torch.isin(x, s), seq, x)
+    return seq()[torch.argsort(perm)], perm, values()
 
 
-def test_take_put_masked_scatter():
+bag = torch.nn.functional.embedding_bag
+BAG_IDX = torch.tensor([1, 2, 2, 4, 5, 0, 3])
+MASK = torch.tensor([True, False, True, True, False])
+EDGES = [torch.tensor([-1.0, 0.0, 1.5]), torch.tensor([-2.0, -0.5, 0.0, 0.3, 2.0])]
+INF = float("inf")
+
+# (id, function, inputs): one compiled function per case, inputs made after seeding.
+CASES = [
+    ("fftn_4_dims", lambda x: fft.fftn(x, dim=(0, 1, 2, 4)), lambda: [rand(2, 3, 4, 5, 3)]),
+    ("rfftn_5_dims", lambda x: fft.rfftn(x), lambda: [rand(2, 3, 4, 5, 3)]),
+    ("irfftn_4_dims", lambda x: fft.irfftn(x, dim=(1, 2, 3, 4)), lambda: [rand(2, 3, 4, 5, 3, complex=True)]),
+    ("pad_complex", lambda z: torch.nn.functional.pad(z, (1, 2)) * 2, lambda: [rand(3, 4, complex=True)]),
+    ("conj", lambda z: z.conj() * z + 1.5, lambda: [rand(3, 4, complex=True)]),
+    ("abs_complex", lambda x: fft.rfft(x).abs(), lambda: [rand(4, 16)]),
+    ("angle_complex", lambda x: fft.rfft(x).angle(), lambda: [rand(4, 16)]),
+    ("spectrogram", lambda x: torch.stft(x, 8, window=torch.hann_window(8), return_complex=True).abs() ** 2,
+     lambda: [rand(64)]),
+    ("polar", torch.polar, lambda: [rand(3, 4).abs(), rand(3, 4)]),
+    ("searchsorted", torch.searchsorted, lambda: [seq(), values()]),
+    ("searchsorted_right_int32", lambda s, x: torch.searchsorted(s, x, right=True, out_int32=True),
+     lambda: [seq(), values()]),
+    ("searchsorted_rows_side", lambda s, x: torch.searchsorted(s, x, side="right"), lambda: [rows(), values()]),
+    ("searchsorted_sorter", lambda s, p, x: torch.searchsorted(s, x, sorter=p), sorter),
+    ("searchsorted_rows_sorter", lambda s, p, x: torch.searchsorted(s, x, sorter=p), row_sorter),
+    ("searchsorted_scalar", lambda s: torch.searchsorted(s, 0.25), lambda: [seq()]),
+    ("bucketize_right", lambda s, x: torch.bucketize(x, s, right=True), lambda: [seq(), values()]),
+    ("isin", lambda s, x: torch.isin(x, s), lambda: [seq(), values()]),
+    ("take", torch.take, lambda: [rand(3, 4), torch.tensor([[0, -1], [5, 11]])]),
+    ("take_0d_index", lambda x: torch.take(x, torch.tensor(3)), lambda: [rand(3, 4)]),
+    ("put_accumulate", lambda x, i: x.put(i, torch.full((2, 2), 2.5), accumulate=True),
+     lambda: [rand(3, 4), torch.tensor([[1, 1], [-2, 4]])]),
+    ("put", lambda x, i: x.put(i, torch.full((2, 2), 2.5)), lambda: [rand(3, 4), torch.tensor([[0, -1], [5, 11]])]),
+    ("masked_scatter", lambda x, s: x.masked_scatter(x > 0, s), lambda: [rand(3, 4), rand(4, 4)]),
+    ("masked_scatter_bcast", lambda x, s: x.masked_scatter(torch.tensor([True, False, True, True]), s),
+     lambda: [rand(3, 4), rand(13)]),
+    ("index_select_0d", lambda x: torch.index_select(x.sum(), 0, torch.tensor([0])), lambda: [rand(3, 4)]),
+    ("mode", lambda x: torch.mode(x, 1), lambda: [rand(4, 6)]),
+    ("mode_ties_keepdim", lambda x: torch.mode(x, 0, keepdim=True), lambda: [torch.randint(0, 3, (6, 5)).float()]),
+    ("logcumsumexp", lambda x: torch.logcumsumexp(x, 1), lambda: [rand(4, 6) * 40]),
+    ("logcumsumexp_inf", lambda x: torch.logcumsumexp(x, 0),
+     lambda: [torch.tensor([[-INF, 1.0], [-INF, INF], [2.0, 3.0]])]),
+    ("bilinear", torch.nn.functional.bilinear, lambda: [rand(2, 3, 3), rand(2, 3, 4), rand(5, 3, 4), rand(5)]),
+    ("index_put_mask_row", lambda x, v: x.index_put((MASK,), v), lambda: [rand(5, 4), rand(4)]),
+    ("index_put_mask_rows_acc", lambda x, v: x.index_put((MASK,), v, accumulate=True), lambda: [rand(5, 4), rand(3, 4)]),
+    ("index_put_mask_2d", lambda x: x.index_put((x > 0,), torch.tensor(2.5)), lambda: [rand(5, 4)]),
+    ("as_strided_scatter", lambda x, s: torch.as_strided_scatter(x, s, (2, 2), (1, 3), 1),
+     lambda: [rand(5, 4), rand(2, 2)]),
+    ("histogram", lambda x: torch.histogram(x, 7), lambda: [rand(40)]),
+    ("histogram_range_density", lambda x: torch.histogram(x, 5, range=(-1.0, 1.0), weight=x.abs(), density=True),
+     lambda: [rand(40)]),
+    ("histogram_edges", torch.histogram, lambda: [rand(40), torch.tensor([-1.2, -0.3, 0.0, 0.4, 1.5])]),
+    ("histogram_constant", lambda x: torch.histogram(x, 3), lambda: [torch.full((4,), 2.0)]),
+    ("histogramdd", lambda x: torch.histogramdd(x, [3, 4]), lambda: [rand(30, 2)]),
+    ("histogramdd_range_density",
+     lambda x: torch.histogramdd(x, [2, 2, 3], range=[-1.0, 1.0, 0.0, 1.5, -1.5, 0.0], density=True),
+     lambda: [rand(30, 3)]),
+    ("histogramdd_edges", lambda x: torch.histogramdd(x, EDGES, weight=x[:, 0].abs(), density=True),
+     lambda: [rand(30, 2)]),
+    ("embedding_bag_aux_mean", lambda w: torch.ops.aten._embedding_bag_forward_only(
+        w, BAG_IDX, torch.tensor([0, 3, 3, 5]), False, 1, False, None, False, 2), lambda: [rand(6, 3)]),
+    ("embedding_bag_aux_max", lambda w: torch.ops.aten._embedding_bag_forward_only(
+        w, BAG_IDX, torch.tensor([0, 3, 3, 5]), False, 2, False, None, False, 2), lambda: [rand(6, 3)]),
+    ("embedding_bag_weights", lambda w, p: bag(BAG_IDX, w, torch.tensor([0, 4]), mode="sum", per_sample_weights=p),
+     lambda: [rand(6, 3), rand(7)]),
+    ("embedding_bag_weights_padding",
+     lambda w, p: bag(BAG_IDX, w, torch.tensor([0, 4]), mode="sum", per_sample_weights=p, padding_idx=2),
+     lambda: [rand(6, 3), rand(7)]),
+]
+
+
+@pytest.mark.parametrize("fn,make", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_op(fn, make):
     torch.manual_seed(0)
-    x, idx = rand(3, 4), torch.tensor([[0, -1], [5, 11]])
-    check(lambda x, i: torch.take(x, i), x, idx)
-    check(lambda x: torch.take(x, torch.tensor(3)), x)
-    check(lambda x, i: x.put(i, torch.full((2, 2), 2.5), accumulate=True), x, torch.tensor([[1, 1], [-2, 4]]))
-    check(lambda x, i: x.put(i, torch.full((2, 2), 2.5)), x, idx)
-    check(lambda x, s: x.masked_scatter(x > 0, s), x, rand(4, 4))
-    check(lambda x, s: x.masked_scatter(torch.tensor([True, False, True, True]), s), x, rand(13))
-    check(lambda x: torch.index_select(x.sum(), 0, torch.tensor([0])), x)
-
-
-def test_mode_and_logcumsumexp():
-    torch.manual_seed(0)
-    x = rand(4, 6)
-    check(lambda x: torch.mode(x, 1), x)
-    check(lambda x: torch.mode(x, 0, keepdim=True), torch.randint(0, 3, (6, 5)).float())
-    check(lambda x: torch.logcumsumexp(x, 1), x * 40)
-    check(lambda x: torch.logcumsumexp(x, 0), torch.tensor([[-float("inf"), 1.0], [-float("inf"), float("inf")], [2.0, 3.0]]))
-
-
-def test_bilinear_index_put_mask_as_strided_scatter():
-    torch.manual_seed(0)
-    w, bias = rand(5, 3, 4), rand(5)
-    check(lambda a, c: torch.nn.functional.bilinear(a, c, w, bias), rand(2, 3, 3), rand(2, 3, 4))
-    x, mask = rand(5, 4), torch.tensor([True, False, True, True, False])
-    check(lambda x, v: x.index_put((mask,), v), x, rand(4))
-    check(lambda x, v: x.index_put((mask,), v, accumulate=True), x, rand(3, 4))
-    check(lambda x: x.index_put((x > 0,), torch.tensor(2.5)), x)
-    check(lambda x, s: torch.as_strided_scatter(x, s, (2, 2), (1, 3), 1), x, rand(2, 2))
-
-
-def test_histogram():
-    torch.manual_seed(0)
-    x = rand(40)
-    check(lambda x: torch.histogram(x, 7), x)
-    check(lambda x: torch.histogram(x, 5, range=(-1.0, 1.0), weight=x.abs(), density=True), x)
-    check(lambda x, e: torch.histogram(x, e), x, torch.tensor([-1.2, -0.3, 0.0, 0.4, 1.5]))
-    check(lambda x: torch.histogram(x, 3), torch.full((4,), 2.0))
-    check(lambda x: torch.histogramdd(x, [3, 4]), rand(30, 2))
-    check(lambda x: torch.histogramdd(x, [2, 2, 3], range=[-1.0, 1.0, 0.0, 1.5, -1.5, 0.0], density=True), rand(30, 3))
-    edges = [torch.tensor([-1.0, 0.0, 1.5]), torch.tensor([-2.0, -0.5, 0.0, 0.3, 2.0])]
-    check(lambda x: torch.histogramdd(x, edges, weight=x[:, 0].abs(), density=True), rand(30, 2))
+    check(fn, *make())
 
 
 @pytest.mark.parametrize("mode", ["sum", "mean", "max"])
 @pytest.mark.parametrize("padding_idx", [None, 2])
-def test_embedding_bag(mode, padding_idx):
+@pytest.mark.parametrize("offsets,include_last", [([0, 3, 3, 5], False), ([0, 3, 3, 7], True), (None, False)],
+                         ids=["offsets", "include_last", "2d"])
+def test_embedding_bag(mode, padding_idx, offsets, include_last):
     torch.manual_seed(0)
-    w, idx = rand(6, 3), torch.tensor([1, 2, 2, 4, 5, 0, 3])
-    bag = torch.nn.functional.embedding_bag
-    check(lambda w: bag(idx, w, torch.tensor([0, 3, 3, 5]), mode=mode, padding_idx=padding_idx), w)
-    check(lambda w: bag(idx, w, torch.tensor([0, 3, 3, 7]), mode=mode, padding_idx=padding_idx,
-                        include_last_offset=True), w)
-    check(lambda w: bag(idx[:6].reshape(2, 3), w, mode=mode, padding_idx=padding_idx), w)
-    if mode == "sum":
-        check(lambda w, p: bag(idx, w, torch.tensor([0, 4]), mode="sum", per_sample_weights=p, padding_idx=padding_idx), w, rand(7))
-
-
-def test_embedding_bag_aux_outputs():
-    torch.manual_seed(0)
-    w, idx, off = rand(6, 3), torch.tensor([1, 2, 2, 4, 5, 0, 3]), torch.tensor([0, 3, 3, 5])
-    f = torch.ops.aten._embedding_bag_forward_only
-    for mode in (1, 2):
-        check(lambda w: f(w, idx, off, False, mode, False, None, False, 2), w)
+    idx = BAG_IDX if offsets else BAG_IDX[:6].reshape(2, 3)
+    off = torch.tensor(offsets) if offsets else None
+    check(lambda w: bag(idx, w, off, mode=mode, padding_idx=padding_idx, include_last_offset=include_last), rand(6, 3))
 
 
 @pytest.mark.parametrize("mode", ["bilinear", "nearest"])
@@ -188,12 +199,3 @@ def test_embedding_max_norm(norm_type):
 
 def test_squeeze_empty_dims_keeps_shape():
     check(lambda x: x.squeeze(()) * 2, rand(1, 3, 1))
-
-
-def test_complex_magnitude_angle_polar():
-    torch.manual_seed(0)
-    x = rand(4, 16)
-    check(lambda x: torch.fft.rfft(x).abs(), x)
-    check(lambda x: torch.fft.rfft(x).angle(), x)
-    check(lambda x: torch.stft(x.flatten(), 8, window=torch.hann_window(8), return_complex=True).abs() ** 2, x)
-    check(lambda r, t: torch.polar(r, t), rand(3, 4).abs(), rand(3, 4))
