@@ -22,13 +22,18 @@ from .executable import compile_graph
 from .symbolic import PerShape
 
 
+# Core ATen ops lowered as themselves when the compiler has a rule: core's decomposition of `take`
+# reads a 0-d index with `.item()`, a data-dependent scalar that static shapes cannot bind.
+_KEEP = {torch.ops.aten.take.default}
+
+
 def _decompositions() -> dict[Any, Callable[..., Any]]:
     """Core ATen (the compiler lowers core ATen ops, plus what the census shows survives it, e.g.
     SDPA is decomposed by this table into bmm/_softmax), and beyond it PyTorch's decomposition
     of every op the compiler has no rule for, so an op without a rule still compiles when it
     reduces to ops with one."""
-    table = dict(core_aten_decompositions())
     ours = set(_native.supported_ops())
+    table = {op: fn for op, fn in core_aten_decompositions().items() if op not in _KEEP or str(op) not in ours}
     for op, fn in decomposition_table.items():
         if op not in table and isinstance(op, torch._ops.OpOverload) and str(op) not in ours:
             table[op] = fn

@@ -221,7 +221,11 @@ class _Builder:
                 return self.arg(self.scalars[a])
             return {"value": self.value_of(a)}
         if isinstance(a, _SYMBOLIC):
-            return self.arg(self.resolve(a))
+            value = self.resolve(a)
+            if isinstance(value, _SYMBOLIC):
+                # An unbacked value read from a tensor (`.item()`): nothing binds it.
+                raise NotImplementedError(f"tpu_dynamo: data-dependent scalar {a} (no static value)")
+            return self.arg(value)
         if isinstance(a, SymbolicSize):
             return {"symint": a.expr}  # a marker; `symbolic_sizes` moves it out of the graph
         if a is None:

@@ -35,12 +35,14 @@ KNOWN = [
      " (aot_eager with the same table agrees with us); the attention output matches"),
     ("polygamma", "XLA's polygamma approximation is ~1e-5 relative off PyTorch's"),
     ("with_effects", "linalg ops with error checks trace to the with_effects HOP, not lowered"),
+    ("new_empty_strided", "uninitialized memory: eager's values are arbitrary, nothing to match"),
+    ("narrow", "narrow with a tensor start reads it with .item(): the slice start is a data-dependent"
+     " scalar, which the static-shape compiler cannot bind"),
     ("symbolic shape", "data-dependent output shape; the compiler needs static shapes"),
+    ("data-dependent scalar", "data-dependent scalar (.item()) in the graph; static shapes only"),
     ("SymInt", "data-dependent scalar (.item()) in the graph; static shapes only"),
     ("is not supported", "dtype outside the IR (complex128, complex32, wide unsigned)"),
-    ("complex constants", "complex constants are not lowered yet"),
     ("linalg", "LAPACK-style factorizations/solvers have no StableHLO rule"),
-    ("fft", "FFT has no rule yet"),
     ("special_", "special polynomial/Bessel functions have no rule"),
 ]
 

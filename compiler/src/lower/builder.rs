@@ -426,7 +426,15 @@ impl<'a> Builder<'a> {
         let text = match d {
             DType::Bool => (value.as_f64() != 0.0).to_string(),
             DType::F32 | DType::F64 => float_bits_text(d, value.as_f64()),
-            DType::C64 => return Err("complex constants are not supported".into()),
+            DType::C64 => {
+                // A Scalar is real: the constant is (value, 0).
+                let part = TensorType::new(DType::F32, ty.shape.clone());
+                let (re, im) = (
+                    self.splat(value, &part)?,
+                    self.splat(Scalar::Int(0), &part)?,
+                );
+                return self.complex(&re, &im);
+            }
             _ => match value {
                 Scalar::Float(f) => (f as i64).to_string(),
                 Scalar::Int(i) => i.to_string(),
@@ -435,6 +443,22 @@ impl<'a> Builder<'a> {
         };
         let attr = format!("dense<{text}> : {}", tensor_str(ty));
         self.op("stablehlo.constant", &[], &[("value", attr)], ty.clone())
+    }
+
+    /// An f32 constant of `shape` holding `values` (row-major), as the raw little-endian
+    /// bytes MLIR's hex form takes, so every bit survives.
+    pub fn constant_f32(&self, values: &[f32], shape: &[i64]) -> R<Val<'a>> {
+        let ty = TensorType::new(DType::F32, shape.to_vec());
+        if values.len() as i64 != ty.numel() {
+            return Err(format!("{} values for a {} constant", values.len(), type_str(&ty)));
+        }
+        let hex: String = values
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .map(|byte| format!("{byte:02X}"))
+            .collect();
+        let attr = format!("dense<\"0x{hex}\"> : {}", tensor_str(&ty));
+        self.op("stablehlo.constant", &[], &[("value", attr)], ty)
     }
 
     pub fn scalar(&self, value: Scalar, dtype: DType) -> R<Val<'a>> {
@@ -480,6 +504,25 @@ impl<'a> Builder<'a> {
             &[],
             TensorType::new(dtype, x.ty.shape.clone()),
         )
+    }
+
+    /// `re + i*im` from two f32 tensors of one shape.
+    pub fn complex(&self, re: &Val<'a>, im: &Val<'a>) -> R<Val<'a>> {
+        if re.ty != im.ty || re.dtype() != DType::F32 {
+            return Err(format!(
+                "complex: parts must be f32 of one shape, got {} and {}",
+                type_str(&re.ty),
+                type_str(&im.ty)
+            ));
+        }
+        let ty = TensorType::new(DType::C64, re.shape().to_vec());
+        self.op("stablehlo.complex", &[re, im], &[], ty)
+    }
+
+    /// The real (`"real"`) or imaginary (`"imag"`) part of a complex tensor, as f32.
+    pub fn complex_part(&self, part: &str, z: &Val<'a>) -> R<Val<'a>> {
+        let ty = TensorType::new(DType::F32, z.shape().to_vec());
+        self.op(&format!("stablehlo.{part}"), &[z], &[], ty)
     }
 
     /// Reinterprets the bits of each element as `dtype` (same width).
@@ -981,6 +1024,15 @@ impl<'a> Builder<'a> {
             )?
             .remove(0))
     }
+}
+
+/// The permutation that undoes `perm` (as given to `transpose`).
+pub fn inverse_perm(perm: &[usize]) -> Vec<usize> {
+    let mut inv = vec![0; perm.len()];
+    for (i, &p) in perm.iter().enumerate() {
+        inv[p] = i;
+    }
+    inv
 }
 
 /// `shape` with the reduced `dims` set to 1.

@@ -4,9 +4,9 @@
 //! Like PyTorch's CPU kernels, half-precision results are computed in f32 ("opmath") and rounded
 //! once at the end; operands are promoted to the dtype FX recorded for the result.
 
-use super::builder::{opmath, Builder, Operand, Scalar, Val, R};
+use super::builder::{opmath, type_str, Builder, Operand, Scalar, Val, R};
 use super::{NodeCtx, Registry, Res};
-use crate::ir::DType;
+use crate::ir::{DType, TensorType};
 
 /// Unary functions, each registered as `aten.<name>.default` and (the ones PyTorch has as a
 /// primitive, reached through its reference decompositions) `prims.<name>.default`.
@@ -400,12 +400,22 @@ fn gelu<'a>(b: &Builder<'a>, x: &Val<'a>, approximate: &str) -> R<Val<'a>> {
 fn unary(n: NodeCtx<'_>) -> Res<'_> {
     let out = n.out_dtype()?;
     let b = &n.b;
-    let x = b.convert(&n.tensor(0, "self")?, opmath(out))?;
-    let one = || b.full_like(Scalar::Int(1), &x);
+    let x = n.tensor(0, "self")?;
     let name =
         n.op.trim_start_matches("aten.")
             .trim_start_matches("prims.")
             .trim_end_matches(".default");
+    if x.dtype() == DType::C64 && out != DType::C64 {
+        // `abs` of a complex tensor is its real magnitude (converting first would keep only
+        // the real part); other complex-to-real unary ops are not lowered here.
+        if name != "abs" {
+            return Err(format!("{} of {} is not lowered", n.op, type_str(&x.ty)));
+        }
+        let ty = TensorType::new(DType::F32, x.shape().to_vec());
+        return Ok(vec![b.convert(&b.op("stablehlo.abs", &[&x], &[], ty)?, out)?]);
+    }
+    let x = b.convert(&x, opmath(out))?;
+    let one = || b.full_like(Scalar::Int(1), &x);
     let simple = match name {
         "neg" => Some("negate"),
         "abs" | "log" | "sqrt" | "rsqrt" | "tan" | "tanh" | "floor" | "ceil" | "sign" => Some(name),
@@ -510,15 +520,16 @@ fn signbit(n: NodeCtx<'_>) -> Res<'_> {
     Ok(vec![b.convert(&neg, n.out_dtype()?)?])
 }
 
-/// `angle(x)` of a real tensor: pi for negative values, NaN kept, else 0 (so -0.0 gives 0, as in
-/// PyTorch, where `atan2(0, x)` would give pi).
+/// `angle(x)`: `atan2(imag, real)` of a complex tensor; of a real one, pi for negative values,
+/// NaN kept, else 0 (so -0.0 gives 0, as in PyTorch, where `atan2(0, x)` would give pi).
 fn angle(n: NodeCtx<'_>) -> Res<'_> {
     let out = n.out_dtype()?;
     let x = n.tensor(0, "self")?;
-    if x.dtype() == DType::C64 {
-        return Err("angle of complex tensors is not lowered".into());
-    }
     let b = &n.b;
+    if x.dtype() == DType::C64 {
+        let (re, im) = (b.complex_part("real", &x)?, b.complex_part("imag", &x)?);
+        return Ok(vec![b.convert(&b.binary("atan2", &im, &re)?, out)?]);
+    }
     let x = b.convert(&x, out)?;
     let zero = b.full_like(Scalar::Int(0), &x)?;
     let pi = b.full_like(Scalar::Float(std::f64::consts::PI), &x)?;

@@ -1,8 +1,8 @@
-//! Matrix products and convolution. Half-precision operands accumulate in f32 (the dot or
+//! Matrix products (and `_trilinear`) and convolution. Half-precision operands accumulate in f32 (the dot or
 //! convolution yields f32, rounded once), which is what PyTorch's CPU GEMMs do.
 
 use super::builder::{
-    broadcast_shapes, i64_array, opmath, padding_attr, Builder, Combiner, Scalar, Val, R,
+    broadcast_shapes, i64_array, norm_dim, opmath, padding_attr, Builder, Combiner, Scalar, Val, R,
 };
 use super::reduction::sum_to;
 use super::{NodeCtx, Registry, Res};
@@ -23,6 +23,58 @@ pub fn register(r: &mut Registry) {
     r.add(&["transformers.grouped_mm_fallback.default"], grouped_mm);
     r.add(&["aten._cdist_forward.default"], cdist);
     r.add(&["aten._pdist_forward.default"], pdist);
+    r.add(&["aten._trilinear.default"], trilinear);
+}
+
+/// `_trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim)` (behind
+/// `nn.functional.bilinear`): each input gets size-1 dims at its `expand` positions, the three
+/// are multiplied with broadcasting and `sumdim` is summed out (in f32 for half inputs).
+/// `unroll_dim` only picks ATen's loop order.
+fn trilinear(n: NodeCtx<'_>) -> Res<'_> {
+    let b = &n.b;
+    let inputs = [n.tensor(0, "i1")?, n.tensor(1, "i2")?, n.tensor(2, "i3")?];
+    let expands = [
+        n.ints(3, "expand1")?,
+        n.ints(4, "expand2")?,
+        n.ints(5, "expand3")?,
+    ];
+    let total = inputs[0].rank() + expands[0].len();
+    let out = n.out_dtype()?;
+    let mut product: Option<Val> = None;
+    for (x, expand) in inputs.iter().zip(&expands) {
+        let expand = expand
+            .iter()
+            .map(|&d| norm_dim(d, total))
+            .collect::<R<Vec<_>>>()?;
+        if x.rank() + expand.len() != total {
+            return Err(format!("_trilinear: inputs do not expand to rank {total}"));
+        }
+        let mut dims = x.shape().iter();
+        let shape: Vec<i64> = (0..total)
+            .map(|i| {
+                if expand.contains(&i) {
+                    1
+                } else {
+                    *dims.next().unwrap_or(&1)
+                }
+            })
+            .collect();
+        let x = b.reshape(&b.convert(x, opmath(out))?, &shape)?;
+        product = Some(match product {
+            None => x,
+            Some(p) => b.mul(&p, &x)?,
+        });
+    }
+    let product = product.ok_or("_trilinear: no inputs")?;
+    let mut sumdim = n
+        .ints(6, "sumdim")?
+        .iter()
+        .map(|&d| norm_dim(d, total))
+        .collect::<R<Vec<_>>>()?;
+    sumdim.sort_unstable();
+    sumdim.dedup();
+    let y = sum_to(b, &product, &sumdim, true, out)?;
+    Ok(vec![b.reshape(&y, &n.out(0)?.shape)?])
 }
 
 /// `mm`, `bmm`, and `addmm`/`baddbmm`/`addbmm` (`beta * input + alpha * (a @ b)`).

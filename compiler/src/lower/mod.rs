@@ -9,11 +9,13 @@ mod compare;
 mod convert;
 mod creation;
 mod elementwise;
+mod fft;
 mod indexing;
 mod linalg;
 mod normalization;
 mod pooling;
 mod reduction;
+mod sampling;
 mod sorting;
 mod view;
 
@@ -139,6 +141,7 @@ fn registry() -> &'static Registry {
     REG.get_or_init(|| {
         let mut r = Registry(HashMap::new());
         elementwise::register(&mut r);
+        fft::register(&mut r);
         compare::register(&mut r);
         convert::register(&mut r);
         creation::register(&mut r);
@@ -147,6 +150,7 @@ fn registry() -> &'static Registry {
         normalization::register(&mut r);
         pooling::register(&mut r);
         reduction::register(&mut r);
+        sampling::register(&mut r);
         sorting::register(&mut r);
         view::register(&mut r);
         r
@@ -290,6 +294,23 @@ impl<'a> NodeCtx<'a> {
                     _ => Err(Self::missing(name)),
                 })
                 .collect(),
+            Some(_) => Err(Self::missing(name)),
+        }
+    }
+
+    /// A list of numbers (`float[]?`); `None` when absent.
+    pub fn opt_floats(&self, pos: usize, name: &str) -> R<Option<Vec<f64>>> {
+        match self.arg(pos, name) {
+            None => Ok(None),
+            Some(A::List(l)) => l
+                .iter()
+                .map(|a| match a {
+                    A::Float(f) => Ok(*f),
+                    A::Int(i) => Ok(*i as f64),
+                    _ => Err(Self::missing(name)),
+                })
+                .collect::<R<Vec<_>>>()
+                .map(Some),
             Some(_) => Err(Self::missing(name)),
         }
     }

@@ -1,9 +1,11 @@
-//! Reductions (sum, mean, amax/amin, any/all), softmax / log_softmax, cumsum / cummax / cummin, segment_reduce, histc.
+//! Reductions (sum, mean, amax/amin, any/all), softmax / log_softmax, cumsum / cummax / cummin /
+//! logcumsumexp, segment_reduce, histc, histogram / histogramdd.
 //!
 //! Half-precision inputs accumulate in f32 and round once, as PyTorch's CPU kernels do.
 
 use super::builder::{
-    keep_dims_shape, norm_dim, norm_dims, opmath, Builder, Combiner, Scalar, Val, R,
+    inverse_perm, keep_dims_shape, norm_dim, norm_dims, opmath, type_str, Builder, Combiner,
+    Scalar, Val, R,
 };
 use super::{NodeCtx, Registry, Res};
 use crate::ir::{DType, TensorType};
@@ -56,8 +58,19 @@ pub fn register(r: &mut Registry) {
         softmax,
     );
     r.add(&["aten.cumsum.default"], cumsum);
+    r.add(&["aten.logcumsumexp.default"], logcumsumexp);
     r.add(&["aten.cummax.default", "aten.cummin.default"], cumextremum);
     r.add(&["aten.histc.default"], histc);
+    r.add(
+        &[
+            "aten.histogram.bin_ct",
+            "aten.histogram.bins_tensor",
+            "aten._histogramdd_bin_edges.default",
+            "aten._histogramdd_from_bin_cts.default",
+            "aten._histogramdd_from_bin_tensors.default",
+        ],
+        histogram,
+    );
     r.add(&["aten.segment_reduce.default"], segment_reduce);
     r.add(&["aten.var.correction", "aten.var_mean.correction"], var);
 }
@@ -217,6 +230,59 @@ fn cumsum(n: NodeCtx<'_>) -> Res<'_> {
     Ok(vec![b.convert(&y, out)?])
 }
 
+/// `logcumsumexp(x, dim)`: `m + log(sum exp(x_k - m))` over each prefix, with `m` the prefix's
+/// own max so no term underflows against a later, larger one; built over all (position,
+/// earlier position) pairs. An infinite prefix max is the answer itself (avoids inf - inf).
+fn logcumsumexp(n: NodeCtx<'_>) -> Res<'_> {
+    let x = n.tensor(0, "self")?;
+    let b = &n.b;
+    if x.rank() == 0 {
+        return Ok(vec![x]);
+    }
+    let dim = norm_dim(n.int(1, "dim")?, x.rank())?;
+    let mut perm: Vec<usize> = (0..x.rank()).filter(|&d| d != dim).collect();
+    perm.push(dim);
+    let xt = b.transpose(&b.convert(&x, opmath(x.dtype()))?, &perm)?;
+    let r = xt.rank();
+    let mut pair = xt.shape().to_vec();
+    pair.push(xt.shape()[r - 1]);
+    let mut dims: Vec<usize> = (0..r - 1).collect();
+    dims.push(r);
+    let xk = b.broadcast_in_dim(&xt, &pair, &dims)?;
+    let (i, k) = (
+        b.iota(&TensorType::new(DType::I64, pair.clone()), r - 1)?,
+        b.iota(&TensorType::new(DType::I64, pair.clone()), r)?,
+    );
+    let prefix = b.compare(&k, &i, "LE")?;
+    let neg_inf = b.full_like(Scalar::Float(f64::NEG_INFINITY), &xk)?;
+    let m = b.reduce(
+        &b.select(&prefix, &xk, &neg_inf)?,
+        &[r],
+        Combiner::Max,
+        true,
+    )?;
+    let terms = b.unary("exponential", &b.sub(&xk, &m)?)?;
+    let zero = b.full_like(Scalar::Int(0), &terms)?;
+    let sum = b.reduce(
+        &b.select(&prefix, &terms, &zero)?,
+        &[r],
+        Combiner::Add,
+        false,
+    )?;
+    let m = b.reshape(&m, xt.shape())?;
+    let y = b.add(&m, &b.unary("log", &sum)?)?;
+    let inf = b.compare(
+        &b.unary("abs", &m)?,
+        &b.full_like(Scalar::Float(f64::INFINITY), &m)?,
+        "EQ",
+    )?;
+    let y = b.select(&inf, &m, &y)?;
+    Ok(vec![b.convert(
+        &b.transpose(&y, &inverse_perm(&perm))?,
+        x.dtype(),
+    )?])
+}
+
 /// `cummax` / `cummin`: the running extremum (NaN sticks, as max/min propagate it) and the index
 /// of its last occurrence so far. Each element that equals the running extremum at its own
 /// position (or is NaN) resets the index, so the index is a running max of those positions.
@@ -340,6 +406,159 @@ fn histc(n: NodeCtx<'_>) -> Res<'_> {
         false,
         x.dtype(),
     )?])
+}
+
+/// `histogram` (1-D, flattened input) and the `histogramdd` pieces (input `[..., D]`): bin
+/// counts (or `weight` sums) and bin edges. Bin counts give `bins + 1` edges per dim spaced as
+/// ATen's `linspace` between `range` or the data's min and max (widened by 0.5 when equal;
+/// 0 and 1 for no data). An element falls in the last bin whose left edge is at most it, the
+/// rightmost edge joining the last bin; elements outside the edges or NaN are left out.
+/// `density` divides by the total and by each bin's widths.
+fn histogram(n: NodeCtx<'_>) -> Res<'_> {
+    let b = &n.b;
+    let x = n.tensor(0, "self")?;
+    let dd = n.op.contains("histogramdd");
+    let d = x.dtype();
+    if !d.is_float() {
+        return Err(format!("{} of {} is not lowered", n.op, type_str(&x.ty)));
+    }
+    let dims = if dd {
+        *x.shape().last().ok_or("histogramdd of a 0-d tensor")?
+    } else {
+        1
+    };
+    let count = if dims == 0 { 0 } else { x.ty.numel() / dims };
+    let x = b.reshape(&x, &[count, dims])?;
+    let tensor_bins = n.op.ends_with("bins_tensor") || n.op.ends_with("bin_tensors.default");
+    let edges: Vec<Val> = if tensor_bins && dd {
+        n.tensors(1, "bins")?
+    } else if tensor_bins {
+        vec![n.tensor(1, "bins")?]
+    } else {
+        let bins = n.ints(1, "bins")?;
+        let range = n.opt_floats(2, "range")?;
+        if range.as_ref().is_some_and(|r| r.len() as i64 != 2 * dims) {
+            return Err(format!("{}: range {range:?} needs 2 numbers per dim", n.op));
+        }
+        (0..dims as usize)
+            .map(|k| {
+                let bins = *bins.get(k).or(bins.first()).ok_or("histogram: no bins")?;
+                let column =
+                    b.reshape(&b.slice_dim(&x, 1, k as i64, k as i64 + 1, 1)?, &[count])?;
+                let (lo, hi) = match &range {
+                    Some(r) => (
+                        b.scalar(Scalar::Float(r[2 * k]), d)?,
+                        b.scalar(Scalar::Float(r[2 * k + 1]), d)?,
+                    ),
+                    None if count == 0 => {
+                        (b.scalar(Scalar::Int(0), d)?, b.scalar(Scalar::Int(1), d)?)
+                    }
+                    None => (
+                        b.reduce(&column, &[0], Combiner::Min, false)?,
+                        b.reduce(&column, &[0], Combiner::Max, false)?,
+                    ),
+                };
+                let same = b.compare(&lo, &hi, "EQ")?;
+                let lo = b.select(&same, &b.add_scalar(&lo, -0.5)?, &lo)?;
+                let hi = b.select(&same, &b.add_scalar(&hi, 0.5)?, &hi)?;
+                linspace(b, &lo, &hi, bins + 1)
+            })
+            .collect::<R<Vec<_>>>()?
+    };
+    if n.op.ends_with("_bin_edges.default") {
+        return Ok(edges);
+    }
+    let weight = n.opt_tensor(3, "weight")?;
+    let density = n.bool_or(4, "density", false)?;
+    let weight = match weight {
+        Some(w) => b.reshape(&b.convert(&w, d)?, &[count])?,
+        None => b.splat(Scalar::Int(1), &TensorType::new(d, vec![count]))?,
+    };
+    // Flat bin id over all dims (row-major) and whether every coordinate is inside.
+    let total: i64 = edges.iter().map(|e| e.shape()[0] - 1).product();
+    let mut flat = b.splat(Scalar::Int(0), &TensorType::new(DType::I64, vec![count]))?;
+    let mut inside = b.splat(
+        Scalar::Bool(true),
+        &TensorType::new(DType::Bool, vec![count]),
+    )?;
+    for (k, e) in edges.iter().enumerate() {
+        let e = b.convert(e, d)?;
+        let len = e.shape()[0];
+        let column = b.reshape(&b.slice_dim(&x, 1, k as i64, k as i64 + 1, 1)?, &[count])?;
+        let pair = [count, len];
+        let col = b.broadcast_in_dim(&column, &pair, &[0])?;
+        let below = b.compare(&b.broadcast_in_dim(&e, &pair, &[1])?, &col, "LE")?;
+        let passed = b.reduce(&b.convert(&below, DType::I64)?, &[1], Combiner::Add, false)?;
+        let last = b.full_like(Scalar::Int(len - 1), &passed)?;
+        let pos = b.sub(
+            &b.binary("minimum", &passed, &last)?,
+            &b.full_like(Scalar::Int(1), &passed)?,
+        )?;
+        let first = b.reshape(&b.slice_dim(&e, 0, 0, 1, 1)?, &[])?;
+        let top = b.reshape(&b.slice_dim(&e, 0, len - 1, len, 1)?, &[])?;
+        let ok = b.binary(
+            "and",
+            &b.compare(&column, &b.broadcast_to(&first, &[count])?, "GE")?,
+            &b.compare(&column, &b.broadcast_to(&top, &[count])?, "LE")?,
+        )?;
+        inside = b.binary("and", &inside, &ok)?;
+        flat = b.add(
+            &b.mul(&flat, &b.full_like(Scalar::Int(len - 1), &flat)?)?,
+            &pos,
+        )?;
+    }
+    let pair = [count, total];
+    let bin = b.iota(&TensorType::new(DType::I64, pair.to_vec()), 1)?;
+    let hit = b.binary(
+        "and",
+        &b.compare(&b.broadcast_in_dim(&flat, &pair, &[0])?, &bin, "EQ")?,
+        &b.broadcast_in_dim(&inside, &pair, &[0])?,
+    )?;
+    let zero = b.splat(Scalar::Int(0), &TensorType::new(d, pair.to_vec()))?;
+    let terms = b.select(&hit, &b.broadcast_in_dim(&weight, &pair, &[0])?, &zero)?;
+    let shape: Vec<i64> = edges.iter().map(|e| e.shape()[0] - 1).collect();
+    let mut hist = b.reshape(&sum_to(b, &terms, &[0], false, d)?, &shape)?;
+    if density {
+        let sum = sum_to(b, &hist, &(0..shape.len()).collect::<Vec<_>>(), false, d)?;
+        hist = b.div(&hist, &sum)?;
+        for (k, e) in edges.iter().enumerate() {
+            let e = b.convert(e, d)?;
+            let len = e.shape()[0];
+            let width = b.sub(
+                &b.slice_dim(&e, 0, 1, len, 1)?,
+                &b.slice_dim(&e, 0, 0, len - 1, 1)?,
+            )?;
+            hist = b.div(&hist, &b.broadcast_in_dim(&width, &shape, &[k])?)?;
+        }
+    }
+    let mut outs = vec![hist];
+    if !dd {
+        outs.extend(edges);
+    }
+    Ok(outs)
+}
+
+/// `steps` points from `lo` to `hi` (0-d) as ATen's `linspace` computes them: the first half
+/// counts up from `lo`, the second half down from `hi`.
+fn linspace<'a>(b: &Builder<'a>, lo: &Val<'a>, hi: &Val<'a>, steps: i64) -> R<Val<'a>> {
+    let d = lo.dtype();
+    let ty = TensorType::new(d, vec![steps]);
+    let step = b.div(
+        &b.sub(hi, lo)?,
+        &b.scalar(Scalar::Int((steps - 1).max(1)), d)?,
+    )?;
+    let i = b.iota(&ty, 0)?;
+    let up = b.add(
+        &b.broadcast_to(lo, &[steps])?,
+        &b.mul(&b.broadcast_to(&step, &[steps])?, &i)?,
+    )?;
+    let back = b.sub(&b.full_like(Scalar::Int(steps - 1), &i)?, &i)?;
+    let down = b.sub(
+        &b.broadcast_to(hi, &[steps])?,
+        &b.mul(&b.broadcast_to(&step, &[steps])?, &back)?,
+    )?;
+    let first_half = b.compare(&i, &b.full_like(Scalar::Int(steps / 2), &i)?, "LT")?;
+    b.select(&first_half, &up, &down)
 }
 
 /// `segment_reduce(data, reduce, lengths|offsets, axis, initial)` with 1-D segment bounds:

@@ -1,8 +1,9 @@
 //! Sorting and selection: sort, topk, kthvalue, median, max/min along a dim, argmax/argmin, all on one stable
 //! `stablehlo.sort` of (values, indices). Stability gives PyTorch's tie order (the first
 //! occurrence wins), and the comparator ranks NaN like PyTorch: above every number.
+//! `searchsorted` / `bucketize` and `mode` need no sort: they count comparisons.
 
-use super::builder::{norm_dim, Builder, Combiner, Scalar, Val, R};
+use super::builder::{norm_dim, result_type, type_str, Builder, Combiner, Operand, Scalar, Val, R};
 use super::{NodeCtx, Registry, Res};
 use crate::ir::{DType, TensorType};
 
@@ -28,6 +29,16 @@ pub fn register(r: &mut Registry) {
         ],
         extremum_dim,
     );
+    r.add(
+        &[
+            "aten.searchsorted.Tensor",
+            "aten.searchsorted.Scalar",
+            "aten.bucketize.Tensor",
+            "aten.bucketize.Scalar",
+        ],
+        searchsorted,
+    );
+    r.add(&["aten.mode.default"], mode);
 }
 
 /// Sorts `x` along `dim`, returning values and i64 source indices. `descending` puts NaN
@@ -195,4 +206,117 @@ fn median<'a>(n: NodeCtx<'a>) -> Res<'a> {
         outs.push(pick(&i, &n.out(1)?.shape)?);
     }
     Ok(outs)
+}
+
+/// `searchsorted(sorted_sequence, self, out_int32, right, side, sorter)` and
+/// `bucketize(self, boundaries, out_int32, right)`: for each value, how many boundaries its
+/// binary search passes, i.e. the count of boundaries b with `!(b >= v)` (left) or `!(b > v)`
+/// (right), ATen's own predicates (a NaN value lands after every boundary). A count does not
+/// depend on the order, so `sorter` needs no gather. A 1-D sequence serves every value; an N-D
+/// one pairs its leading dims with the values' leading dims.
+fn searchsorted(n: NodeCtx<'_>) -> Res<'_> {
+    let bucketize = n.op.starts_with("aten.bucketize");
+    let (seq_pos, val_pos) = if bucketize { (1, 0) } else { (0, 1) };
+    let seq = n.tensor(
+        seq_pos,
+        if bucketize {
+            "boundaries"
+        } else {
+            "sorted_sequence"
+        },
+    )?;
+    let values = n.operand(val_pos, "self")?;
+    let right =
+        n.bool_or(usize::MAX, "right", false)? || n.str_or(usize::MAX, "side", "left")? == "right";
+    let b = &n.b;
+    let dtype = result_type(&[&Operand::Tensor(seq.clone()), &values]);
+    let (seq, v) = (b.convert(&seq, dtype)?, b.materialize(&values, dtype)?);
+    let m = *seq
+        .shape()
+        .last()
+        .ok_or("searchsorted: 0-d sorted_sequence")?;
+    let vshape = v.shape().to_vec();
+    let seq_row = if seq.rank() == 1 {
+        seq.clone()
+    } else {
+        let lead = &seq.shape()[..seq.rank() - 1];
+        if vshape.len() != seq.rank() || &vshape[..lead.len()] != lead {
+            return Err(format!(
+                "searchsorted: leading dims of {} and values {vshape:?} differ",
+                type_str(&seq.ty)
+            ));
+        }
+        b.reshape(&seq, &[lead, &[1, m]].concat())?
+    };
+    let shape = [&vshape[..], &[m]].concat();
+    let v_col = b.reshape(&v, &[&vshape[..], &[1]].concat())?;
+    let (seq_b, v_b) = (
+        b.broadcast_to(&seq_row, &shape)?,
+        b.broadcast_to(&v_col, &shape)?,
+    );
+    let passed = b.unary(
+        "not",
+        &b.compare(&seq_b, &v_b, if right { "GT" } else { "GE" })?,
+    )?;
+    let out = n.out_dtype()?;
+    let count = b.reduce(
+        &b.convert(&passed, out)?,
+        &[vshape.len()],
+        Combiner::Add,
+        false,
+    )?;
+    Ok(vec![count])
+}
+
+/// `mode(x, dim, keepdim)`: the most frequent value along `dim` (the smallest among equally
+/// frequent ones, as ATen scans its sorted values with a strict `>`) and the highest index
+/// holding it. That index is ATen's for rows of up to 16 (its sort keeps equal values in order
+/// there); for a longer row whose mode repeats, ATen's unstable sort picks some index of it,
+/// which is not reproduced. Counts
+/// come from an all-pairs equality, so NaN (equal to nothing) never wins over a number.
+fn mode<'a>(n: NodeCtx<'a>) -> Res<'a> {
+    let x = n.tensor(0, "self")?;
+    let b = &n.b;
+    if x.rank() == 0 {
+        return Ok(vec![x, b.scalar(Scalar::Int(0), DType::I64)?]);
+    }
+    let dim = norm_dim(n.int_or(1, "dim", -1)?, x.rank())?;
+    let len = x.shape()[dim];
+    let mut perm: Vec<usize> = (0..x.rank()).filter(|&d| d != dim).collect();
+    perm.push(dim);
+    let xt = b.transpose(&x, &perm)?;
+    let r = xt.rank();
+    let mut pair = xt.shape().to_vec();
+    pair.push(len);
+    let rows: Vec<usize> = (0..r - 1).collect();
+    let xi = b.broadcast_in_dim(&xt, &pair, &[&rows[..], &[r - 1]].concat())?;
+    let xj = b.broadcast_in_dim(&xt, &pair, &[&rows[..], &[r]].concat())?;
+    let freq = b.reduce(
+        &b.convert(&b.compare(&xi, &xj, "EQ")?, DType::I64)?,
+        &[r],
+        Combiner::Add,
+        false,
+    )?;
+    let top = b.reduce(&freq, &[r - 1], Combiner::Max, true)?;
+    let candidate = b.compare(&freq, &b.broadcast_to(&top, freq.shape())?, "EQ")?;
+    let highest = b.full_like(Combiner::Min.identity(x.dtype()), &xt)?;
+    let value = b.reduce(
+        &b.select(&candidate, &xt, &highest)?,
+        &[r - 1],
+        Combiner::Min,
+        true,
+    )?;
+    let pos = b.iota(&TensorType::new(DType::I64, xt.shape().to_vec()), r - 1)?;
+    let at = b.compare(&xt, &b.broadcast_to(&value, xt.shape())?, "EQ")?;
+    let index = b.reduce(
+        &b.select(&at, &pos, &b.full_like(Scalar::Int(-1), &pos)?)?,
+        &[r - 1],
+        Combiner::Max,
+        true,
+    )?;
+    // Reduced in the transposed layout with the dim last and kept; the outputs say keepdim.
+    Ok(vec![
+        b.reshape(&value, &n.out(0)?.shape)?,
+        b.reshape(&index, &n.out(1)?.shape)?,
+    ])
 }

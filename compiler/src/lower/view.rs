@@ -3,7 +3,7 @@
 
 use super::builder::{norm_dim, norm_dims, Scalar, R};
 use super::{NodeCtx, Registry, Res};
-use crate::ir::{DType, TensorType};
+use crate::ir::DType;
 
 pub fn register(r: &mut Registry) {
     r.add(
@@ -72,12 +72,7 @@ fn view_as_complex(n: NodeCtx<'_>) -> Res<'_> {
     let shape = &x.shape()[..last];
     let part = |i| b.reshape(&b.slice_dim(&x, last, i, i + 1, 1)?, shape);
     let (re, im) = (part(0)?, part(1)?);
-    Ok(vec![b.op(
-        "stablehlo.complex",
-        &[&re, &im],
-        &[],
-        n.out(0)?.clone(),
-    )?])
+    Ok(vec![b.complex(&re, &im)?])
 }
 
 /// `view_as_real(z)`: complex elements as a trailing (real, imag) dim.
@@ -86,16 +81,8 @@ fn view_as_real(n: NodeCtx<'_>) -> Res<'_> {
     let b = &n.b;
     let mut shape = z.shape().to_vec();
     shape.push(1);
-    let part = |name| {
-        let p = b.op(
-            name,
-            &[&z],
-            &[],
-            TensorType::new(DType::F32, z.shape().to_vec()),
-        )?;
-        b.reshape(&p, &shape)
-    };
-    let (re, im) = (part("stablehlo.real")?, part("stablehlo.imag")?);
+    let part = |name| b.reshape(&b.complex_part(name, &z)?, &shape);
+    let (re, im) = (part("real")?, part("imag")?);
     Ok(vec![b.concat(&[&re, &im], z.rank())?])
 }
 
@@ -185,7 +172,11 @@ fn squeeze(n: NodeCtx<'_>) -> Res<'_> {
     let dims = match n.op.as_str() {
         "aten.squeeze.default" => (0..x.rank()).collect(),
         _ if x.rank() == 0 => vec![],
-        _ => norm_dims(&n.ints(1, "dim")?, x.rank())?,
+        // An empty dim list squeezes nothing (unlike a reduction's, which means every dim).
+        _ => match n.ints(1, "dim")? {
+            dims if dims.is_empty() => vec![],
+            dims => norm_dims(&dims, x.rank())?,
+        },
     };
     let shape: Vec<i64> = x
         .shape()

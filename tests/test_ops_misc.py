@@ -1,0 +1,201 @@
+"""FFTs, complex constants and miscellaneous ops through backend="tpu" vs eager, on random
+inputs kept away from zero. FFT tolerances are relative to the largest output magnitude (the
+sums grow with the signal size)."""
+import pytest
+import torch
+from torch.utils._pytree import tree_leaves
+
+from conftest import compile_tpu
+
+fft = torch.fft
+
+
+def rand(*shape, complex=False):
+    t = (torch.rand(shape) + 0.5) * torch.where(torch.rand(shape) < 0.5, -1.0, 1.0)
+    return torch.complex(t, rand(*shape)) if complex else t
+
+
+def check(fn, *args, tol=1e-5):
+    with torch.no_grad():
+        got, want = compile_tpu(fn)(*args), fn(*args)
+    got, want = tree_leaves(got), tree_leaves(want)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        finite = w[w.isfinite()].abs() if w.is_floating_point() or w.is_complex() else w.new_ones(1)
+        scale = max(1.0, finite.max().item()) if finite.numel() else 1.0
+        torch.testing.assert_close(g, w, rtol=0, atol=tol * scale, equal_nan=True)
+
+
+FFT_CASES = [
+    ("fft_dim1_ortho", lambda x: fft.fft(x, dim=1, norm="ortho"), False),
+    ("fft_n_pad", lambda x: fft.fft(x, n=9), True),
+    ("ifft_forward", lambda x: fft.ifft(x, norm="forward"), True),
+    ("ifft_backward", lambda x: fft.ifft(x), True),
+    ("fft2_s", lambda x: fft.fft2(x, s=(4, 9)), True),
+    ("ifftn", lambda x: fft.ifftn(x, dim=(0, 2)), True),
+    ("rfft", lambda x: fft.rfft(x), False),
+    ("rfft2_ortho", lambda x: fft.rfft2(x, norm="ortho"), False),
+    ("rfftn_all", lambda x: fft.rfftn(x), False),
+    ("irfft_odd", lambda x: fft.irfft(x, n=11), True),
+    ("irfft_ortho", lambda x: fft.irfft(x, norm="ortho"), True),
+    ("irfftn_s", lambda x: fft.irfftn(x, s=(5, 8)), True),
+    ("irfft2_forward", lambda x: fft.irfft2(x, norm="forward"), True),
+    ("hfft", lambda x: fft.hfft(x), True),
+    ("ihfft", lambda x: fft.ihfft(x), False),
+    ("ihfft2", lambda x: fft.ihfft2(x), False),
+    ("fftshift", lambda x: fft.fftshift(fft.fft(x)), False),
+    ("stft", lambda x: torch.stft(x.flatten(), 8, hop_length=3, window=torch.hann_window(8), return_complex=True), False),
+]
+
+
+@pytest.mark.parametrize("fn,complex", [c[1:] for c in FFT_CASES], ids=[c[0] for c in FFT_CASES])
+def test_fft(fn, complex):
+    torch.manual_seed(0)
+    check(fn, rand(5, 6, 7, complex=complex))
+
+
+def seq():
+    return torch.sort(rand(7)).values
+
+
+def rows():
+    return torch.sort(rand(3, 7), dim=-1).values
+
+
+def values():
+    return torch.cat([rand(2, 5), seq()[:5].reshape(1, 5)])  # some values equal a boundary
+
+
+def row_sorter():
+    perm = torch.stack([torch.randperm(7) for _ in range(3)])
+    return torch.gather(rows(), 1, torch.argsort(perm, 1)), perm, values()
+
+
+def sorter():
+    perm = torch.randperm(7)
+    return seq()[torch.argsort(perm)], perm, values()
+
+
+bag = torch.nn.functional.embedding_bag
+BAG_IDX = torch.tensor([1, 2, 2, 4, 5, 0, 3])
+MASK = torch.tensor([True, False, True, True, False])
+EDGES = [torch.tensor([-1.0, 0.0, 1.5]), torch.tensor([-2.0, -0.5, 0.0, 0.3, 2.0])]
+INF = float("inf")
+
+# (id, function, inputs): one compiled function per case, inputs made after seeding.
+CASES = [
+    ("fftn_4_dims", lambda x: fft.fftn(x, dim=(0, 1, 2, 4)), lambda: [rand(2, 3, 4, 5, 3)]),
+    ("rfftn_5_dims", lambda x: fft.rfftn(x), lambda: [rand(2, 3, 4, 5, 3)]),
+    ("irfftn_4_dims", lambda x: fft.irfftn(x, dim=(1, 2, 3, 4)), lambda: [rand(2, 3, 4, 5, 3, complex=True)]),
+    ("pad_complex", lambda z: torch.nn.functional.pad(z, (1, 2)) * 2, lambda: [rand(3, 4, complex=True)]),
+    ("conj", lambda z: z.conj() * z + 1.5, lambda: [rand(3, 4, complex=True)]),
+    ("abs_complex", lambda x: fft.rfft(x).abs(), lambda: [rand(4, 16)]),
+    ("angle_complex", lambda x: fft.rfft(x).angle(), lambda: [rand(4, 16)]),
+    ("spectrogram", lambda x: torch.stft(x, 8, window=torch.hann_window(8), return_complex=True).abs() ** 2,
+     lambda: [rand(64)]),
+    ("polar", torch.polar, lambda: [rand(3, 4).abs(), rand(3, 4)]),
+    ("searchsorted", torch.searchsorted, lambda: [seq(), values()]),
+    ("searchsorted_right_int32", lambda s, x: torch.searchsorted(s, x, right=True, out_int32=True),
+     lambda: [seq(), values()]),
+    ("searchsorted_rows_side", lambda s, x: torch.searchsorted(s, x, side="right"), lambda: [rows(), values()]),
+    ("searchsorted_sorter", lambda s, p, x: torch.searchsorted(s, x, sorter=p), sorter),
+    ("searchsorted_rows_sorter", lambda s, p, x: torch.searchsorted(s, x, sorter=p), row_sorter),
+    ("searchsorted_scalar", lambda s: torch.searchsorted(s, 0.25), lambda: [seq()]),
+    ("bucketize_right", lambda s, x: torch.bucketize(x, s, right=True), lambda: [seq(), values()]),
+    ("isin", lambda s, x: torch.isin(x, s), lambda: [seq(), values()]),
+    ("take", torch.take, lambda: [rand(3, 4), torch.tensor([[0, -1], [5, 11]])]),
+    ("take_0d_index", lambda x: torch.take(x, torch.tensor(3)), lambda: [rand(3, 4)]),
+    ("put_accumulate", lambda x, i: x.put(i, torch.full((2, 2), 2.5), accumulate=True),
+     lambda: [rand(3, 4), torch.tensor([[1, 1], [-2, 4]])]),
+    ("put", lambda x, i: x.put(i, torch.full((2, 2), 2.5)), lambda: [rand(3, 4), torch.tensor([[0, -1], [5, 11]])]),
+    ("masked_scatter", lambda x, s: x.masked_scatter(x > 0, s), lambda: [rand(3, 4), rand(4, 4)]),
+    ("masked_scatter_bcast", lambda x, s: x.masked_scatter(torch.tensor([True, False, True, True]), s),
+     lambda: [rand(3, 4), rand(13)]),
+    ("index_select_0d", lambda x: torch.index_select(x.sum(), 0, torch.tensor([0])), lambda: [rand(3, 4)]),
+    ("mode", lambda x: torch.mode(x, 1), lambda: [rand(4, 6)]),
+    ("mode_ties_keepdim", lambda x: torch.mode(x, 0, keepdim=True), lambda: [torch.randint(0, 3, (6, 5)).float()]),
+    ("logcumsumexp", lambda x: torch.logcumsumexp(x, 1), lambda: [rand(4, 6) * 40]),
+    ("logcumsumexp_inf", lambda x: torch.logcumsumexp(x, 0),
+     lambda: [torch.tensor([[-INF, 1.0], [-INF, INF], [2.0, 3.0]])]),
+    ("bilinear", torch.nn.functional.bilinear, lambda: [rand(2, 3, 3), rand(2, 3, 4), rand(5, 3, 4), rand(5)]),
+    ("index_put_mask_row", lambda x, v: x.index_put((MASK,), v), lambda: [rand(5, 4), rand(4)]),
+    ("index_put_mask_rows_acc", lambda x, v: x.index_put((MASK,), v, accumulate=True), lambda: [rand(5, 4), rand(3, 4)]),
+    ("index_put_mask_2d", lambda x: x.index_put((x > 0,), torch.tensor(2.5)), lambda: [rand(5, 4)]),
+    ("as_strided_scatter", lambda x, s: torch.as_strided_scatter(x, s, (2, 2), (1, 3), 1),
+     lambda: [rand(5, 4), rand(2, 2)]),
+    ("histogram", lambda x: torch.histogram(x, 7), lambda: [rand(40)]),
+    ("histogram_range_density", lambda x: torch.histogram(x, 5, range=(-1.0, 1.0), weight=x.abs(), density=True),
+     lambda: [rand(40)]),
+    ("histogram_edges", torch.histogram, lambda: [rand(40), torch.tensor([-1.2, -0.3, 0.0, 0.4, 1.5])]),
+    ("histogram_constant", lambda x: torch.histogram(x, 3), lambda: [torch.full((4,), 2.0)]),
+    ("histogramdd", lambda x: torch.histogramdd(x, [3, 4]), lambda: [rand(30, 2)]),
+    ("histogramdd_range_density",
+     lambda x: torch.histogramdd(x, [2, 2, 3], range=[-1.0, 1.0, 0.0, 1.5, -1.5, 0.0], density=True),
+     lambda: [rand(30, 3)]),
+    ("histogramdd_edges", lambda x: torch.histogramdd(x, EDGES, weight=x[:, 0].abs(), density=True),
+     lambda: [rand(30, 2)]),
+    ("embedding_bag_aux_mean", lambda w: torch.ops.aten._embedding_bag_forward_only(
+        w, BAG_IDX, torch.tensor([0, 3, 3, 5]), False, 1, False, None, False, 2), lambda: [rand(6, 3)]),
+    ("embedding_bag_aux_max", lambda w: torch.ops.aten._embedding_bag_forward_only(
+        w, BAG_IDX, torch.tensor([0, 3, 3, 5]), False, 2, False, None, False, 2), lambda: [rand(6, 3)]),
+    ("embedding_bag_weights", lambda w, p: bag(BAG_IDX, w, torch.tensor([0, 4]), mode="sum", per_sample_weights=p),
+     lambda: [rand(6, 3), rand(7)]),
+    ("embedding_bag_weights_padding",
+     lambda w, p: bag(BAG_IDX, w, torch.tensor([0, 4]), mode="sum", per_sample_weights=p, padding_idx=2),
+     lambda: [rand(6, 3), rand(7)]),
+]
+
+
+@pytest.mark.parametrize("fn,make", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_op(fn, make):
+    torch.manual_seed(0)
+    check(fn, *make())
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("padding_idx", [None, 2])
+@pytest.mark.parametrize("offsets,include_last", [([0, 3, 3, 5], False), ([0, 3, 3, 7], True), (None, False)],
+                         ids=["offsets", "include_last", "2d"])
+def test_embedding_bag(mode, padding_idx, offsets, include_last):
+    torch.manual_seed(0)
+    idx = BAG_IDX if offsets else BAG_IDX[:6].reshape(2, 3)
+    off = torch.tensor(offsets) if offsets else None
+    check(lambda w: bag(idx, w, off, mode=mode, padding_idx=padding_idx, include_last_offset=include_last), rand(6, 3))
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "nearest"])
+@pytest.mark.parametrize("padding", ["zeros", "border", "reflection"])
+@pytest.mark.parametrize("align", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_grid_sample_3d(mode, padding, align, dtype):
+    """bf16 computes in bf16 as ATen's kernel does, so it matches as closely as f32."""
+    torch.manual_seed(0)
+    x, g = rand(2, 3, 4, 5, 6).to(dtype), (torch.rand(2, 3, 4, 2, 3) * 2.6 - 1.3).to(dtype)  # some outside
+    check(lambda x, g: torch.nn.functional.grid_sample(x, g, mode=mode, padding_mode=padding, align_corners=align), x, g)
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
+@pytest.mark.parametrize("align", [False, True])
+@pytest.mark.parametrize("resize", [dict(size=(3, 7)), dict(size=(17, 33)), dict(scale_factor=(1.7, 0.45))],
+                         ids=["down", "up", "scales"])
+def test_upsample_antialias(mode, align, resize):
+    torch.manual_seed(0)
+    check(lambda x: torch.nn.functional.interpolate(x, mode=mode, align_corners=align, antialias=True, **resize),
+          rand(2, 3, 10, 20))
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, float("inf")])
+def test_embedding_max_norm(norm_type):
+    torch.manual_seed(0)
+    w, idx = rand(6, 4) * 2, torch.tensor([[0, 2], [2, 5]])
+    w_tpu, w_eager = w.clone(), w.clone()
+    emb = lambda w: torch.nn.functional.embedding(idx, w, max_norm=1.5, norm_type=norm_type)
+    with torch.no_grad():
+        got, want = compile_tpu(emb)(w_tpu), emb(w_eager)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w_tpu, w_eager, rtol=1e-5, atol=1e-5)  # the renorm is in place
+
+
+def test_squeeze_empty_dims_keeps_shape():
+    check(lambda x: x.squeeze(()) * 2, rand(1, 3, 1))
