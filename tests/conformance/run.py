@@ -33,7 +33,6 @@ OURS = ("mismatch", "lowering", "backend", "crash", "timeout")
 KNOWN = [
     ("_scaled_dot_product_flash_attention_for_cpu", "PyTorch's decomposition gives logsumexp an extra dim"
      " (aot_eager with the same table agrees with us); the attention output matches"),
-    ("polygamma", "XLA's polygamma approximation is ~1e-5 relative off PyTorch's"),
     ("with_effects", "linalg ops with error checks trace to the with_effects HOP, not lowered"),
     ("symbolic shape", "data-dependent output shape; the compiler needs static shapes"),
     ("SymInt", "data-dependent scalar (.item()) in the graph; static shapes only"),

@@ -129,7 +129,6 @@ pub fn register(r: &mut Registry) {
     r.add(&["aten.angle.default"], angle);
     r.add(
         &[
-            "aten.polygamma.default",
             "prims.zeta.default",
             "aten.special_zeta.default",
             "prims.nextafter.default",
@@ -526,7 +525,7 @@ fn angle(n: NodeCtx<'_>) -> Res<'_> {
     Ok(vec![b.select(&b.compare(&x, &x, "NE")?, &x, &y)?])
 }
 
-/// Two-operand special functions: polygamma(n, x), zeta(x, q), nextafter(x, y) as the CHLO ops
+/// Two-operand special functions: zeta(x, q), nextafter(x, y) as the CHLO ops
 /// XLA expands, hypot as sqrt(a² + b²).
 fn special_binary(n: NodeCtx<'_>) -> Res<'_> {
     let (x, y) = (n.operand(0, "self")?, n.operand(1, "other")?);
@@ -534,7 +533,6 @@ fn special_binary(n: NodeCtx<'_>) -> Res<'_> {
     Ok(vec![arith(&n, &x, &y, |b, p, q| {
         let chlo = |name: &str| b.op(&format!("chlo.{name}"), &[p, q], &[], p.ty.clone());
         match op.as_str() {
-            "aten.polygamma.default" => chlo("polygamma"),
             "prims.zeta.default" | "aten.special_zeta.default" => chlo("zeta"),
             "prims.nextafter.default" | "aten.nextafter.default" => chlo("next_after"),
             _ => b.unary("sqrt", &b.add(&b.mul(p, p)?, &b.mul(q, q)?)?),

@@ -15,6 +15,7 @@ mod normalization;
 mod pooling;
 mod reduction;
 mod sorting;
+mod special;
 mod view;
 
 use crate::ir::{self, Arg, DType, Graph, TensorType};
@@ -148,6 +149,7 @@ fn registry() -> &'static Registry {
         pooling::register(&mut r);
         reduction::register(&mut r);
         sorting::register(&mut r);
+        special::register(&mut r);
         view::register(&mut r);
         r
     })

@@ -1,0 +1,210 @@
+//! `polygamma(n, x)`: digamma for n = 0, trigamma for n = 1, and (-1)^(n+1) n! ζ(n+1, x)
+//! beyond, with ζ in double as PyTorch's CPU kernel accumulates it.
+
+use super::super::builder::{opmath, Builder, Combiner, Scalar, Val, R};
+use super::super::{NodeCtx, Registry, Res};
+use super::{polevl, Ops};
+use crate::ir::DType;
+use std::f64::consts::PI;
+
+pub fn register(r: &mut Registry) {
+    r.add(&["aten.polygamma.default"], polygamma);
+}
+
+fn polygamma(n: NodeCtx<'_>) -> Res<'_> {
+    let order = n.int(0, "n")?;
+    let out = n.out_dtype()?;
+    let b = &n.b;
+    let x = n.tensor(1, "self")?;
+    if !opmath(out).is_float() {
+        return Err(format!("polygamma: needs a float result, got {}", out.name()));
+    }
+    let x = b.convert(&x, opmath(out))?;
+    let y = match order {
+        0 => digamma(b, &x)?,
+        1 => trigamma(b, &x)?,
+        k if k > 1 => {
+            let q = b.convert(&x, DType::F64)?;
+            let z = b.convert(&zeta(b, (k + 1) as f64, &q)?, x.dtype())?;
+            let fac: f64 = (2..=k).map(|i| i as f64).product();
+            b.mul_scalar(&z, if k % 2 == 1 { fac } else { -fac })?
+        }
+        k => return Err(format!("polygamma: order n={k} must be non-negative")),
+    };
+    Ok(vec![b.convert(&y, out)?])
+}
+
+/// A constant computed in x's dtype (f32 arithmetic for f32, as the kernel's literals are).
+fn in_dtype(x: &Val<'_>, v64: f64, v32: f32) -> f64 {
+    if x.dtype() == DType::F64 {
+        v64
+    } else {
+        v32 as f64
+    }
+}
+
+/// Cephes' digamma as in `calc_digamma`: reflection for x < 0 (its cotangent term in double),
+/// recurrence up to x ≥ 10, then the asymptotic series.
+fn digamma<'a>(b: &Builder<'a>, x: &Val<'a>) -> R<Val<'a>> {
+    const A: [f64; 7] = [
+        8.33333333333333333333E-2,
+        -2.10927960927960927961E-2,
+        7.57575757575757575758E-3,
+        -4.16666666666666666667E-3,
+        3.96825396825396825397E-3,
+        -8.33333333333333333333E-3,
+        8.33333333333333333333E-2,
+    ];
+    let o = Ops { b, like: x.clone() };
+    let neg = o.cmp_f(x, 0.0, "LT")?;
+    let mut v = b.select(&neg, &b.sub(&o.c(1.0)?, x)?, x)?;
+    let mut result = o.c(0.0)?;
+    for _ in 0..10 {
+        let below = o.cmp_f(&v, 10.0, "LT")?;
+        result = b.select(&below, &b.sub(&result, &b.div(&o.c(1.0)?, &v)?)?, &result)?;
+        v = b.select(&below, &b.add_scalar(&v, 1.0)?, &v)?;
+    }
+    let z = b.div(&o.c(1.0)?, &b.mul(&v, &v)?)?;
+    let tail = b.select(
+        &o.cmp_f(&v, 1.0e17, "LT")?,
+        &b.mul(&z, &polevl(b, &z, &A)?)?,
+        &o.c(0.0)?,
+    )?;
+    let half_over = b.div(&o.c(0.5)?, &v)?;
+    let series = b.sub(&b.sub(&b.add(&result, &b.unary("log", &v)?)?, &half_over)?, &tail)?;
+    let psi10 = b.add_scalar(&result, 2.25175258906672110764)?;
+    let positive = b.select(&o.cmp_f(&v, 10.0, "EQ")?, &psi10, &series)?;
+    // π / tan(π r), r the fractional part of x, in double.
+    let xd = b.convert(x, DType::F64)?;
+    let r = b.sub(&xd, &trunc(b, &xd)?)?;
+    let pi = b.full_like(Scalar::Float(PI), &xd)?;
+    let cot = b.div(&pi, &b.unary("tan", &b.mul(&pi, &r)?)?)?;
+    let reflected = b.sub(&positive, &b.convert(&cot, x.dtype())?)?;
+    let y = b.select(&neg, &reflected, &positive)?;
+    let integer = b.compare(x, &trunc(b, x)?, "EQ")?;
+    let y = b.select(&b.binary("and", &neg, &integer)?, &o.c(f64::NAN)?, &y)?;
+    // ±0 gives ∓inf.
+    let zero = o.cmp_f(x, 0.0, "EQ")?;
+    b.select(&zero, &b.div(&o.c(-1.0)?, x)?, &y)
+}
+
+fn trunc<'a>(b: &Builder<'a>, x: &Val<'a>) -> R<Val<'a>> {
+    let neg = b.compare(x, &b.full_like(Scalar::Int(0), x)?, "LT")?;
+    b.select(&neg, &b.unary("ceil", x)?, &b.unary("floor", x)?)
+}
+
+/// `trigamma` of the kernel: reflection below 1/2, six recurrence steps, asymptotic series.
+fn trigamma<'a>(b: &Builder<'a>, x: &Val<'a>) -> R<Val<'a>> {
+    let o = Ops { b, like: x.clone() };
+    let low = o.cmp_f(x, 0.5, "LT")?;
+    let pi = in_dtype(x, PI, std::f32::consts::PI);
+    let pi2 = in_dtype(x, PI * PI, std::f32::consts::PI * std::f32::consts::PI);
+    let s = b.unary("sine", &b.mul_scalar(x, pi)?)?;
+    let refl = b.sub(&o.c(0.0)?, &b.div(&o.c(pi2)?, &b.mul(&s, &s)?)?)?;
+    let mut result = b.select(&low, &refl, &o.c(0.0)?)?;
+    let mut v = b.select(&low, &b.sub(&o.c(1.0)?, x)?, x)?;
+    for _ in 0..6 {
+        result = b.add(&result, &b.div(&o.c(1.0)?, &b.mul(&v, &v)?)?)?;
+        v = b.add_scalar(&v, 1.0)?;
+    }
+    let ixx = b.div(&o.c(1.0)?, &b.mul(&v, &v)?)?;
+    let inner = b.sub(&o.c(in_dtype(x, 1. / 30., 1f32 / 30.))?, &b.mul_scalar(&ixx, in_dtype(x, 1. / 42., 1f32 / 42.))?)?;
+    let inner = b.sub(&o.c(in_dtype(x, 1. / 6., 1f32 / 6.))?, &b.mul(&ixx, &inner)?)?;
+    let poly = b.add(
+        &b.add(&o.c(1.0)?, &b.div(&o.c(1.0)?, &b.add(&v, &v)?)?)?,
+        &b.mul(&ixx, &inner)?,
+    )?;
+    let result = b.add(&result, &b.div(&poly, &v)?)?;
+    b.select(&low, &b.unary("negate", &result)?, &result)
+}
+
+/// Hurwitz ζ(s, q) for a constant s, as Cephes' `zeta`: direct sum until the terms are
+/// negligible or q + i > 9 (a while loop, since negative q needs more terms), then
+/// Euler-Maclaurin with its twelve Bernoulli terms. `q` is f64 (the kernel's accumulator).
+fn zeta<'a>(b: &Builder<'a>, s: f64, q: &Val<'a>) -> R<Val<'a>> {
+    const A: [f64; 12] = [
+        12.0,
+        -720.0,
+        30240.0,
+        -1209600.0,
+        47900160.0,
+        -1.8924375803183791606e9,
+        7.47242496e10,
+        -2.950130727918164224e12,
+        1.1646782814350067249e14,
+        -4.5979787224074726105e15,
+        1.8152105401943546773e17,
+        -7.1661652561756670113e18,
+    ];
+    const MACHEP: f64 = 1.11022302462515654042E-16;
+    let o = Ops { b, like: q.clone() };
+    // For a constant integer s ≥ 2 only q ≤ 0 integer (a pole) is special; s is never < 1 here.
+    let pole = b.binary(
+        "and",
+        &o.cmp_f(q, 0.0, "LE")?,
+        &b.compare(q, &b.unary("floor", q)?, "EQ")?,
+    )?;
+    let dims: Vec<usize> = (0..q.rank()).collect();
+    let i0 = b.scalar(Scalar::Int(0), DType::I64)?;
+    let state = b.while_loop(
+        &[&i0, q, &b.binary("power", q, &o.c(-s)?)?, &o.c(0.0)?, &pole],
+        |b, st| {
+            let on = direct_running(&b, &st[0], &st[1], &st[4])?;
+            b.reduce(&on, &dims, Combiner::Or, false)
+        },
+        |b, st| {
+            let (i, a, sum, last, done) = (&st[0], &st[1], &st[2], &st[3], &st[4]);
+            let on = direct_running(&b, i, a, done)?;
+            let a1 = b.add_scalar(a, 1.0)?;
+            let term = b.binary("power", &a1, &b.full_like(Scalar::Float(-s), a)?)?;
+            let sum1 = b.add(sum, &term)?;
+            let small = b.binary(
+                "and",
+                &b.compare(&b.mul_scalar(&sum1, -MACHEP)?, &term, "LT")?,
+                &b.compare(&term, &b.mul_scalar(&sum1, MACHEP)?, "LT")?,
+            )?;
+            Ok(vec![
+                b.binary("add", i, &b.full_like(Scalar::Int(1), i)?)?,
+                b.select(&on, &a1, a)?,
+                b.select(&on, &sum1, sum)?,
+                b.select(&on, &term, last)?,
+                b.binary("or", done, &b.binary("and", &on, &small)?)?,
+            ])
+        },
+    )?;
+    let (w, mut sum, mut term, mut done) = (
+        state[1].clone(),
+        state[2].clone(),
+        state[3].clone(),
+        state[4].clone(),
+    );
+    let direct = sum.clone();
+    sum = b.add(&sum, &b.div(&b.mul(&term, &w)?, &o.c(s - 1.0)?)?)?;
+    sum = b.sub(&sum, &b.mul_scalar(&term, 0.5)?)?;
+    let mut a = 1.0f64;
+    let mut k = 0.0f64;
+    for c in A {
+        a *= s + k;
+        term = b.div(&term, &w)?;
+        let t = b.div(&b.mul_scalar(&term, a)?, &o.c(c)?)?;
+        let next = b.add(&sum, &t)?;
+        sum = b.select(&done, &sum, &next)?;
+        let conv = o.cmp_f(&b.unary("abs", &b.div(&t, &next)?)?, MACHEP, "LT")?;
+        done = b.binary("or", &done, &conv)?;
+        k += 1.0;
+        a *= s + k;
+        term = b.div(&term, &w)?;
+        k += 1.0;
+    }
+    let direct_done = state[4].clone();
+    let y = b.select(&direct_done, &direct, &sum)?;
+    b.select(&pole, &o.c(f64::INFINITY)?, &y)
+}
+
+/// Elements still in the direct sum: not finished, and fewer than 9 terms or q + i ≤ 9.
+fn direct_running<'x>(b: &Builder<'x>, i: &Val<'x>, a: &Val<'x>, done: &Val<'x>) -> R<Val<'x>> {
+    let few = b.compare(i, &b.full_like(Scalar::Int(9), i)?, "LT")?;
+    let near = b.compare(a, &b.full_like(Scalar::Float(9.0), a)?, "LE")?;
+    let more = b.binary_bcast("or", &few, &near)?;
+    b.binary("and", &more, &b.unary("not", done)?)
+}
