@@ -2,6 +2,8 @@
 //! same branches, same Cephes coefficient tables, same working precision, so results agree with
 //! eager to float ulps rather than to an approximation's accuracy.
 
+mod bessel;
+mod cephes;
 mod gamma;
 mod polynomial;
 
@@ -9,6 +11,7 @@ use super::builder::{Builder, Scalar, Val, R};
 use super::Registry;
 
 pub fn register(r: &mut Registry) {
+    bessel::register(r);
     gamma::register(r);
     polynomial::register(r);
 }
