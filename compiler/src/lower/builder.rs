@@ -465,6 +465,17 @@ impl<'a> Builder<'a> {
         self.op("stablehlo.constant", &[], &[("value", attr)], ty.clone())
     }
 
+    /// A 1-D constant table of floats (f32 or f64, each value rounded to it).
+    pub fn table(&self, values: &[f64], dtype: DType) -> R<Val<'a>> {
+        if !matches!(dtype, DType::F32 | DType::F64) {
+            return Err(format!("float table of {} is not supported", dtype.name()));
+        }
+        let ty = TensorType::new(dtype, vec![values.len() as i64]);
+        let items: Vec<String> = values.iter().map(|&v| float_bits_text(dtype, v)).collect();
+        let attr = format!("dense<[{}]> : {}", items.join(", "), tensor_str(&ty));
+        self.op("stablehlo.constant", &[], &[("value", attr)], ty)
+    }
+
     pub fn scalar(&self, value: Scalar, dtype: DType) -> R<Val<'a>> {
         self.splat(value, &TensorType::new(dtype, vec![]))
     }

@@ -4,6 +4,9 @@
 
 mod bessel;
 mod cephes;
+mod erfcx_table;
+mod error;
+mod frexp;
 mod gamma;
 mod polynomial;
 
@@ -12,6 +15,8 @@ use super::Registry;
 
 pub fn register(r: &mut Registry) {
     bessel::register(r);
+    error::register(r);
+    frexp::register(r);
     gamma::register(r);
     polynomial::register(r);
 }
