@@ -99,3 +99,15 @@ def test_frexp(dtype):
 def test_kaiser_window():
     # The window is built from i0 inside the graph.
     check(lambda x: torch.signal.windows.kaiser(7, beta=6.0, sym=True, dtype=x.dtype) * x, nonzero(7, 0.5, 2.0, torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("fn", [torch.igamma, torch.igammac], ids=["igamma", "igammac"])
+def test_incomplete_gamma(fn, dtype):
+    # Every branch: both series, the continued fraction, the asymptotic expansion (a > 20 with
+    # x near a), and the boundary values (0, inf, NaN, negatives).
+    a = torch.cat([nonzero(24, 0.01, 12.0, dtype), nonzero(8, 25.0, 400.0, dtype, seed=1),
+                   torch.tensor([0.0, float("inf"), -1.0, float("nan")], dtype=dtype)])
+    x = torch.cat([nonzero(16, 0.01, 12.0, dtype, seed=2), torch.tensor([0.3, 1.05, 30.0, 150.0, 390.0], dtype=dtype),
+                   torch.tensor([0.0, float("inf"), -1.0], dtype=dtype)])
+    check(fn, a[:, None], x[None, :])

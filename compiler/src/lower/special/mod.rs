@@ -8,9 +8,10 @@ mod erfcx_table;
 mod error;
 mod frexp;
 mod gamma;
+mod igamma;
 mod polynomial;
 
-use super::builder::{Builder, Scalar, Val, R};
+use super::builder::{Builder, Combiner, Scalar, Val, R};
 use super::Registry;
 
 pub fn register(r: &mut Registry) {
@@ -18,6 +19,7 @@ pub fn register(r: &mut Registry) {
     error::register(r);
     frexp::register(r);
     gamma::register(r);
+    igamma::register(r);
     polynomial::register(r);
 }
 
@@ -81,4 +83,45 @@ pub fn chbevl<'a>(b: &Builder<'a>, x: &Val<'a>, coefs: &[f64]) -> R<Val<'a>> {
         b0 = b.add_scalar(&b.sub(&b.mul(x, &b1)?, &b2)?, c)?;
     }
     b.mul_scalar(&b.sub(&b0, &b2)?, 0.5)
+}
+
+/// One step of a series loop: the next state (same types, constants passed through) and
+/// where to stop after this step (the kernels' `break` once a term is negligible).
+pub type SeriesStep = for<'x> fn(&Builder<'x>, &[Val<'x>]) -> R<(Vec<Val<'x>>, Val<'x>)>;
+
+/// Runs `step` per element as a kernel's `for (i = 0; i < max_iter; i++) { ...; if (..) break; }`
+/// would: elements start finished where `done` is set, and each stops at its own break.
+/// Returns the final state.
+pub fn iterate<'a>(
+    b: &Builder<'a>,
+    state: &[Val<'a>],
+    done: &Val<'a>,
+    max_iter: i64,
+    step: SeriesStep,
+) -> R<Vec<Val<'a>>> {
+    let dims: Vec<usize> = (0..done.rank()).collect();
+    let i0 = b.scalar(Scalar::Int(0), crate::ir::DType::I64)?;
+    let mut init = vec![&i0, done];
+    init.extend(state.iter());
+    let out = b.while_loop(
+        &init,
+        |b, s| {
+            let more = b.reduce(&b.unary("not", &s[1])?, &dims, Combiner::Or, false)?;
+            let below = b.compare(&s[0], &b.full_like(Scalar::Int(max_iter), &s[0])?, "LT")?;
+            b.binary("and", &more, &below)
+        },
+        |b, s| {
+            let (i, done) = (&s[0], &s[1]);
+            let (next, stop) = step(&b, &s[2..])?;
+            let mut out = vec![
+                b.binary("add", i, &b.full_like(Scalar::Int(1), i)?)?,
+                b.binary("or", done, &stop)?,
+            ];
+            for (n, o) in next.iter().zip(&s[2..]) {
+                out.push(b.select(done, o, n)?);
+            }
+            Ok(out)
+        },
+    )?;
+    Ok(out[2..].to_vec())
 }
