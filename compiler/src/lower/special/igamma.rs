@@ -4,7 +4,7 @@
 //! continued fraction of Q, each a loop to machine epsilon. Where the kernel mixes in double
 //! literals the same sub-expressions are evaluated in double here.
 
-use super::super::builder::{opmath, Builder, Scalar, Val, R};
+use super::super::builder::{opmath, Builder, IndexMap, Scalar, Val, R};
 use super::super::{NodeCtx, Registry, Res};
 use super::cephes::{IGAM_D, LANCZOS_DENOM, LANCZOS_NUM};
 use super::{iterate, polevl, Ops};
@@ -96,8 +96,9 @@ fn incomplete_gamma<'a>(b: &Builder<'a>, a: &Val<'a>, x: &Val<'a>, upper: bool) 
         )
     };
     let one = o.c(1.0)?;
-    let p = p_series(b, a, x, &not(&and(&rest, &use_p)?)?)?;
-    let cf = q_fraction_eval(b, a, x, &not(&and(&rest, &use_fraction)?)?)?;
+    let ax = prefactor(b, a, x)?;
+    let p = p_series(b, a, x, &ax, &not(&and(&rest, &use_p)?)?)?;
+    let cf = q_fraction_eval(b, a, x, &ax, &not(&and(&rest, &use_fraction)?)?)?;
     let qs = q_series(b, a, x, &not(&and(&rest, &use_q)?)?)?;
     let asym = asymptotic(b, a, x, !upper, &not(&asym_region)?)?;
     // Each branch gives its own function or the complement.
@@ -172,10 +173,10 @@ fn prefactor<'a>(b: &Builder<'a>, a: &Val<'a>, x: &Val<'a>) -> R<Val<'a>> {
 }
 
 /// `_igam_helper_series`: P(a, x) by its power series.
-fn p_series<'a>(b: &Builder<'a>, a: &Val<'a>, x: &Val<'a>, skip: &Val<'a>) -> R<Val<'a>> {
+/// `ax` is `prefactor(a, x)`.
+fn p_series<'a>(b: &Builder<'a>, a: &Val<'a>, x: &Val<'a>, ax: &Val<'a>, skip: &Val<'a>) -> R<Val<'a>> {
     let o = Ops { b, like: a.clone() };
-    let ax = prefactor(b, a, x)?;
-    let zero = o.cmp_f(&ax, 0.0, "EQ")?;
+    let zero = o.cmp_f(ax, 0.0, "EQ")?;
     let one = o.c(1.0)?;
     let s = iterate(
         b,
@@ -192,7 +193,7 @@ fn p_series<'a>(b: &Builder<'a>, a: &Val<'a>, x: &Val<'a>, skip: &Val<'a>) -> R<
             Ok((vec![a.clone(), x.clone(), r, c, ans], stop))
         },
     )?;
-    let p = b.div(&b.mul(&s[4], &ax)?, a)?;
+    let p = b.div(&b.mul(&s[4], ax)?, a)?;
     b.select(&zero, &o.c(0.0)?, &p)
 }
 
@@ -228,10 +229,15 @@ fn q_series<'a>(b: &Builder<'a>, a: &Val<'a>, x: &Val<'a>, skip: &Val<'a>) -> R<
 
 /// `_igamc_helper_continued_fraction`: Q(a, x) for x > a by Legendre's continued fraction,
 /// rescaling the convergents when they grow past BIG.
-fn q_fraction_eval<'a>(b: &Builder<'a>, a: &Val<'a>, x: &Val<'a>, skip: &Val<'a>) -> R<Val<'a>> {
+fn q_fraction_eval<'a>(
+    b: &Builder<'a>,
+    a: &Val<'a>,
+    x: &Val<'a>,
+    ax: &Val<'a>,
+    skip: &Val<'a>,
+) -> R<Val<'a>> {
     let o = Ops { b, like: a.clone() };
-    let ax = prefactor(b, a, x)?;
-    let zero = o.cmp_f(&ax, 0.0, "EQ")?;
+    let zero = o.cmp_f(ax, 0.0, "EQ")?;
     let y = b.sub(&o.c(1.0)?, a)?;
     let z = b.add_scalar(&b.add(x, &y)?, 1.0)?;
     let pkm1 = b.add_scalar(x, 1.0)?;
@@ -262,7 +268,7 @@ fn q_fraction_eval<'a>(b: &Builder<'a>, a: &Val<'a>, x: &Val<'a>, skip: &Val<'a>
         let stop = b.compare(&t, &b.full_like(Scalar::Float(machep), &t)?, "LE")?;
         Ok((next, stop))
     })?;
-    b.select(&zero, &o.c(0.0)?, &b.mul(&s[7], &ax)?)
+    b.select(&zero, &o.c(0.0)?, &b.mul(&s[7], ax)?)
 }
 
 /// `_igam_helper_asymptotic_series` (DLMF 8.12.3/8.12.4): erfc of the scaled η plus the
@@ -285,48 +291,74 @@ fn asymptotic<'a>(b: &Builder<'a>, a: &Val<'a>, x: &Val<'a>, lower: bool, skip: 
     let sgn = if lower { -1.0 } else { 1.0 };
     let arg = b.mul(&b.mul_scalar(&eta, sgn)?, &b.unary("sqrt", &b.div(a, &o.c(2.0)?)?)?)?;
     let res = b.mul_scalar(&b.op("chlo.erfc", &[&arg], &[], arg.ty.clone())?, 0.5)?;
-    // c_k for all k at once: shape [..., 25].
+    // c_k for all k at once along a trailing axis of 25, one power of η per loop step.
     let rank = a.rank();
     let mut wide_shape = a.shape().to_vec();
     wide_shape.push(25);
     let lead: Vec<usize> = (0..rank).collect();
-    let spread = |v: &Val<'a>| b.broadcast_in_dim(v, &wide_shape, &lead);
-    let column = |n: usize| -> R<Val<'a>> {
-        let col: Vec<f64> = IGAM_D.iter().map(|row| row[n]).collect();
-        b.broadcast_in_dim(&b.table(&col, dt)?, &wide_shape, &[rank])
-    };
-    let mut ck = column(0)?;
-    let mut open = b.full_like(Scalar::Bool(true), &b.compare(&ck, &ck, "EQ")?)?;
-    let mut etapow = o.c(1.0)?;
-    for n in 1..25 {
-        etapow = b.mul(&eta, &etapow)?;
-        let term = b.mul(&column(n)?, &spread(&etapow)?)?;
-        let next = b.add(&ck, &term)?;
-        ck = b.select(&open, &next, &ck)?;
-        let tiny = b.compare(
-            &b.unary("abs", &term)?,
-            &b.mul_scalar(&b.unary("abs", &next)?, machep)?,
-            "LT",
-        )?;
-        open = b.binary("and", &open, &b.unary("not", &tiny)?)?;
-    }
-    let mut sum = o.c(0.0)?;
-    let mut afac = o.c(1.0)?;
-    let mut old = o.c(f64::INFINITY)?;
-    let mut live = b.unary("not", skip)?;
-    for k in 0..25 {
-        let c = b.reshape(&b.slice_dim(&ck, rank, k, k + 1, 1)?, a.shape())?;
-        let term = b.mul(&c, &afac)?;
-        let abs = b.unary("abs", &term)?;
-        let grew = b.compare(&abs, &old, "GT")?;
-        live = b.binary("and", &live, &b.unary("not", &grew)?)?;
-        let next = b.add(&sum, &term)?;
-        sum = b.select(&live, &next, &sum)?;
-        let tiny = b.compare(&abs, &b.mul_scalar(&b.unary("abs", &next)?, machep)?, "LT")?;
-        live = b.binary("and", &live, &b.unary("not", &tiny)?)?;
-        old = abs;
-        afac = b.div(&afac, a)?;
-    }
+    let eta_w = b.broadcast_in_dim(&eta, &wide_shape, &lead)?;
+    // Column n of the table (c_k's η^n coefficient for every k) is row n of its transpose.
+    let transposed: Vec<f64> = (0..25).flat_map(|n| IGAM_D.iter().map(move |row| row[n])).collect();
+    let zero_i = b.scalar(Scalar::Int(0), DType::I64)?;
+    let ck0 = igam_column(b, &zero_i, &transposed, dt, &wide_shape)?;
+    let open = b.compare(&ck0, &ck0, "EQ")?;
+    let one_i = b.scalar(Scalar::Int(1), DType::I64)?;
+    let inner = b.while_loop(
+        &[&one_i, &eta_w, &eta_w, &ck0, &open],
+        |b, s| b.compare(&s[0], &b.full_like(Scalar::Int(25), &s[0])?, "LT"),
+        |b, s| {
+            let (n, eta, pow, ck, open) = (&s[0], &s[1], &s[2], &s[3], &s[4]);
+            let term = b.mul(&igam_column(&b, n, &transposed, dt, &wide_shape)?, pow)?;
+            let next = b.add(ck, &term)?;
+            let tiny = b.compare(
+                &b.unary("abs", &term)?,
+                &b.mul_scalar(&b.unary("abs", &next)?, machep)?,
+                "LT",
+            )?;
+            Ok(vec![
+                b.binary("add", n, &b.full_like(Scalar::Int(1), n)?)?,
+                eta.clone(),
+                b.mul(eta, pow)?,
+                b.select(open, &next, ck)?,
+                b.binary("and", open, &b.unary("not", &tiny)?)?,
+            ])
+        },
+    )?;
+    // Σ c_k a^-k, stopping when a term grows or becomes negligible.
+    let live = b.unary("not", skip)?;
+    let outer = b.while_loop(
+        &[&zero_i, &inner[3], a, &o.c(0.0)?, &o.c(1.0)?, &o.c(f64::INFINITY)?, &live],
+        |b, s| b.compare(&s[0], &b.full_like(Scalar::Int(25), &s[0])?, "LT"),
+        |b, s| {
+            let (k, ck, a, sum, afac, old, live) = (&s[0], &s[1], &s[2], &s[3], &s[4], &s[5], &s[6]);
+            let mut slice = a.shape().to_vec();
+            slice.push(1);
+            let map = IndexMap {
+                window_dims: (0..rank as i64).collect(),
+                collapsed: vec![rank as i64],
+                index_to_operand: vec![rank as i64],
+                index_vector_dim: 0,
+            };
+            let c = b.gather(ck, &b.reshape(k, &[1])?, &map, &slice, a.shape().to_vec())?;
+            let term = b.mul(&c, afac)?;
+            let abs = b.unary("abs", &term)?;
+            let grew = b.compare(&abs, old, "GT")?;
+            let live = b.binary("and", live, &b.unary("not", &grew)?)?;
+            let next = b.add(sum, &term)?;
+            let sum = b.select(&live, &next, sum)?;
+            let tiny = b.compare(&abs, &b.mul_scalar(&b.unary("abs", &next)?, machep)?, "LT")?;
+            Ok(vec![
+                b.binary("add", k, &b.full_like(Scalar::Int(1), k)?)?,
+                ck.clone(),
+                a.clone(),
+                sum,
+                b.div(afac, a)?,
+                abs,
+                b.binary("and", &live, &b.unary("not", &tiny)?)?,
+            ])
+        },
+    )?;
+    let sum = outer[3].clone();
     // res + sgn exp(-a η²/2) sum / sqrt(2π a), in double as the kernel's literals make it.
     let two_pi = (2.0f32 * std::f32::consts::PI) as f64;
     let (ad, ed) = (wide(b, a)?, wide(b, &eta)?);
@@ -334,4 +366,18 @@ fn asymptotic<'a>(b: &Builder<'a>, a: &Val<'a>, x: &Val<'a>, lower: bool, skip: 
     let num = b.mul(&b.mul_scalar(&e, sgn)?, &wide(b, &sum)?)?;
     let den = wide(b, &b.unary("sqrt", &b.mul_scalar(a, two_pi)?)?)?;
     b.convert(&b.add(&wide(b, &res)?, &b.div(&num, &den)?)?, dt)
+}
+
+/// Row `n` of the transposed table (the η^n coefficient of every c_k), spread over `shape`
+/// along its last axis.
+fn igam_column<'x>(b: &Builder<'x>, n: &Val<'x>, transposed: &[f64], dt: DType, shape: &[i64]) -> R<Val<'x>> {
+    let start = b.mul(n, &b.full_like(Scalar::Int(25), n)?)?;
+    let map = IndexMap {
+        window_dims: vec![0],
+        collapsed: vec![],
+        index_to_operand: vec![0],
+        index_vector_dim: 0,
+    };
+    let row = b.gather(&b.table(transposed, dt)?, &b.reshape(&start, &[1])?, &map, &[25], vec![25])?;
+    b.broadcast_in_dim(&row, shape, &[shape.len() - 1])
 }
