@@ -2,10 +2,10 @@
 //! modified_bessel_*, scaled_modified_bessel_*, spherical_bessel_j0, airy_ai}`): Cephes'
 //! rational and Chebyshev approximations, branch by branch as PyTorch's kernels evaluate them.
 
-use super::super::builder::{opmath, Builder, Combiner, Scalar, Val, R};
+use super::super::builder::{opmath, Builder, Scalar, Val, R};
 use super::super::{NodeCtx, Registry, Res};
 use super::cephes::*;
-use super::{chbevl, polevl, Ops};
+use super::{chbevl, iterate, polevl, Ops};
 use crate::ir::DType;
 
 pub fn register(r: &mut Registry) {
@@ -387,40 +387,24 @@ fn airy_series<'a>(o: &Ops<'_, 'a>, x: &Val<'a>, region: &Val<'a>) -> R<Val<'a>>
     } else {
         f32::EPSILON as f64
     };
-    let dims: Vec<usize> = (0..x.rank()).collect();
     let z = b.mul(&b.mul(x, x)?, x)?;
     let one = o.c(1.0)?;
-    let t0 = b.select(region, &one, &o.c(0.0)?)?;
-    let init = [&z, &one, &one, x, &one, x, &t0];
-    let state = b.while_loop(
-        &init,
-        |b, s| {
-            let on = b.compare(&s[6], &b.full_like(Scalar::Float(eps), &s[6])?, "GT")?;
-            b.reduce(&on, &dims, Combiner::Or, false)
-        },
-        |b, s| {
-            let (z, k, m, n, f, g, t) = (&s[0], &s[1], &s[2], &s[3], &s[4], &s[5], &s[6]);
-            let on = b.compare(t, &b.full_like(Scalar::Float(eps), t)?, "GT")?;
-            let k1 = b.add_scalar(k, 1.0)?;
-            let m1 = b.div(&b.mul(m, z)?, &k1)?;
-            let n1 = b.mul(n, z)?;
-            let k2 = b.add_scalar(&k1, 1.0)?;
-            let n1 = b.div(&n1, &k2)?;
-            let m1 = b.div(&m1, &k2)?;
-            let f1 = b.add(f, &m1)?;
-            let k3 = b.add_scalar(&k2, 1.0)?;
-            let n1 = b.div(&n1, &k3)?;
-            let g1 = b.add(g, &n1)?;
-            let t1 = b.unary("abs", &b.div(&m1, &f1)?)?;
-            let next = [&k3, &m1, &n1, &f1, &g1, &t1];
-            let olds = [k, m, n, f, g, t];
-            let mut out = vec![z.clone()];
-            for (nv, ov) in next.iter().zip(olds) {
-                out.push(b.select(&on, nv, ov)?);
-            }
-            Ok(out)
-        },
-    )?;
+    let init = [z, one.clone(), one.clone(), x.clone(), one.clone(), x.clone(), one];
+    let state = iterate(b, &init, &b.unary("not", region)?, i64::MAX, |b, s| {
+        let (z, k, m, n, f, g) = (&s[0], &s[1], &s[2], &s[3], &s[4], &s[5]);
+        let k1 = b.add_scalar(k, 1.0)?;
+        let m1 = b.div(&b.mul(m, z)?, &k1)?;
+        let k2 = b.add_scalar(&k1, 1.0)?;
+        let n1 = b.div(&b.mul(n, z)?, &k2)?;
+        let m1 = b.div(&m1, &k2)?;
+        let f1 = b.add(f, &m1)?;
+        let k3 = b.add_scalar(&k2, 1.0)?;
+        let n1 = b.div(&n1, &k3)?;
+        let g1 = b.add(g, &n1)?;
+        let t1 = b.unary("abs", &b.div(&m1, &f1)?)?;
+        let more = b.compare(&t1, &b.full_like(Scalar::Float(eps), &t1)?, "GT")?;
+        Ok((vec![z.clone(), k3, m1, n1, f1, g1, t1], b.unary("not", &more)?))
+    })?;
     b.sub(
         &b.mul_scalar(&state[4], 0.355028053887817239260)?,
         &b.mul_scalar(&state[5], 0.258819403792806798405)?,

@@ -1,10 +1,10 @@
 //! `polygamma(n, x)`: digamma for n = 0, trigamma for n = 1, and (-1)^(n+1) n! ζ(n+1, x)
 //! beyond, with ζ in double as PyTorch's CPU kernel accumulates it.
 
-use super::super::builder::{opmath, Builder, Combiner, Scalar, Val, R};
+use super::super::builder::{opmath, Builder, Scalar, Val, R};
 use super::super::{NodeCtx, Registry, Res};
-use super::{polevl, Ops};
-use crate::ir::DType;
+use super::{iterate, polevl, Ops};
+use crate::ir::{DType, TensorType};
 use std::f64::consts::PI;
 
 pub fn register(r: &mut Registry) {
@@ -144,40 +144,29 @@ fn zeta<'a>(b: &Builder<'a>, s: f64, q: &Val<'a>) -> R<Val<'a>> {
         &o.cmp_f(q, 0.0, "LE")?,
         &b.compare(q, &b.unary("floor", q)?, "EQ")?,
     )?;
-    let dims: Vec<usize> = (0..q.rank()).collect();
-    let i0 = b.scalar(Scalar::Int(0), DType::I64)?;
-    let state = b.while_loop(
-        &[&i0, q, &b.binary("power", q, &o.c(-s)?)?, &o.c(0.0)?, &pole],
-        |b, st| {
-            let on = direct_running(&b, &st[0], &st[1], &st[4])?;
-            b.reduce(&on, &dims, Combiner::Or, false)
-        },
-        |b, st| {
-            let (i, a, sum, last, done) = (&st[0], &st[1], &st[2], &st[3], &st[4]);
-            let on = direct_running(&b, i, a, done)?;
-            let a1 = b.add_scalar(a, 1.0)?;
-            let term = b.binary("power", &a1, &b.full_like(Scalar::Float(-s), a)?)?;
-            let sum1 = b.add(sum, &term)?;
-            let small = b.binary(
-                "and",
-                &b.compare(&b.mul_scalar(&sum1, -MACHEP)?, &term, "LT")?,
-                &b.compare(&term, &b.mul_scalar(&sum1, MACHEP)?, "LT")?,
-            )?;
-            Ok(vec![
-                b.binary("add", i, &b.full_like(Scalar::Int(1), i)?)?,
-                b.select(&on, &a1, a)?,
-                b.select(&on, &sum1, sum)?,
-                b.select(&on, &term, last)?,
-                b.binary("or", done, &b.binary("and", &on, &small)?)?,
-            ])
-        },
-    )?;
-    let (w, mut sum, mut term, mut done) = (
-        state[1].clone(),
-        state[2].clone(),
-        state[3].clone(),
-        state[4].clone(),
-    );
+    let i0 = b.splat(Scalar::Int(0), &TensorType::new(DType::I64, q.shape().to_vec()))?;
+    let state = [i0, q.clone(), b.binary("power", q, &o.c(-s)?)?, o.c(0.0)?, pole.clone()];
+    let st = iterate(b, &state, &pole, i64::MAX, |b, st| {
+        let (i, a, sum) = (&st[0], &st[1], &st[2]);
+        let i = b.binary("add", i, &b.full_like(Scalar::Int(1), i)?)?;
+        let a = b.add_scalar(a, 1.0)?;
+        let term = b.binary("power", &a, &b.full_like(Scalar::Float(-s), &a)?)?;
+        let sum = b.add(sum, &term)?;
+        let small = b.binary(
+            "and",
+            &b.compare(&b.mul_scalar(&sum, -MACHEP)?, &term, "LT")?,
+            &b.compare(&term, &b.mul_scalar(&sum, MACHEP)?, "LT")?,
+        )?;
+        // The kernel loops while i < 9 or a <= 9.
+        let few = b.compare(&i, &b.full_like(Scalar::Int(9), &i)?, "LT")?;
+        let near = b.compare(&a, &b.full_like(Scalar::Float(9.0), &a)?, "LE")?;
+        let more = b.binary("or", &few, &near)?;
+        let stop = b.binary("or", &small, &b.unary("not", &more)?)?;
+        Ok((vec![i, a, sum, term, small], stop))
+    })?;
+    // Elements the direct sum finished (and poles, which start finished) skip Euler-Maclaurin.
+    let (w, mut sum, mut term) = (st[1].clone(), st[2].clone(), st[3].clone());
+    let mut done = st[4].clone();
     let direct = sum.clone();
     sum = b.add(&sum, &b.div(&b.mul(&term, &w)?, &o.c(s - 1.0)?)?)?;
     sum = b.sub(&sum, &b.mul_scalar(&term, 0.5)?)?;
@@ -196,15 +185,6 @@ fn zeta<'a>(b: &Builder<'a>, s: f64, q: &Val<'a>) -> R<Val<'a>> {
         term = b.div(&term, &w)?;
         k += 1.0;
     }
-    let direct_done = state[4].clone();
-    let y = b.select(&direct_done, &direct, &sum)?;
+    let y = b.select(&st[4], &direct, &sum)?;
     b.select(&pole, &o.c(f64::INFINITY)?, &y)
-}
-
-/// Elements still in the direct sum: not finished, and fewer than 9 terms or q + i ≤ 9.
-fn direct_running<'x>(b: &Builder<'x>, i: &Val<'x>, a: &Val<'x>, done: &Val<'x>) -> R<Val<'x>> {
-    let few = b.compare(i, &b.full_like(Scalar::Int(9), i)?, "LT")?;
-    let near = b.compare(a, &b.full_like(Scalar::Float(9.0), a)?, "LE")?;
-    let more = b.binary_bcast("or", &few, &near)?;
-    b.binary("and", &more, &b.unary("not", done)?)
 }

@@ -85,20 +85,20 @@ pub fn chbevl<'a>(b: &Builder<'a>, x: &Val<'a>, coefs: &[f64]) -> R<Val<'a>> {
     b.mul_scalar(&b.sub(&b0, &b2)?, 0.5)
 }
 
-/// One step of a series loop: the next state (same types, constants passed through) and
-/// where to stop after this step (the kernels' `break` once a term is negligible).
-pub type SeriesStep = for<'x> fn(&Builder<'x>, &[Val<'x>]) -> R<(Vec<Val<'x>>, Val<'x>)>;
-
 /// Runs `step` per element as a kernel's `for (i = 0; i < max_iter; i++) { ...; if (..) break; }`
-/// would: elements start finished where `done` is set, and each stops at its own break.
-/// Returns the final state.
-pub fn iterate<'a>(
+/// would: `step` maps the state (same types out, constants passed through) to the next state
+/// and where to stop after this step; elements start finished where `done` is set, and each
+/// stops at its own break. Returns the final state.
+pub fn iterate<'a, F>(
     b: &Builder<'a>,
     state: &[Val<'a>],
     done: &Val<'a>,
     max_iter: i64,
-    step: SeriesStep,
-) -> R<Vec<Val<'a>>> {
+    step: F,
+) -> R<Vec<Val<'a>>>
+where
+    F: for<'x> FnOnce(&Builder<'x>, &[Val<'x>]) -> R<(Vec<Val<'x>>, Val<'x>)>,
+{
     let dims: Vec<usize> = (0..done.rank()).collect();
     let i0 = b.scalar(Scalar::Int(0), crate::ir::DType::I64)?;
     let mut init = vec![&i0, done];

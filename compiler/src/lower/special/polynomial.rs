@@ -5,9 +5,9 @@
 //! (-1, 1), and otherwise the three-term recurrence, run as a `stablehlo.while` up to the
 //! largest degree with finished elements masked, so results agree to float ulps.
 
-use super::super::builder::{opmath, Builder, Combiner, Scalar, Val, R};
+use super::super::builder::{opmath, Builder, Scalar, Val, R};
 use super::super::{NodeCtx, Registry, Res};
-use super::Ops;
+use super::{iterate, Ops};
 use crate::ir::DType;
 
 const CHEBYSHEV: &[&str] = &[
@@ -78,35 +78,18 @@ fn recurrence<'a>(
     q0: &Val<'a>,
     step: Step,
 ) -> R<Val<'a>> {
-    let dims: Vec<usize> = (0..x.rank()).collect();
-    let k0 = b.scalar(Scalar::Int(1), DType::I64)?;
-    let state = b.while_loop(
-        &[&k0, x, iters, p0, q0],
-        |b, s| {
-            let any = active(&b, &s[0], &s[2], &s[4])?;
-            b.reduce(&any, &dims, Combiner::Or, false)
-        },
-        |b, s| {
-            let (k, x, iters, p, q) = (&s[0], &s[1], &s[2], &s[3], &s[4]);
-            let on = active(&b, k, iters, q)?;
-            let r = step(&b, &b.convert(k, x.dtype())?, x, p, q)?;
-            let next_k = b.binary("add", k, &b.full_like(Scalar::Int(1), k)?)?;
-            Ok(vec![
-                next_k,
-                x.clone(),
-                iters.clone(),
-                b.select(&on, q, p)?,
-                b.select(&on, &r, q)?,
-            ])
-        },
-    )?;
-    Ok(state[4].clone())
-}
-
-/// Elements whose loop still runs: k ≤ iters and q not NaN.
-fn active<'x>(b: &Builder<'x>, k: &Val<'x>, iters: &Val<'x>, q: &Val<'x>) -> R<Val<'x>> {
-    let running = b.compare(k, iters, "LE")?;
-    b.binary("and", &running, &b.compare(q, q, "EQ")?)
+    let one = b.full_like(Scalar::Int(1), iters)?;
+    let none = b.compare(iters, &one, "LT")?;
+    let done = b.binary("or", &none, &b.compare(q0, q0, "NE")?)?;
+    let state = [one, iters.clone(), x.clone(), p0.clone(), q0.clone()];
+    let s = iterate(b, &state, &done, i64::MAX, |b, s| {
+        let (k, iters, x, p, q) = (&s[0], &s[1], &s[2], &s[3], &s[4]);
+        let r = step(b, &b.convert(k, x.dtype())?, x, p, q)?;
+        let k = b.binary("add", k, &b.full_like(Scalar::Int(1), k)?)?;
+        let stop = b.binary("or", &b.compare(&k, iters, "GT")?, &b.compare(&r, &r, "NE")?)?;
+        Ok((vec![k, iters.clone(), x.clone(), q.clone(), r], stop))
+    })?;
+    Ok(s[4].clone())
 }
 
 /// T, U, V, W and their shifted forms (y = 2x - 1 in place of x).
