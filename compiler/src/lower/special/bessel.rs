@@ -44,11 +44,19 @@ fn bessel(n: NodeCtx<'_>) -> Res<'_> {
     let b = &n.b;
     let x = n.tensor(0, "self")?;
     if !opmath(out).is_float() {
-        return Err(format!("{}: needs a float result, got {}", n.op, out.name()));
+        return Err(format!(
+            "{}: needs a float result, got {}",
+            n.op,
+            out.name()
+        ));
     }
     let x = b.convert(&x, opmath(out))?;
-    let name = n.op.trim_start_matches("aten.").trim_start_matches("prims.");
-    let name = name.trim_start_matches("special_").trim_end_matches(".default");
+    let name =
+        n.op.trim_start_matches("aten.")
+            .trim_start_matches("prims.");
+    let name = name
+        .trim_start_matches("special_")
+        .trim_end_matches(".default");
     let y = match name {
         "bessel_i0" | "i0" | "modified_bessel_i0" => i0(b, &x, true)?,
         "bessel_i0e" | "i0e" => i0(b, &x, false)?,
@@ -196,7 +204,10 @@ fn j0<'a>(b: &Builder<'a>, x: &Val<'a>) -> R<Val<'a>> {
         &b.add_scalar(&z, -5.78318596294678452118e+00)?,
         &b.add_scalar(&z, -3.04712623436620863991e+01)?,
     )?;
-    let small = b.div(&b.mul(&roots, &polevl(b, &z, &J0_RP)?)?, &polevl(b, &z, &J0_RQ)?)?;
+    let small = b.div(
+        &b.mul(&roots, &polevl(b, &z, &J0_RP)?)?,
+        &polevl(b, &z, &J0_RQ)?,
+    )?;
     let small = b.select(&o.cmp_f(&ax, 0.00001, "LT")?, &tiny, &small)?;
     let large = asymptotic(b, &ax, &inv_square(&o, &ax, 0)?, 0, false)?;
     b.select(&o.cmp_f(&ax, 5.0, "LE")?, &small, &large)
@@ -246,7 +257,11 @@ fn y1<'a>(b: &Builder<'a>, x: &Val<'a>) -> R<Val<'a>> {
         &b.mul(&j1(b, x)?, &b.unary("log", x)?)?,
         &b.div(&o.c(1.0)?, x)?,
     )?;
-    let small = y_domain(&o, x, &b.add(&rational, &b.mul_scalar(&inner, TWO_OVER_PI)?)?)?;
+    let small = y_domain(
+        &o,
+        x,
+        &b.add(&rational, &b.mul_scalar(&inner, TWO_OVER_PI)?)?,
+    )?;
     let large = asymptotic(b, x, &inv_square(&o, x, 1)?, 1, true)?;
     b.select(&o.cmp_f(x, 5.0, "LE")?, &small, &large)
 }
@@ -258,7 +273,10 @@ fn k0<'a>(b: &Builder<'a>, x: &Val<'a>, scaled: bool) -> R<Val<'a>> {
     let i0x = i0(b, x, true)?;
     let small = if scaled {
         let log = b.unary("log", &b.mul_scalar(x, 0.5)?)?;
-        b.mul(&b.sub(&near, &b.mul(&log, &i0x)?)?, &b.unary("exponential", x)?)?
+        b.mul(
+            &b.sub(&near, &b.mul(&log, &i0x)?)?,
+            &b.unary("exponential", x)?,
+        )?
     } else {
         // The kernel writes `log(0.5 * x)` with a double 0.5: this term is evaluated in double.
         let wide = |v: &Val<'a>| b.convert(v, DType::F64);
@@ -345,8 +363,14 @@ fn airy_ai<'a>(b: &Builder<'a>, x: &Val<'a>) -> R<Val<'a>> {
         (0.25f32 * std::f32::consts::PI) as f64
     };
     let t = b.add_scalar(&zeta_neg, quarter_pi)?;
-    let f = b.div(&b.mul(&zz, &polevl(b, &zz, &AIRY_AFN)?)?, &polevl(b, &zz, &AIRY_AFD)?)?;
-    let g = b.div(&b.mul(&z, &polevl(b, &zz, &AIRY_AGN)?)?, &polevl(b, &zz, &AIRY_AGD)?)?;
+    let f = b.div(
+        &b.mul(&zz, &polevl(b, &zz, &AIRY_AFN)?)?,
+        &polevl(b, &zz, &AIRY_AFD)?,
+    )?;
+    let g = b.div(
+        &b.mul(&z, &polevl(b, &zz, &AIRY_AGN)?)?,
+        &polevl(b, &zz, &AIRY_AGD)?,
+    )?;
     let osc = b.sub(
         &b.mul(&b.unary("sine", &t)?, &b.add_scalar(&f, 1.0)?)?,
         &b.mul(&b.unary("cosine", &t)?, &g)?,
@@ -365,11 +389,7 @@ fn airy_ai<'a>(b: &Builder<'a>, x: &Val<'a>) -> R<Val<'a>> {
     )?;
     let positive = b.div(&b.mul_scalar(&ratio_an, C)?, &denom)?;
     // |x| < 2.09
-    let series_region = b.binary(
-        "and",
-        &o.cmp_f(x, -2.09, "GE")?,
-        &o.cmp_f(x, 2.09, "LT")?,
-    )?;
+    let series_region = b.binary("and", &o.cmp_f(x, -2.09, "GE")?, &o.cmp_f(x, 2.09, "LT")?)?;
     let series = airy_series(&o, x, &series_region)?;
     let mut y = b.select(&o.cmp_f(x, 2.09, "GE")?, &positive, &series)?;
     y = b.select(&o.cmp_f(x, -2.09, "LT")?, &negative, &y)?;
@@ -389,7 +409,15 @@ fn airy_series<'a>(o: &Ops<'_, 'a>, x: &Val<'a>, region: &Val<'a>) -> R<Val<'a>>
     };
     let z = b.mul(&b.mul(x, x)?, x)?;
     let one = o.c(1.0)?;
-    let init = [z, one.clone(), one.clone(), x.clone(), one.clone(), x.clone(), one];
+    let init = [
+        z,
+        one.clone(),
+        one.clone(),
+        x.clone(),
+        one.clone(),
+        x.clone(),
+        one,
+    ];
     let state = iterate(b, &init, &b.unary("not", region)?, i64::MAX, |b, s| {
         let (z, k, m, n, f, g) = (&s[0], &s[1], &s[2], &s[3], &s[4], &s[5]);
         let k1 = b.add_scalar(k, 1.0)?;
@@ -403,7 +431,10 @@ fn airy_series<'a>(o: &Ops<'_, 'a>, x: &Val<'a>, region: &Val<'a>) -> R<Val<'a>>
         let g1 = b.add(g, &n1)?;
         let t1 = b.unary("abs", &b.div(&m1, &f1)?)?;
         let more = b.compare(&t1, &b.full_like(Scalar::Float(eps), &t1)?, "GT")?;
-        Ok((vec![z.clone(), k3, m1, n1, f1, g1, t1], b.unary("not", &more)?))
+        Ok((
+            vec![z.clone(), k3, m1, n1, f1, g1, t1],
+            b.unary("not", &more)?,
+        ))
     })?;
     b.sub(
         &b.mul_scalar(&state[4], 0.355028053887817239260)?,

@@ -24,7 +24,11 @@ fn unary(n: NodeCtx<'_>) -> Res<'_> {
     let out = n.out_dtype()?;
     let b = &n.b;
     if !opmath(out).is_float() {
-        return Err(format!("{}: needs a float result, got {}", n.op, out.name()));
+        return Err(format!(
+            "{}: needs a float result, got {}",
+            n.op,
+            out.name()
+        ));
     }
     let x = b.convert(&n.tensor(0, "self")?, opmath(out))?;
     let y = if n.op.contains("erfcx") {
@@ -47,7 +51,10 @@ fn erfcx<'a>(b: &Builder<'a>, x: &Val<'a>) -> R<Val<'a>> {
     let ispi = o.c(0.56418958354775628694807945156)?;
     let x2 = wide(&b.mul(x, x)?)?;
     let num = b.add_scalar(&b.mul(&x2, &b.add_scalar(&x2, 4.5)?)?, 2.0)?;
-    let den = b.mul(&wide(x)?, &b.add_scalar(&b.mul(&x2, &b.add_scalar(&x2, 5.0)?)?, 3.75)?)?;
+    let den = b.mul(
+        &wide(x)?,
+        &b.add_scalar(&b.mul(&x2, &b.add_scalar(&x2, 5.0)?)?, 3.75)?,
+    )?;
     let fraction = b.convert(&b.div(&b.mul(&wide(&ispi)?, &num)?, &den)?, x.dtype())?;
     let fraction = b.select(&o.cmp_f(x, 5e7, "GT")?, &b.div(&ispi, x)?, &fraction)?;
     let positive = b.select(
@@ -71,7 +78,10 @@ fn y100<'a>(b: &Builder<'a>, y: &Val<'a>) -> R<Val<'a>> {
     let k = b.convert(y, DType::I32)?;
     let last = b.compare(&k, &b.full_like(Scalar::Int(99), &k)?, "GT")?;
     let k = b.select(&last, &b.full_like(Scalar::Int(99), &k)?, &k)?;
-    let odd = b.add(&b.mul(&k, &b.full_like(Scalar::Int(2), &k)?)?, &b.full_like(Scalar::Int(1), &k)?)?;
+    let odd = b.add(
+        &b.mul(&k, &b.full_like(Scalar::Int(2), &k)?)?,
+        &b.full_like(Scalar::Int(1), &k)?,
+    )?;
     let t = b.sub(&b.mul_scalar(y, 2.0)?, &b.convert(&odd, y.dtype())?)?;
     let t = b.convert(&t, DType::F64)?;
     let mut idx_shape = k.shape().to_vec();
@@ -85,7 +95,13 @@ fn y100<'a>(b: &Builder<'a>, y: &Val<'a>) -> R<Val<'a>> {
     };
     let coef = |i: usize| -> R<Val<'a>> {
         let column: Vec<f64> = ERFCX_Y100.iter().map(|row| row[i]).collect();
-        b.gather(&b.table(&column, DType::F64)?, &idx, &map, &[1], k.shape().to_vec())
+        b.gather(
+            &b.table(&column, DType::F64)?,
+            &idx,
+            &map,
+            &[1],
+            k.shape().to_vec(),
+        )
     };
     let mut acc = coef(6)?;
     for i in (0..6).rev() {
@@ -99,7 +115,10 @@ fn y100<'a>(b: &Builder<'a>, y: &Val<'a>) -> R<Val<'a>> {
 /// nearer tail.
 fn ndtri<'a>(b: &Builder<'a>, y0: &Val<'a>) -> R<Val<'a>> {
     const EXP_M2: f64 = 0.13533528323661269189;
-    let o = Ops { b, like: y0.clone() };
+    let o = Ops {
+        b,
+        like: y0.clone(),
+    };
     let one_minus = if y0.dtype() == DType::F64 {
         1.0 - EXP_M2
     } else {
@@ -109,7 +128,10 @@ fn ndtri<'a>(b: &Builder<'a>, y0: &Val<'a>) -> R<Val<'a>> {
     let y = b.select(&upper, &b.sub(&o.c(1.0)?, y0)?, y0)?;
     let c = b.add_scalar(&y, -0.5)?;
     let c2 = b.mul(&c, &c)?;
-    let r = b.div(&b.mul(&c2, &polevl(b, &c2, &NDTRI_P0)?)?, &polevl(b, &c2, &NDTRI_Q0)?)?;
+    let r = b.div(
+        &b.mul(&c2, &polevl(b, &c2, &NDTRI_P0)?)?,
+        &polevl(b, &c2, &NDTRI_Q0)?,
+    )?;
     let central = b.mul_scalar(&b.add(&c, &b.mul(&c, &r)?)?, 2.50662827463100050242E0)?;
     let x = b.unary("sqrt", &b.mul_scalar(&b.unary("log", &y)?, -2.0)?)?;
     let x0 = b.sub(&x, &b.div(&b.unary("log", &x)?, &x)?)?;

@@ -14,7 +14,10 @@ fn frexp_rule(n: NodeCtx<'_>) -> Res<'_> {
     let x = n.tensor(0, "self")?;
     let b = &n.b;
     if !x.dtype().is_float() {
-        return Err(format!("frexp: needs a float tensor, got {}", x.dtype().name()));
+        return Err(format!(
+            "frexp: needs a float tensor, got {}",
+            x.dtype().name()
+        ));
     }
     let (m, e) = frexp(b, &b.convert(&x, wide_enough(x.dtype()))?)?;
     Ok(vec![
@@ -60,7 +63,11 @@ fn frexp<'a>(b: &Builder<'a>, x: &Val<'a>) -> R<(Val<'a>, Val<'a>)> {
     let mant = b.binary("or", &b.binary("or", &sign, &frac)?, &ci(bias << mbits)?)?;
     let mant = b.bitcast(&mant, x.dtype())?;
     // ±0, ±inf, NaN: x itself, exponent 0.
-    let zero = b.binary("and", &subnormal, &b.compare(&int("and", &bits, frac_mask)?, &ci(0)?, "EQ")?)?;
+    let zero = b.binary(
+        "and",
+        &subnormal,
+        &b.compare(&int("and", &bits, frac_mask)?, &ci(0)?, "EQ")?,
+    )?;
     let special = b.binary("or", &zero, &b.compare(&field, &ci(emask)?, "EQ")?)?;
     let mant = b.select(&special, x, &mant)?;
     let exp = b.select(&special, &ci(0)?, &exp)?;

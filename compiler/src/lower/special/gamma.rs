@@ -17,7 +17,10 @@ fn polygamma(n: NodeCtx<'_>) -> Res<'_> {
     let b = &n.b;
     let x = n.tensor(1, "self")?;
     if !opmath(out).is_float() {
-        return Err(format!("polygamma: needs a float result, got {}", out.name()));
+        return Err(format!(
+            "polygamma: needs a float result, got {}",
+            out.name()
+        ));
     }
     let x = b.convert(&x, opmath(out))?;
     let y = match order {
@@ -71,7 +74,10 @@ fn digamma<'a>(b: &Builder<'a>, x: &Val<'a>) -> R<Val<'a>> {
         &o.c(0.0)?,
     )?;
     let half_over = b.div(&o.c(0.5)?, &v)?;
-    let series = b.sub(&b.sub(&b.add(&result, &b.unary("log", &v)?)?, &half_over)?, &tail)?;
+    let series = b.sub(
+        &b.sub(&b.add(&result, &b.unary("log", &v)?)?, &half_over)?,
+        &tail,
+    )?;
     let psi10 = b.add_scalar(&result, 2.25175258906672110764)?;
     let positive = b.select(&o.cmp_f(&v, 10.0, "EQ")?, &psi10, &series)?;
     // π / tan(π r), r the fractional part of x, in double.
@@ -108,8 +114,14 @@ fn trigamma<'a>(b: &Builder<'a>, x: &Val<'a>) -> R<Val<'a>> {
         v = b.add_scalar(&v, 1.0)?;
     }
     let ixx = b.div(&o.c(1.0)?, &b.mul(&v, &v)?)?;
-    let inner = b.sub(&o.c(in_dtype(x, 1. / 30., 1f32 / 30.))?, &b.mul_scalar(&ixx, in_dtype(x, 1. / 42., 1f32 / 42.))?)?;
-    let inner = b.sub(&o.c(in_dtype(x, 1. / 6., 1f32 / 6.))?, &b.mul(&ixx, &inner)?)?;
+    let inner = b.sub(
+        &o.c(in_dtype(x, 1. / 30., 1f32 / 30.))?,
+        &b.mul_scalar(&ixx, in_dtype(x, 1. / 42., 1f32 / 42.))?,
+    )?;
+    let inner = b.sub(
+        &o.c(in_dtype(x, 1. / 6., 1f32 / 6.))?,
+        &b.mul(&ixx, &inner)?,
+    )?;
     let poly = b.add(
         &b.add(&o.c(1.0)?, &b.div(&o.c(1.0)?, &b.add(&v, &v)?)?)?,
         &b.mul(&ixx, &inner)?,
@@ -144,8 +156,17 @@ fn zeta<'a>(b: &Builder<'a>, s: f64, q: &Val<'a>) -> R<Val<'a>> {
         &o.cmp_f(q, 0.0, "LE")?,
         &b.compare(q, &b.unary("floor", q)?, "EQ")?,
     )?;
-    let i0 = b.splat(Scalar::Int(0), &TensorType::new(DType::I64, q.shape().to_vec()))?;
-    let state = [i0, q.clone(), b.binary("power", q, &o.c(-s)?)?, o.c(0.0)?, pole.clone()];
+    let i0 = b.splat(
+        Scalar::Int(0),
+        &TensorType::new(DType::I64, q.shape().to_vec()),
+    )?;
+    let state = [
+        i0,
+        q.clone(),
+        b.binary("power", q, &o.c(-s)?)?,
+        o.c(0.0)?,
+        pole.clone(),
+    ];
     let st = iterate(b, &state, &pole, i64::MAX, |b, st| {
         let (i, a, sum) = (&st[0], &st[1], &st[2]);
         let i = b.binary("add", i, &b.full_like(Scalar::Int(1), i)?)?;

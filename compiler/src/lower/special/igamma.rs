@@ -26,9 +26,16 @@ fn rule(n: NodeCtx<'_>) -> Res<'_> {
     let out = n.out_dtype()?;
     let b = &n.b;
     if !opmath(out).is_float() {
-        return Err(format!("{}: needs a float result, got {}", n.op, out.name()));
+        return Err(format!(
+            "{}: needs a float result, got {}",
+            n.op,
+            out.name()
+        ));
     }
-    let v = b.coerce(&[&n.operand(0, "self")?, &n.operand(1, "other")?], opmath(out))?;
+    let v = b.coerce(
+        &[&n.operand(0, "self")?, &n.operand(1, "other")?],
+        opmath(out),
+    )?;
     let y = incomplete_gamma(b, &v[0], &v[1], n.op.contains("igammac"))?;
     Ok(vec![b.convert(&y, out)?])
 }
@@ -36,9 +43,19 @@ fn rule(n: NodeCtx<'_>) -> Res<'_> {
 /// Per-dtype constants of the kernels: (MACHEP, MAXLOG, BIG, BIGINV).
 fn limits(d: DType) -> (f64, f64, f64, f64) {
     if d == DType::F64 {
-        (1.11022302462515654042E-16, 7.09782712893383996843E2, 4.503599627370496e15, 2.22044604925031308085e-16)
+        (
+            1.11022302462515654042E-16,
+            7.09782712893383996843E2,
+            4.503599627370496e15,
+            2.22044604925031308085e-16,
+        )
     } else {
-        (5.9604644775390625E-8, 88.72283905206835f32 as f64, 16777216., 5.9604644775390625E-8)
+        (
+            5.9604644775390625E-8,
+            88.72283905206835f32 as f64,
+            16777216.,
+            5.9604644775390625E-8,
+        )
     }
 }
 
@@ -135,7 +152,11 @@ fn lanczos_sum<'a>(o: &Ops<'_, 'a>, a: &Val<'a>) -> R<Val<'a>> {
         &polevl(b, &inv, &rev(&LANCZOS_NUM))?,
         &polevl(b, &inv, &rev(&LANCZOS_DENOM))?,
     )?;
-    b.select(&o.cmp_f(&b.unary("abs", a)?, 1.0, "GT")?, &backward, &forward)
+    b.select(
+        &o.cmp_f(&b.unary("abs", a)?, 1.0, "GT")?,
+        &backward,
+        &forward,
+    )
 }
 
 /// `_igam_helper_fac`: x^a e^-x / Γ(a), directly when x is far from a, else through Lanczos.
@@ -149,7 +170,11 @@ fn prefactor<'a>(b: &Builder<'a>, a: &Val<'a>, x: &Val<'a>) -> R<Val<'a>> {
     )?;
     let lgam = b.op("chlo.lgamma", &[a], &[], a.ty.clone())?;
     let ax = b.sub(&b.sub(&b.mul(a, &b.unary("log", x)?)?, x)?, &lgam)?;
-    let direct = b.select(&o.cmp_f(&ax, -maxlog, "LT")?, &o.c(0.0)?, &b.unary("exponential", &ax)?)?;
+    let direct = b.select(
+        &o.cmp_f(&ax, -maxlog, "LT")?,
+        &o.c(0.0)?,
+        &b.unary("exponential", &ax)?,
+    )?;
     let fac = b.add_scalar(&b.add_scalar(a, LANCZOS_G)?, -0.5)?;
     let res = b.div(
         &b.unary("sqrt", &b.div(&fac, &o.c(std::f64::consts::E)?)?)?,
@@ -164,7 +189,10 @@ fn prefactor<'a>(b: &Builder<'a>, a: &Val<'a>, x: &Val<'a>) -> R<Val<'a>> {
     let numfac = b.div(&num, &fac)?;
     let t1 = b.mul(a, &b.sub(&b.unary("log_plus_one", &numfac)?, &numfac)?)?;
     let g = o.c(LANCZOS_G)?;
-    let half_minus_g = b.sub(&b.full_like(Scalar::Float(0.5), &wide(b, &g)?)?, &wide(b, &g)?)?;
+    let half_minus_g = b.sub(
+        &b.full_like(Scalar::Float(0.5), &wide(b, &g)?)?,
+        &wide(b, &g)?,
+    )?;
     let t2 = b.div(&b.mul(&wide(b, x)?, &half_minus_g)?, &wide(b, &fac)?)?;
     let e = b.unary("exponential", &b.add(&wide(b, &t1)?, &t2)?)?;
     let big = b.convert(&b.mul(&wide(b, &res)?, &e)?, a.dtype())?;
@@ -174,7 +202,13 @@ fn prefactor<'a>(b: &Builder<'a>, a: &Val<'a>, x: &Val<'a>) -> R<Val<'a>> {
 
 /// `_igam_helper_series`: P(a, x) by its power series.
 /// `ax` is `prefactor(a, x)`.
-fn p_series<'a>(b: &Builder<'a>, a: &Val<'a>, x: &Val<'a>, ax: &Val<'a>, skip: &Val<'a>) -> R<Val<'a>> {
+fn p_series<'a>(
+    b: &Builder<'a>,
+    a: &Val<'a>,
+    x: &Val<'a>,
+    ax: &Val<'a>,
+    skip: &Val<'a>,
+) -> R<Val<'a>> {
     let o = Ops { b, like: a.clone() };
     let zero = o.cmp_f(ax, 0.0, "EQ")?;
     let one = o.c(1.0)?;
@@ -221,7 +255,10 @@ fn q_series<'a>(b: &Builder<'a>, a: &Val<'a>, x: &Val<'a>, skip: &Val<'a>) -> R<
     let alogx = b.mul(a, &b.unary("log", x)?)?;
     let head = b.unary(
         "negate",
-        &b.unary("exponential_minus_one", &b.sub(&alogx, &lgam(&b.add_scalar(a, 1.0)?)?)?)?,
+        &b.unary(
+            "exponential_minus_one",
+            &b.sub(&alogx, &lgam(&b.add_scalar(a, 1.0)?)?)?,
+        )?,
     )?;
     let scale = b.unary("exponential", &b.sub(&alogx, &lgam(a)?)?)?;
     b.sub(&head, &b.mul(&scale, &s[4])?)
@@ -259,7 +296,11 @@ fn q_fraction_eval<'a>(
         let t = b.unary("abs", &b.div(&b.sub(ans, &r)?, &r)?)?;
         let t = b.select(&nonzero, &t, &b.full_like(Scalar::Float(1.0), &t)?)?;
         let ans = b.select(&nonzero, &r, ans)?;
-        let grown = b.compare(&b.unary("abs", &pk)?, &b.full_like(Scalar::Float(big), &pk)?, "GT")?;
+        let grown = b.compare(
+            &b.unary("abs", &pk)?,
+            &b.full_like(Scalar::Float(big), &pk)?,
+            "GT",
+        )?;
         let mut next = vec![c, y, z];
         for v in [&pk, pkm1, &qk, qkm1] {
             next.push(b.select(&grown, &b.mul_scalar(v, biginv)?, v)?);
@@ -274,7 +315,13 @@ fn q_fraction_eval<'a>(
 /// `_igam_helper_asymptotic_series` (DLMF 8.12.3/8.12.4): erfc of the scaled η plus the
 /// series Σ c_k(η) a^-k, each c_k a truncated power series in η. The 25 c_k are evaluated side
 /// by side along a trailing axis.
-fn asymptotic<'a>(b: &Builder<'a>, a: &Val<'a>, x: &Val<'a>, lower: bool, skip: &Val<'a>) -> R<Val<'a>> {
+fn asymptotic<'a>(
+    b: &Builder<'a>,
+    a: &Val<'a>,
+    x: &Val<'a>,
+    lower: bool,
+    skip: &Val<'a>,
+) -> R<Val<'a>> {
     let o = Ops { b, like: a.clone() };
     let (machep, ..) = limits(a.dtype());
     let dt = a.dtype();
@@ -284,12 +331,19 @@ fn asymptotic<'a>(b: &Builder<'a>, a: &Val<'a>, x: &Val<'a>, lower: bool, skip: 
         "sqrt",
         &b.mul_scalar(&b.sub(&b.unary("log_plus_one", &sigma)?, &sigma)?, -2.0)?,
     )?;
-    let mut eta = b.select(&o.cmp_f(&lambda, 1.0, "LT")?, &b.unary("negate", &root)?, &o.c(0.0)?)?;
+    let mut eta = b.select(
+        &o.cmp_f(&lambda, 1.0, "LT")?,
+        &b.unary("negate", &root)?,
+        &o.c(0.0)?,
+    )?;
     eta = b.select(&o.cmp_f(&lambda, 1.0, "GT")?, &root, &eta)?;
     // Elements outside the region get a harmless η = 0.
     eta = b.select(skip, &o.c(0.0)?, &eta)?;
     let sgn = if lower { -1.0 } else { 1.0 };
-    let arg = b.mul(&b.mul_scalar(&eta, sgn)?, &b.unary("sqrt", &b.div(a, &o.c(2.0)?)?)?)?;
+    let arg = b.mul(
+        &b.mul_scalar(&eta, sgn)?,
+        &b.unary("sqrt", &b.div(a, &o.c(2.0)?)?)?,
+    )?;
     let res = b.mul_scalar(&b.op("chlo.erfc", &[&arg], &[], arg.ty.clone())?, 0.5)?;
     // c_k for all k at once along a trailing axis of 25, one power of η per loop step.
     let rank = a.rank();
@@ -298,7 +352,9 @@ fn asymptotic<'a>(b: &Builder<'a>, a: &Val<'a>, x: &Val<'a>, lower: bool, skip: 
     let lead: Vec<usize> = (0..rank).collect();
     let eta_w = b.broadcast_in_dim(&eta, &wide_shape, &lead)?;
     // Column n of the table (c_k's η^n coefficient for every k) is row n of its transpose.
-    let transposed: Vec<f64> = (0..25).flat_map(|n| IGAM_D.iter().map(move |row| row[n])).collect();
+    let transposed: Vec<f64> = (0..25)
+        .flat_map(|n| IGAM_D.iter().map(move |row| row[n]))
+        .collect();
     let zero_i = b.scalar(Scalar::Int(0), DType::I64)?;
     let ck0 = igam_column(b, &zero_i, &transposed, dt, &wide_shape)?;
     let open = b.compare(&ck0, &ck0, "EQ")?;
@@ -327,10 +383,19 @@ fn asymptotic<'a>(b: &Builder<'a>, a: &Val<'a>, x: &Val<'a>, lower: bool, skip: 
     // Σ c_k a^-k, stopping when a term grows or becomes negligible.
     let live = b.unary("not", skip)?;
     let outer = b.while_loop(
-        &[&zero_i, &inner[3], a, &o.c(0.0)?, &o.c(1.0)?, &o.c(f64::INFINITY)?, &live],
+        &[
+            &zero_i,
+            &inner[3],
+            a,
+            &o.c(0.0)?,
+            &o.c(1.0)?,
+            &o.c(f64::INFINITY)?,
+            &live,
+        ],
         |b, s| b.compare(&s[0], &b.full_like(Scalar::Int(25), &s[0])?, "LT"),
         |b, s| {
-            let (k, ck, a, sum, afac, old, live) = (&s[0], &s[1], &s[2], &s[3], &s[4], &s[5], &s[6]);
+            let (k, ck, a, sum, afac, old, live) =
+                (&s[0], &s[1], &s[2], &s[3], &s[4], &s[5], &s[6]);
             let mut slice = a.shape().to_vec();
             slice.push(1);
             let map = IndexMap {
@@ -362,7 +427,10 @@ fn asymptotic<'a>(b: &Builder<'a>, a: &Val<'a>, x: &Val<'a>, lower: bool, skip: 
     // res + sgn exp(-a η²/2) sum / sqrt(2π a), in double as the kernel's literals make it.
     let two_pi = (2.0f32 * std::f32::consts::PI) as f64;
     let (ad, ed) = (wide(b, a)?, wide(b, &eta)?);
-    let e = b.unary("exponential", &b.mul(&b.mul(&b.mul_scalar(&ad, -0.5)?, &ed)?, &ed)?)?;
+    let e = b.unary(
+        "exponential",
+        &b.mul(&b.mul(&b.mul_scalar(&ad, -0.5)?, &ed)?, &ed)?,
+    )?;
     let num = b.mul(&b.mul_scalar(&e, sgn)?, &wide(b, &sum)?)?;
     let den = wide(b, &b.unary("sqrt", &b.mul_scalar(a, two_pi)?)?)?;
     b.convert(&b.add(&wide(b, &res)?, &b.div(&num, &den)?)?, dt)
@@ -370,7 +438,13 @@ fn asymptotic<'a>(b: &Builder<'a>, a: &Val<'a>, x: &Val<'a>, lower: bool, skip: 
 
 /// Row `n` of the transposed table (the η^n coefficient of every c_k), spread over `shape`
 /// along its last axis.
-fn igam_column<'x>(b: &Builder<'x>, n: &Val<'x>, transposed: &[f64], dt: DType, shape: &[i64]) -> R<Val<'x>> {
+fn igam_column<'x>(
+    b: &Builder<'x>,
+    n: &Val<'x>,
+    transposed: &[f64],
+    dt: DType,
+    shape: &[i64],
+) -> R<Val<'x>> {
     let start = b.mul(n, &b.full_like(Scalar::Int(25), n)?)?;
     let map = IndexMap {
         window_dims: vec![0],
@@ -378,6 +452,12 @@ fn igam_column<'x>(b: &Builder<'x>, n: &Val<'x>, transposed: &[f64], dt: DType, 
         index_to_operand: vec![0],
         index_vector_dim: 0,
     };
-    let row = b.gather(&b.table(transposed, dt)?, &b.reshape(&start, &[1])?, &map, &[25], vec![25])?;
+    let row = b.gather(
+        &b.table(transposed, dt)?,
+        &b.reshape(&start, &[1])?,
+        &map,
+        &[25],
+        vec![25],
+    )?;
     b.broadcast_in_dim(&row, shape, &[shape.len() - 1])
 }

@@ -3,6 +3,8 @@
 //! eager to float ulps rather than to an approximation's accuracy.
 
 mod bessel;
+// Tables keep several coefficients a line.
+#[rustfmt::skip]
 mod cephes;
 mod erfcx_table;
 mod error;
@@ -59,7 +61,6 @@ impl<'a> Ops<'_, 'a> {
         b.select(&odd, &b.unary("negate", v)?, v)
     }
 }
-
 
 /// Cephes' `polevl`: Horner's rule over `coefs`, highest power first, constants rounded to x's
 /// dtype as the kernels' `static const T` tables are.

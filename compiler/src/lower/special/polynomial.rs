@@ -43,12 +43,18 @@ fn polynomial(n: NodeCtx<'_>) -> Res<'_> {
     let v = b.coerce(&[&n.operand(0, "x")?, &n.operand(1, "n")?], opmath(out))?;
     let (x, deg) = (&v[0], &v[1]);
     if !x.dtype().is_float() {
-        return Err(format!("{}: needs a float result, got {}", n.op, out.name()));
+        return Err(format!(
+            "{}: needs a float result, got {}",
+            n.op,
+            out.name()
+        ));
     }
     let name = n.op.trim_start_matches("aten.special_");
     let name = &name[..name.find('.').unwrap_or(name.len())];
     let y = match name {
-        "hermite_polynomial_h" | "hermite_polynomial_he" => hermite(b, x, deg, name.ends_with('e'))?,
+        "hermite_polynomial_h" | "hermite_polynomial_he" => {
+            hermite(b, x, deg, name.ends_with('e'))?
+        }
         "laguerre_polynomial_l" => laguerre(b, x, deg)?,
         "legendre_polynomial_p" => legendre(b, x, deg)?,
         _ => chebyshev(b, x, deg, name)?,
@@ -86,7 +92,11 @@ fn recurrence<'a>(
         let (k, iters, x, p, q) = (&s[0], &s[1], &s[2], &s[3], &s[4]);
         let r = step(b, &b.convert(k, x.dtype())?, x, p, q)?;
         let k = b.binary("add", k, &b.full_like(Scalar::Int(1), k)?)?;
-        let stop = b.binary("or", &b.compare(&k, iters, "GT")?, &b.compare(&r, &r, "NE")?)?;
+        let stop = b.binary(
+            "or",
+            &b.compare(&k, iters, "GT")?,
+            &b.compare(&r, &r, "NE")?,
+        )?;
         Ok((vec![k, iters.clone(), x.clone(), q.clone(), r], stop))
     })?;
     Ok(s[4].clone())
