@@ -40,7 +40,6 @@ KNOWN = [
     ("complex constants", "complex constants are not lowered yet"),
     ("linalg", "LAPACK-style factorizations/solvers have no StableHLO rule"),
     ("fft", "FFT has no rule yet"),
-    ("special_", "special polynomial/Bessel functions have no rule"),
 ]
 
 
