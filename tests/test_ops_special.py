@@ -63,6 +63,21 @@ def test_polygamma(n):
     check(lambda t: torch.polygamma(n, t), x)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_digamma(dtype):
+    # ±0 give ∓inf, negative integers NaN.
+    x = torch.cat([nonzero(40, -9.0, 12.0, dtype), torch.tensor([0.0, -0.0, -3.0, 10.0, 1e20], dtype=dtype)])
+    check(torch.digamma, x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_zeta(dtype):
+    # s = 1 is a pole, s < 1 undefined; q <= 0 integers are poles, else need an integer s.
+    s = torch.tensor([0.5, 1.0, 1.5, 2.0, 3.0, 4.5, 12.0], dtype=dtype)
+    q = torch.cat([nonzero(16, -6.0, 12.0, dtype), torch.tensor([0.0, -2.0, 1e-3, 80.0], dtype=dtype)])
+    check(S.zeta, s[:, None], q[None, :])
+
+
 BESSEL = [
     ("i0", torch.i0), ("i0e", S.i0e), ("i1", S.i1), ("i1e", S.i1e),
     ("bessel_j0", S.bessel_j0), ("bessel_j1", S.bessel_j1), ("bessel_y0", S.bessel_y0), ("bessel_y1", S.bessel_y1),

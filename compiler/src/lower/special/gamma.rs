@@ -1,5 +1,5 @@
-//! `polygamma(n, x)`: digamma for n = 0, trigamma for n = 1, and (-1)^(n+1) n! ζ(n+1, x)
-//! beyond, with ζ in double as PyTorch's CPU kernel accumulates it.
+//! digamma, `polygamma(n, x)` (digamma for n = 0, trigamma for n = 1, (-1)^(n+1) n! ζ(n+1, x)
+//! beyond) and Hurwitz ζ, with ζ in double as PyTorch's CPU kernel accumulates it.
 
 use super::super::builder::{opmath, Builder, Scalar, Val, R};
 use super::super::{NodeCtx, Registry, Res};
@@ -9,26 +9,68 @@ use std::f64::consts::PI;
 
 pub fn register(r: &mut Registry) {
     r.add(&["aten.polygamma.default"], polygamma);
+    r.add(
+        &["aten.digamma.default", "prims.digamma.default"],
+        digamma_rule,
+    );
+    r.add(
+        &[
+            "prims.zeta.default",
+            "aten.special_zeta.default",
+            "aten.special_zeta.self_scalar",
+            "aten.special_zeta.other_scalar",
+        ],
+        zeta_rule,
+    );
+}
+
+fn float_out(n: &NodeCtx<'_>) -> R<DType> {
+    let out = n.out_dtype()?;
+    if !opmath(out).is_float() {
+        return Err(format!(
+            "{}: needs a float result, got {}",
+            n.op,
+            out.name()
+        ));
+    }
+    Ok(out)
+}
+
+fn digamma_rule(n: NodeCtx<'_>) -> Res<'_> {
+    let out = float_out(&n)?;
+    let x = n.b.convert(&n.tensor(0, "self")?, opmath(out))?;
+    Ok(vec![n.b.convert(&digamma(&n.b, &x)?, out)?])
+}
+
+/// ζ's accumulator, `at::acc_type` on CPU: double for float and double, float for half types.
+fn zeta_acc(out: DType) -> DType {
+    if matches!(out, DType::F16 | DType::Bf16) {
+        DType::F32
+    } else {
+        DType::F64
+    }
+}
+
+fn zeta_rule(n: NodeCtx<'_>) -> Res<'_> {
+    let out = float_out(&n)?;
+    let b = &n.b;
+    let operands = [&n.operand(0, "self")?, &n.operand(1, "other")?];
+    let v = b.coerce(&operands, zeta_acc(out))?;
+    Ok(vec![b.convert(&zeta(b, &v[0], &v[1])?, out)?])
 }
 
 fn polygamma(n: NodeCtx<'_>) -> Res<'_> {
     let order = n.int(0, "n")?;
-    let out = n.out_dtype()?;
+    let out = float_out(&n)?;
     let b = &n.b;
-    let x = n.tensor(1, "self")?;
-    if !opmath(out).is_float() {
-        return Err(format!(
-            "polygamma: needs a float result, got {}",
-            out.name()
-        ));
-    }
-    let x = b.convert(&x, opmath(out))?;
+    let x = b.convert(&n.tensor(1, "self")?, opmath(out))?;
     let y = match order {
         0 => digamma(b, &x)?,
         1 => trigamma(b, &x)?,
         k if k > 1 => {
-            let q = b.convert(&x, DType::F64)?;
-            let z = b.convert(&zeta(b, (k + 1) as f64, &q)?, x.dtype())?;
+            let q = b.convert(&x, zeta_acc(out))?;
+            let s = b.full_like(Scalar::Float((k + 1) as f64), &q)?;
+            let z = b.convert(&zeta(b, &s, &q)?, x.dtype())?;
             let fac: f64 = (2..=k).map(|i| i as f64).product();
             b.mul_scalar(&z, if k % 2 == 1 { fac } else { -fac })?
         }
@@ -130,10 +172,10 @@ fn trigamma<'a>(b: &Builder<'a>, x: &Val<'a>) -> R<Val<'a>> {
     b.select(&low, &b.unary("negate", &result)?, &result)
 }
 
-/// Hurwitz ζ(s, q) for a constant s, as Cephes' `zeta`: direct sum until the terms are
-/// negligible or q + i > 9 (a while loop, since negative q needs more terms), then
-/// Euler-Maclaurin with its twelve Bernoulli terms. `q` is f64 (the kernel's accumulator).
-fn zeta<'a>(b: &Builder<'a>, s: f64, q: &Val<'a>) -> R<Val<'a>> {
+/// Hurwitz ζ(s, q) as Cephes' `zeta`: direct sum until the terms are negligible or q + i > 9
+/// (a while loop, since negative q needs more terms), then Euler-Maclaurin with its twelve
+/// Bernoulli terms. `s` and `q` share one shape and the accumulator dtype.
+fn zeta<'a>(b: &Builder<'a>, s: &Val<'a>, q: &Val<'a>) -> R<Val<'a>> {
     const A: [f64; 12] = [
         12.0,
         -720.0,
@@ -150,12 +192,18 @@ fn zeta<'a>(b: &Builder<'a>, s: f64, q: &Val<'a>) -> R<Val<'a>> {
     ];
     const MACHEP: f64 = 1.11022302462515654042E-16;
     let o = Ops { b, like: q.clone() };
-    // For a constant integer s ≥ 2 only q ≤ 0 integer (a pole) is special; s is never < 1 here.
-    let pole = b.binary(
-        "and",
-        &o.cmp_f(q, 0.0, "LE")?,
-        &b.compare(q, &b.unary("floor", q)?, "EQ")?,
+    let nonpositive = o.cmp_f(q, 0.0, "LE")?;
+    let int = |v: &Val<'a>| b.compare(v, &b.unary("floor", v)?, "EQ");
+    let pole = b.binary("and", &nonpositive, &int(q)?)?;
+    let undefined = b.binary("and", &nonpositive, &b.unary("not", &int(s)?)?)?;
+    let at_one = o.cmp_f(s, 1.0, "EQ")?;
+    let below_one = o.cmp_f(s, 1.0, "LT")?;
+    let special = b.binary(
+        "or",
+        &b.binary("or", &at_one, &below_one)?,
+        &b.binary("or", &pole, &undefined)?,
     )?;
+    let neg_s = b.unary("negate", s)?;
     let i0 = b.splat(
         Scalar::Int(0),
         &TensorType::new(DType::I64, q.shape().to_vec()),
@@ -163,15 +211,16 @@ fn zeta<'a>(b: &Builder<'a>, s: f64, q: &Val<'a>) -> R<Val<'a>> {
     let state = [
         i0,
         q.clone(),
-        b.binary("power", q, &o.c(-s)?)?,
+        b.binary("power", q, &neg_s)?,
         o.c(0.0)?,
-        pole.clone(),
+        special.clone(),
+        neg_s,
     ];
-    let st = iterate(b, &state, &pole, i64::MAX, |b, st| {
-        let (i, a, sum) = (&st[0], &st[1], &st[2]);
+    let st = iterate(b, &state, &special, i64::MAX, |b, st| {
+        let (i, a, sum, neg_s) = (&st[0], &st[1], &st[2], &st[5]);
         let i = b.binary("add", i, &b.full_like(Scalar::Int(1), i)?)?;
         let a = b.add_scalar(a, 1.0)?;
-        let term = b.binary("power", &a, &b.full_like(Scalar::Float(-s), &a)?)?;
+        let term = b.binary("power", &a, neg_s)?;
         let sum = b.add(sum, &term)?;
         let small = b.binary(
             "and",
@@ -183,29 +232,33 @@ fn zeta<'a>(b: &Builder<'a>, s: f64, q: &Val<'a>) -> R<Val<'a>> {
         let near = b.compare(&a, &b.full_like(Scalar::Float(9.0), &a)?, "LE")?;
         let more = b.binary("or", &few, &near)?;
         let stop = b.binary("or", &small, &b.unary("not", &more)?)?;
-        Ok((vec![i, a, sum, term, small], stop))
+        Ok((vec![i, a, sum, term, small, neg_s.clone()], stop))
     })?;
-    // Elements the direct sum finished (and poles, which start finished) skip Euler-Maclaurin.
+    // Elements the direct sum finished (and special ones, which start finished) skip
+    // Euler-Maclaurin.
     let (w, mut sum, mut term) = (st[1].clone(), st[2].clone(), st[3].clone());
     let mut done = st[4].clone();
     let direct = sum.clone();
-    sum = b.add(&sum, &b.div(&b.mul(&term, &w)?, &o.c(s - 1.0)?)?)?;
+    sum = b.add(&sum, &b.div(&b.mul(&term, &w)?, &b.add_scalar(s, -1.0)?)?)?;
     sum = b.sub(&sum, &b.mul_scalar(&term, 0.5)?)?;
-    let mut a = 1.0f64;
+    let mut a = o.c(1.0)?;
     let mut k = 0.0f64;
     for c in A {
-        a *= s + k;
+        a = b.mul(&a, &b.add_scalar(s, k)?)?;
         term = b.div(&term, &w)?;
-        let t = b.div(&b.mul_scalar(&term, a)?, &o.c(c)?)?;
+        let t = b.div(&b.mul(&a, &term)?, &o.c(c)?)?;
         let next = b.add(&sum, &t)?;
         sum = b.select(&done, &sum, &next)?;
         let conv = o.cmp_f(&b.unary("abs", &b.div(&t, &next)?)?, MACHEP, "LT")?;
         done = b.binary("or", &done, &conv)?;
         k += 1.0;
-        a *= s + k;
+        a = b.mul(&a, &b.add_scalar(s, k)?)?;
         term = b.div(&term, &w)?;
         k += 1.0;
     }
-    let y = b.select(&st[4], &direct, &sum)?;
-    b.select(&pole, &o.c(f64::INFINITY)?, &y)
+    let mut y = b.select(&st[4], &direct, &sum)?;
+    y = b.select(&undefined, &o.c(f64::NAN)?, &y)?;
+    y = b.select(&pole, &o.c(f64::INFINITY)?, &y)?;
+    y = b.select(&below_one, &o.c(f64::NAN)?, &y)?;
+    b.select(&at_one, &o.c(f64::INFINITY)?, &y)
 }
