@@ -33,7 +33,6 @@ OURS = ("mismatch", "lowering", "backend", "crash", "timeout")
 KNOWN = [
     ("_scaled_dot_product_flash_attention_for_cpu", "PyTorch's decomposition gives logsumexp an extra dim"
      " (aot_eager with the same table agrees with us); the attention output matches"),
-    ("polygamma", "XLA's polygamma approximation is ~1e-5 relative off PyTorch's"),
     ("with_effects", "linalg ops with error checks trace to the with_effects HOP, not lowered"),
     ("new_empty_strided", "uninitialized memory: eager's values are arbitrary, nothing to match"),
     ("narrow", "narrow with a tensor start reads it with .item(): the slice start is a data-dependent"
@@ -43,7 +42,6 @@ KNOWN = [
     ("SymInt", "data-dependent scalar (.item()) in the graph; static shapes only"),
     ("is not supported", "dtype outside the IR (complex128, complex32, wide unsigned)"),
     ("linalg", "LAPACK-style factorizations/solvers have no StableHLO rule"),
-    ("special_", "special polynomial/Bessel functions have no rule"),
 ]
 
 

@@ -378,10 +378,19 @@ impl<'a> Builder<'a> {
     where
         F: for<'x> FnOnce(Builder<'x>, Vec<Val<'x>>) -> R<Vec<Val<'x>>>,
     {
-        let scalar = |d: DType| TensorType::new(d, vec![]);
-        let args = dtypes
+        let types: Vec<TensorType> = dtypes.iter().map(|&d| TensorType::new(d, vec![])).collect();
+        self.region_of(&types, body)
+    }
+
+    /// A one-block region whose arguments have `types`; `body` returns the values to
+    /// `stablehlo.return`.
+    pub fn region_of<F>(&self, types: &[TensorType], body: F) -> R<Region<'a>>
+    where
+        F: for<'x> FnOnce(Builder<'x>, Vec<Val<'x>>) -> R<Vec<Val<'x>>>,
+    {
+        let args = types
             .iter()
-            .map(|&d| Ok((self.mlir_type(&scalar(d))?, self.loc)))
+            .map(|t| Ok((self.mlir_type(t)?, self.loc)))
             .collect::<R<Vec<_>>>()?;
         let block = Block::new(&args);
         {
@@ -390,13 +399,13 @@ impl<'a> Builder<'a> {
                 block: &block,
                 loc: self.loc,
             };
-            let vals = dtypes
+            let vals = types
                 .iter()
                 .enumerate()
-                .map(|(i, &d)| {
+                .map(|(i, t)| {
                     Ok(Val {
                         v: block.argument(i).map_err(|e| e.to_string())?.into(),
-                        ty: scalar(d),
+                        ty: t.clone(),
                     })
                 })
                 .collect::<R<Vec<_>>>()?;
@@ -411,6 +420,25 @@ impl<'a> Builder<'a> {
         let region = Region::new();
         region.append_block(block);
         Ok(region)
+    }
+
+    /// `stablehlo.while` over the loop state `init`: `cond` maps the state to a 0-d bool,
+    /// `body` to the next state (same types). Every value a region uses is carried in the state.
+    pub fn while_loop<C, F>(&self, init: &[&Val<'a>], cond: C, body: F) -> R<Vec<Val<'a>>>
+    where
+        C: for<'x> FnOnce(Builder<'x>, Vec<Val<'x>>) -> R<Val<'x>>,
+        F: for<'x> FnOnce(Builder<'x>, Vec<Val<'x>>) -> R<Vec<Val<'x>>>,
+    {
+        let types: Vec<TensorType> = init.iter().map(|v| v.ty.clone()).collect();
+        let c = self.region_of(&types, |b, s| Ok(vec![cond(b, s)?]))?;
+        let f = self.region_of(&types, |b, s| {
+            let next = body(b, s)?;
+            if next.iter().map(|v| &v.ty).ne(types.iter()) {
+                return Err("while: the body changes the loop state's types".into());
+            }
+            Ok(next)
+        })?;
+        self.op_regions("stablehlo.while", init, &[], vec![c, f], types)
     }
 
     // ---- constants ----
@@ -458,6 +486,17 @@ impl<'a> Builder<'a> {
             .map(|byte| format!("{byte:02X}"))
             .collect();
         let attr = format!("dense<\"0x{hex}\"> : {}", tensor_str(&ty));
+        self.op("stablehlo.constant", &[], &[("value", attr)], ty)
+    }
+
+    /// A 1-D constant table of floats (f32 or f64, each value rounded to it).
+    pub fn table(&self, values: &[f64], dtype: DType) -> R<Val<'a>> {
+        if !matches!(dtype, DType::F32 | DType::F64) {
+            return Err(format!("float table of {} is not supported", dtype.name()));
+        }
+        let ty = TensorType::new(dtype, vec![values.len() as i64]);
+        let items: Vec<String> = values.iter().map(|&v| float_bits_text(dtype, v)).collect();
+        let attr = format!("dense<[{}]> : {}", items.join(", "), tensor_str(&ty));
         self.op("stablehlo.constant", &[], &[("value", attr)], ty)
     }
 

@@ -47,7 +47,6 @@ const UNARY: &[&str] = &[
     "erfc",
     "erfinv",
     "lgamma",
-    "digamma",
     "log10",
     "sgn",
     "frac",
@@ -129,9 +128,6 @@ pub fn register(r: &mut Registry) {
     r.add(&["aten.angle.default"], angle);
     r.add(
         &[
-            "aten.polygamma.default",
-            "prims.zeta.default",
-            "aten.special_zeta.default",
             "prims.nextafter.default",
             "aten.nextafter.default",
             "prims.hypot.default",
@@ -432,7 +428,7 @@ fn unary(n: NodeCtx<'_>) -> Res<'_> {
     // Functions StableHLO lacks; XLA expands these CHLO ops with accurate approximations.
     let chlo = match name {
         "acos" | "asin" | "atan" | "acosh" | "asinh" | "atanh" | "sinh" | "cosh" | "erfc"
-        | "lgamma" | "digamma" => Some(name),
+        | "lgamma" => Some(name),
         "erfinv" => Some("erf_inv"),
         _ => None,
     };
@@ -537,16 +533,13 @@ fn angle(n: NodeCtx<'_>) -> Res<'_> {
     Ok(vec![b.select(&b.compare(&x, &x, "NE")?, &x, &y)?])
 }
 
-/// Two-operand special functions: polygamma(n, x), zeta(x, q), nextafter(x, y) as the CHLO ops
-/// XLA expands, hypot as sqrt(a² + b²).
+/// Two-operand functions: nextafter(x, y) as the CHLO op XLA expands, hypot as sqrt(a² + b²).
 fn special_binary(n: NodeCtx<'_>) -> Res<'_> {
     let (x, y) = (n.operand(0, "self")?, n.operand(1, "other")?);
     let op = n.op.clone();
     Ok(vec![arith(&n, &x, &y, |b, p, q| {
         let chlo = |name: &str| b.op(&format!("chlo.{name}"), &[p, q], &[], p.ty.clone());
         match op.as_str() {
-            "aten.polygamma.default" => chlo("polygamma"),
-            "prims.zeta.default" | "aten.special_zeta.default" => chlo("zeta"),
             "prims.nextafter.default" | "aten.nextafter.default" => chlo("next_after"),
             _ => b.unary("sqrt", &b.add(&b.mul(p, p)?, &b.mul(q, q)?)?),
         }

@@ -17,6 +17,7 @@ mod pooling;
 mod reduction;
 mod sampling;
 mod sorting;
+mod special;
 mod view;
 
 use crate::ir::{self, Arg, DType, Graph, TensorType};
@@ -152,6 +153,7 @@ fn registry() -> &'static Registry {
         reduction::register(&mut r);
         sampling::register(&mut r);
         sorting::register(&mut r);
+        special::register(&mut r);
         view::register(&mut r);
         r
     })
