@@ -5,7 +5,7 @@
 use super::super::builder::{opmath, Builder, Scalar, Val, R};
 use super::super::{NodeCtx, Registry, Res};
 use super::cephes::*;
-use super::{chbevl, iterate, polevl, Ops};
+use super::{float_out, chbevl, iterate, polevl, Ops};
 use crate::ir::DType;
 
 pub fn register(r: &mut Registry) {
@@ -40,16 +40,9 @@ pub fn register(r: &mut Registry) {
 }
 
 fn bessel(n: NodeCtx<'_>) -> Res<'_> {
-    let out = n.out_dtype()?;
+    let out = float_out(&n)?;
     let b = &n.b;
     let x = n.tensor(0, "self")?;
-    if !opmath(out).is_float() {
-        return Err(format!(
-            "{}: needs a float result, got {}",
-            n.op,
-            out.name()
-        ));
-    }
     let x = b.convert(&x, opmath(out))?;
     let name =
         n.op.trim_start_matches("aten.")

@@ -5,7 +5,7 @@ use super::super::builder::{opmath, Builder, IndexMap, Scalar, Val, R};
 use super::super::{NodeCtx, Registry, Res};
 use super::cephes::*;
 use super::erfcx_table::ERFCX_Y100;
-use super::{polevl, Ops};
+use super::{float_out, polevl, Ops};
 use crate::ir::DType;
 
 pub fn register(r: &mut Registry) {
@@ -21,15 +21,8 @@ pub fn register(r: &mut Registry) {
 }
 
 fn unary(n: NodeCtx<'_>) -> Res<'_> {
-    let out = n.out_dtype()?;
+    let out = float_out(&n)?;
     let b = &n.b;
-    if !opmath(out).is_float() {
-        return Err(format!(
-            "{}: needs a float result, got {}",
-            n.op,
-            out.name()
-        ));
-    }
     let x = b.convert(&n.tensor(0, "self")?, opmath(out))?;
     let y = if n.op.contains("erfcx") {
         erfcx(b, &x)?

@@ -3,7 +3,7 @@
 
 use super::super::builder::{opmath, Builder, Scalar, Val, R};
 use super::super::{NodeCtx, Registry, Res};
-use super::{iterate, polevl, Ops};
+use super::{float_out, iterate, polevl, Ops};
 use crate::ir::{DType, TensorType};
 use std::f64::consts::PI;
 
@@ -22,18 +22,6 @@ pub fn register(r: &mut Registry) {
         ],
         zeta_rule,
     );
-}
-
-fn float_out(n: &NodeCtx<'_>) -> R<DType> {
-    let out = n.out_dtype()?;
-    if !opmath(out).is_float() {
-        return Err(format!(
-            "{}: needs a float result, got {}",
-            n.op,
-            out.name()
-        ));
-    }
-    Ok(out)
 }
 
 fn digamma_rule(n: NodeCtx<'_>) -> Res<'_> {

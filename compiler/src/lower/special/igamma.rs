@@ -7,7 +7,7 @@
 use super::super::builder::{opmath, Builder, IndexMap, Scalar, Val, R};
 use super::super::{NodeCtx, Registry, Res};
 use super::cephes::{IGAM_D, LANCZOS_DENOM, LANCZOS_NUM};
-use super::{iterate, polevl, Ops};
+use super::{float_out, iterate, polevl, Ops};
 use crate::ir::DType;
 
 pub fn register(r: &mut Registry) {
@@ -23,15 +23,8 @@ pub fn register(r: &mut Registry) {
 }
 
 fn rule(n: NodeCtx<'_>) -> Res<'_> {
-    let out = n.out_dtype()?;
+    let out = float_out(&n)?;
     let b = &n.b;
-    if !opmath(out).is_float() {
-        return Err(format!(
-            "{}: needs a float result, got {}",
-            n.op,
-            out.name()
-        ));
-    }
     let v = b.coerce(
         &[&n.operand(0, "self")?, &n.operand(1, "other")?],
         opmath(out),

@@ -13,8 +13,9 @@ mod gamma;
 mod igamma;
 mod polynomial;
 
-use super::builder::{Builder, Combiner, Scalar, Val, R};
-use super::Registry;
+use super::builder::{opmath, Builder, Combiner, Scalar, Val, R};
+use super::{NodeCtx, Registry};
+use crate::ir::DType;
 
 pub fn register(r: &mut Registry) {
     bessel::register(r);
@@ -24,6 +25,20 @@ pub fn register(r: &mut Registry) {
     igamma::register(r);
     polynomial::register(r);
 }
+
+/// The result dtype of a rule that only computes in floating point.
+pub(super) fn float_out(n: &NodeCtx<'_>) -> R<DType> {
+    let out = n.out_dtype()?;
+    if !opmath(out).is_float() {
+        return Err(format!(
+            "{}: needs a float result, got {}",
+            n.op,
+            out.name()
+        ));
+    }
+    Ok(out)
+}
+
 
 /// Small helpers over one shape and dtype.
 pub struct Ops<'b, 'a> {
