@@ -145,7 +145,6 @@ pub fn type_str(ty: &TensorType) -> String {
     format!("{}[{}]", ty.dtype.name(), dims.join(", "))
 }
 
-
 /// `array<i64: 1, 2>` (empty: `array<i64>`).
 pub fn i64_array(values: &[i64]) -> String {
     if values.is_empty() {
@@ -378,10 +377,19 @@ impl<'a> Builder<'a> {
     where
         F: for<'x> FnOnce(Builder<'x>, Vec<Val<'x>>) -> R<Vec<Val<'x>>>,
     {
-        let scalar = |d: DType| TensorType::new(d, vec![]);
-        let args = dtypes
+        let types: Vec<TensorType> = dtypes.iter().map(|&d| TensorType::new(d, vec![])).collect();
+        self.region_of(&types, body)
+    }
+
+    /// A one-block region whose arguments have `types`; `body` returns the values to
+    /// `stablehlo.return`.
+    pub fn region_of<F>(&self, types: &[TensorType], body: F) -> R<Region<'a>>
+    where
+        F: for<'x> FnOnce(Builder<'x>, Vec<Val<'x>>) -> R<Vec<Val<'x>>>,
+    {
+        let args = types
             .iter()
-            .map(|&d| Ok((self.mlir_type(&scalar(d))?, self.loc)))
+            .map(|t| Ok((self.mlir_type(t)?, self.loc)))
             .collect::<R<Vec<_>>>()?;
         let block = Block::new(&args);
         {
@@ -390,13 +398,13 @@ impl<'a> Builder<'a> {
                 block: &block,
                 loc: self.loc,
             };
-            let vals = dtypes
+            let vals = types
                 .iter()
                 .enumerate()
-                .map(|(i, &d)| {
+                .map(|(i, t)| {
                     Ok(Val {
                         v: block.argument(i).map_err(|e| e.to_string())?.into(),
-                        ty: scalar(d),
+                        ty: t.clone(),
                     })
                 })
                 .collect::<R<Vec<_>>>()?;
@@ -411,6 +419,36 @@ impl<'a> Builder<'a> {
         let region = Region::new();
         region.append_block(block);
         Ok(region)
+    }
+
+    /// `for i in 0..n { state = body(i, state) }` as a `stablehlo.while`; `i` is a 0-d i64.
+    /// The body sees only its loop state, so whatever it needs from outside is carried in `init`
+    /// (returned unchanged).
+    pub fn fori_loop<F>(&self, n: i64, init: &[&Val<'a>], body: F) -> R<Vec<Val<'a>>>
+    where
+        F: for<'x> FnOnce(Builder<'x>, Val<'x>, Vec<Val<'x>>) -> R<Vec<Val<'x>>>,
+    {
+        let counter = self.scalar(Scalar::Int(0), DType::I64)?;
+        let mut operands = vec![&counter];
+        operands.extend_from_slice(init);
+        let types: Vec<TensorType> = operands.iter().map(|v| v.ty.clone()).collect();
+        let cond = self.region_of(&types, |b, s| {
+            Ok(vec![b.compare(
+                &s[0],
+                &b.scalar(Scalar::Int(n), DType::I64)?,
+                "LT",
+            )?])
+        })?;
+        let step = self.region_of(&types, |b, mut s| {
+            let i = s.remove(0);
+            let next = b.add(&i, &b.scalar(Scalar::Int(1), DType::I64)?)?;
+            let out = body(b, i, s)?;
+            Ok(std::iter::once(next).chain(out).collect())
+        })?;
+        let mut out =
+            self.op_regions("stablehlo.while", &operands, &[], vec![cond, step], types)?;
+        out.remove(0);
+        Ok(out)
     }
 
     // ---- constants ----

@@ -10,6 +10,7 @@ mod convert;
 mod creation;
 mod elementwise;
 mod indexing;
+mod lapack;
 mod linalg;
 mod normalization;
 mod pooling;
@@ -143,6 +144,7 @@ fn registry() -> &'static Registry {
         convert::register(&mut r);
         creation::register(&mut r);
         indexing::register(&mut r);
+        lapack::register(&mut r);
         linalg::register(&mut r);
         normalization::register(&mut r);
         pooling::register(&mut r);
@@ -416,7 +418,11 @@ fn aliasing_attrs<'c>(
         let (i, o) = (a.input as usize, a.output as usize);
         match (inputs.get(i), outputs.get(o)) {
             (Some(it), Some(ot)) if it == ot => {}
-            _ => return Err(format!("alias of input {i} to output {o}: missing or of another type")),
+            _ => {
+                return Err(format!(
+                    "alias of input {i} to output {o}: missing or of another type"
+                ))
+            }
         }
         if per_input[i] != "{}" {
             return Err(format!("input {i} is aliased twice"));
