@@ -20,10 +20,7 @@ fn main() {
         .map(|out| String::from_utf8_lossy(&out.stdout).trim().to_string())
         .unwrap_or_else(|| "unknown".into());
     println!("cargo:rustc-env=TPU_DYNAMO_MLIR_VERSION={version}");
-    println!(
-        "cargo:rustc-env=TPU_DYNAMO_COMPILER_SOURCE_HASH={}",
-        source_hash(Path::new("src"))
-    );
+    println!("cargo:rustc-env=TPU_DYNAMO_COMPILER_SOURCE_HASH={}", source_hash(Path::new("src")));
 }
 
 /// blake3 over every file under `root` (relative path and contents), in sorted path order.
@@ -43,10 +40,7 @@ fn source_hash(root: &Path) -> String {
 }
 
 fn collect(dir: &Path, files: &mut Vec<PathBuf>) {
-    for entry in std::fs::read_dir(dir)
-        .expect("listing the compiler sources")
-        .flatten()
-    {
+    for entry in std::fs::read_dir(dir).expect("listing the compiler sources").flatten() {
         let path = entry.path();
         if path.is_dir() {
             collect(&path, files);

@@ -418,11 +418,7 @@ fn aliasing_attrs<'c>(
         let (i, o) = (a.input as usize, a.output as usize);
         match (inputs.get(i), outputs.get(o)) {
             (Some(it), Some(ot)) if it == ot => {}
-            _ => {
-                return Err(format!(
-                    "alias of input {i} to output {o}: missing or of another type"
-                ))
-            }
+            _ => return Err(format!("alias of input {i} to output {o}: missing or of another type")),
         }
         if per_input[i] != "{}" {
             return Err(format!("input {i} is aliased twice"));
