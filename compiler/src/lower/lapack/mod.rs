@@ -3,6 +3,7 @@
 //! matrix with index masks instead of dynamic slices, so one loop body serves every batch.
 
 mod lu;
+mod qr;
 mod triangular;
 
 use super::builder::{broadcast_shapes, Builder, Combiner, Scalar, Val, R};
@@ -11,6 +12,7 @@ use crate::ir::{DType, TensorType};
 
 pub fn register(r: &mut Registry) {
     lu::register(r);
+    qr::register(r);
     triangular::register(r);
 }
 
