@@ -2,6 +2,7 @@
 //! the pivot/column index) on matrices batched to `[B, m, n]`. Each step works on the whole
 //! matrix with index masks instead of dynamic slices, so one loop body serves every batch.
 
+mod eigen;
 mod lu;
 mod qr;
 mod triangular;
@@ -11,6 +12,7 @@ use super::Registry;
 use crate::ir::{DType, TensorType};
 
 pub fn register(r: &mut Registry) {
+    eigen::register(r);
     lu::register(r);
     qr::register(r);
     triangular::register(r);
