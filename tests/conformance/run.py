@@ -34,12 +34,17 @@ KNOWN = [
     ("_scaled_dot_product_flash_attention_for_cpu", "PyTorch's decomposition gives logsumexp an extra dim"
      " (aot_eager with the same table agrees with us); the attention output matches"),
     ("polygamma", "XLA's polygamma approximation is ~1e-5 relative off PyTorch's"),
-    ("with_effects", "linalg ops with error checks trace to the with_effects HOP, not lowered"),
+    ("with_effects", "with_effects of an effectful op other than _linalg_check_errors"),
     ("symbolic shape", "data-dependent output shape; the compiler needs static shapes"),
     ("SymInt", "data-dependent scalar (.item()) in the graph; static shapes only"),
     ("is not supported", "dtype outside the IR (complex128, complex32, wide unsigned)"),
     ("complex constants", "complex constants are not lowered yet"),
-    ("linalg", "LAPACK-style factorizations/solvers have no StableHLO rule"),
+    ("linalg.eigh", "eigenvectors are unique up to sign: Jacobi's columns differ from LAPACK's by"
+     " a factor -1 (eigenvalues and |eigenvectors| match)"),
+    ("linalg_eig.", "general (nonsymmetric) eig has complex results and no rule"),
+    ("ldl", "LDL^T with Bunch-Kaufman pivoting (sytrf) has no rule"),
+    ("matrix_exp", "matrix_exp has no rule"),
+    ("_linalg_svd", "full_matrices SVD of a non-square matrix (completing U or V to a basis) is not lowered"),
     ("fft", "FFT has no rule yet"),
     ("special_", "special polynomial/Bessel functions have no rule"),
 ]
