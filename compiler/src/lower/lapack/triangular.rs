@@ -1,8 +1,14 @@
 //! Triangular solves (`stablehlo.triangular_solve`, which XLA's CPU pipeline expands into
-//! blocked substitution) and the Cholesky-factor solvers built on them.
+//! blocked substitution), Cholesky (a loop of ours: XLA's `cholesky` turns the whole factor
+//! into NaN for a matrix that is not definite, which hides potrf's `info`) and the
+//! Cholesky-factor solvers.
 
-use super::{broadcast_batch, check_float, eye, flat, mt, unflat};
-use crate::lower::builder::{Builder, Val, R};
+use super::{
+    broadcast_batch, check_float, cmp_idx, column, entry, eye, flat, iota, keep, mt, outer,
+    spread, triangle, unflat,
+};
+use crate::ir::{DType, TensorType};
+use crate::lower::builder::{Builder, Scalar, Val, R};
 use crate::lower::{NodeCtx, Registry, Res};
 
 pub fn register(r: &mut Registry) {
@@ -10,6 +16,7 @@ pub fn register(r: &mut Registry) {
     r.add(&["aten.linalg_solve_triangular.default"], solve_triangular);
     r.add(&["aten.cholesky_solve.default"], cholesky_solve);
     r.add(&["aten.cholesky_inverse.default"], cholesky_inverse);
+    r.add(&["aten.linalg_cholesky_ex.default"], cholesky_ex);
 }
 
 /// How a triangular matrix `a` enters `op(a) x = rhs` (or `x op(a) = rhs` when not `left`).
@@ -114,4 +121,42 @@ fn cholesky_inverse(n: NodeCtx<'_>) -> Res<'_> {
     let x = solve_factored(bd, &ff, &eye(bd, bsz, dim, f.dtype())?, upper)?;
     let sym = bd.mul_scalar(&bd.add(&x, &mt(bd, &x)?)?, 0.5)?;
     Ok(vec![unflat(bd, &sym, &batch)?])
+}
+
+/// `linalg_cholesky_ex(A, upper, check_errors) -> (L, info)`: the lower factor of the
+/// symmetric matrix `A`'s lower triangle describes (right-looking, one column per step), or its
+/// transpose. `info` is potrf's: the order of the first leading minor that is not positive
+/// definite, 0 when there is none; the factor of such a matrix is unspecified (NaN here).
+fn cholesky_ex(n: NodeCtx<'_>) -> Res<'_> {
+    let a = n.tensor(0, "self")?;
+    check_float(&n.op, &a)?;
+    let upper = n.bool_or(1, "upper", false)?;
+    let b = &n.b;
+    let batch = super::batch_of(&a)?;
+    let fa = flat(b, &a)?;
+    let (bsz, dim) = (fa.shape()[0], fa.shape()[1]);
+    let sym = b.add(&triangle(b, &fa, true, 0)?, &mt(b, &triangle(b, &fa, true, -1)?)?)?;
+    let info = b.splat(Scalar::Int(0), &TensorType::new(DType::I32, vec![bsz]))?;
+    let out = b.fori_loop(dim, &[&sym, &info], |b, k, s| {
+        let (a, info) = (&s[0], &s[1]);
+        let shape = a.shape().to_vec();
+        let col = column(&b, a, &k)?;
+        let d = entry(&b, &col, &k)?;
+        let fails = b.unary("not", &b.compare(&d, &b.full_like(Scalar::Int(0), &d)?, "GT")?)?;
+        let first = b.binary("and", &fails, &b.compare(info, &b.full_like(Scalar::Int(0), info)?, "EQ")?)?;
+        let k1 = b.convert(&b.add(&k, &b.scalar(Scalar::Int(1), DType::I64)?)?, DType::I32)?;
+        let info = b.select(&first, &b.broadcast_in_dim(&k1, info.shape(), &[])?, info)?;
+        let root = b.unary("sqrt", &d)?;
+        let rv = iota(&b, &[shape[0], shape[1]], 1)?;
+        let l = keep(&b, &cmp_idx(&b, &rv, &k, "GT")?, &b.div(&col, &b.broadcast_in_dim(&root, col.shape(), &[0])?)?)?;
+        let a = b.sub(a, &outer(&b, &l, &l)?)?;
+        let (rows, cols) = (iota(&b, &shape, 1)?, iota(&b, &shape, 2)?);
+        let at_col = cmp_idx(&b, &cols, &k, "EQ")?;
+        let a = b.select(&b.binary("and", &at_col, &cmp_idx(&b, &rows, &k, "GT")?)?, &spread(&b, &l, &shape, 2)?, &a)?;
+        let a = b.select(&b.binary("and", &at_col, &cmp_idx(&b, &rows, &k, "EQ")?)?, &b.broadcast_in_dim(&root, &shape, &[0])?, &a)?;
+        Ok(vec![a, info])
+    })?;
+    let l = triangle(b, &out[0], true, 0)?;
+    let l = if upper { mt(b, &l)? } else { l };
+    Ok(vec![unflat(b, &l, &batch)?, b.reshape(&out[1], &batch)?])
 }
