@@ -95,6 +95,8 @@ CASES = [
     ("matrix_norm_2", lambda a: torch.linalg.matrix_norm(a, 2), [rnd(2, 4, 3)]),
     ("matrix_norm_nuc", lambda a: torch.linalg.matrix_norm(a, "nuc"), [rnd(3, 4)]),
     ("polar", torch.linalg.polar, [rnd(2, 4, 4)]),
+    ("matrix_exp", torch.linalg.matrix_exp, [rnd(2, 4, 4)]),
+    ("matrix_exp_scaled", torch.linalg.matrix_exp, [rnd(3, 3) * 3]),
     ("det_empty", torch.linalg.det, [torch.ones(2, 0, 0)]),
     ("slogdet_singular", torch.linalg.slogdet, [torch.ones(3, 3)]),
     ("lu_factor_singular", torch.linalg.lu_factor_ex, [torch.tensor([[1.0, 2.0, 3.0], [2.0, 4.0, 6.0], [1.0, 1.0, 1.0]])]),

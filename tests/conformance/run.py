@@ -43,7 +43,6 @@ KNOWN = [
      " a factor -1 (eigenvalues and |eigenvectors| match)"),
     ("linalg_eig.", "general (nonsymmetric) eig has complex results and no rule"),
     ("ldl", "LDL^T with Bunch-Kaufman pivoting (sytrf) has no rule"),
-    ("matrix_exp", "matrix_exp has no rule"),
     ("_linalg_svd", "full_matrices SVD of a non-square matrix (completing U or V to a basis) is not lowered"),
     ("fft", "FFT has no rule yet"),
     ("special_", "special polynomial/Bessel functions have no rule"),

@@ -4,6 +4,7 @@
 
 mod eigen;
 mod lu;
+mod matfun;
 mod qr;
 mod triangular;
 
@@ -14,6 +15,7 @@ use crate::ir::{DType, TensorType};
 pub fn register(r: &mut Registry) {
     eigen::register(r);
     lu::register(r);
+    matfun::register(r);
     qr::register(r);
     triangular::register(r);
 }
