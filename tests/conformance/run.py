@@ -42,6 +42,9 @@ KNOWN = [
     ("linalg.eigh", "eigenvectors are unique up to sign: Jacobi's columns differ from LAPACK's by"
      " a factor -1 (eigenvalues and |eigenvectors| match)"),
     ("linalg_eig.", "general (nonsymmetric) eig has complex results and no rule"),
+    ("matrix_exp", "f32 cancellation: on the 5x5x5 sample (entries ~1e5) small entries of ours and of eager"
+     " are each ~1e-3 relative off the f64 exponential (ours 9.6e-4, eager 2.4e-3), so they differ by more"
+     " than the tolerance"),
     ("ldl", "LDL^T with Bunch-Kaufman pivoting (sytrf) has no rule"),
     ("_linalg_svd", "full_matrices SVD of a non-square matrix (completing U or V to a basis) is not lowered"),
     ("fft", "FFT has no rule yet"),
