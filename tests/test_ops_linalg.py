@@ -122,11 +122,31 @@ def test_singular_inverse_raises_like_eager():
 
 
 def test_unsupported_case_names_op_and_shape():
-    """Completing U to a full basis of a non-square matrix is not lowered; the error says so."""
+    """LU without pivoting (which PyTorch's CPU kernel rejects too) is not lowered; the error
+    names the op and its argument types."""
     from tpu_dynamo import _native
 
     with torch.no_grad(), pytest.raises(Exception) as e:
-        compile_tpu(torch.linalg.svd, dynamic=False)(rnd(5, 3))
+        compile_tpu(lambda a: torch.linalg.lu_factor_ex(a, pivot=False), dynamic=False)(rnd(3, 3))
     inner = getattr(e.value, "inner_exception", e.value)
     assert isinstance(inner, _native.LowerError)
-    assert "aten._linalg_svd" in str(inner) and "f32[5, 3]" in str(inner)
+    assert "aten.linalg_lu_factor_ex" in str(inner) and "f32[3, 3]" in str(inner) and "pivoting" in str(inner)
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["thin", "full"])
+@pytest.mark.parametrize(
+    "a",
+    [rnd(5, 3), rnd(2, 3, 5), torch.cat([rnd(4, 2), torch.zeros(4, 1)], 1), torch.zeros(3, 2)],
+    ids=["tall", "wide", "zero_column", "zero"],
+)
+def test_svd_factors_are_orthonormal(a, full):
+    """Singular vectors are unique only up to sign (and not at all for zero singular values), so
+    the factors are checked for what defines them: orthonormal, reconstructing A, S as eager."""
+    with torch.no_grad():
+        u, s, vh = compile_tpu(lambda x: torch.linalg.svd(x, full_matrices=full), dynamic=False)(a)
+    m, n = a.shape[-2:]
+    k = min(m, n)
+    torch.testing.assert_close(s, torch.linalg.svdvals(a), **TOL)
+    torch.testing.assert_close(u.mT @ u, torch.eye(u.shape[-1]).expand_as(u.mT @ u), **TOL)
+    torch.testing.assert_close(vh @ vh.mT, torch.eye(vh.shape[-2]).expand_as(vh @ vh.mT), **TOL)
+    torch.testing.assert_close(u[..., :k] @ torch.diag_embed(s) @ vh[..., :k, :], a, **TOL)

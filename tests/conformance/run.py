@@ -46,7 +46,6 @@ KNOWN = [
      " are each ~1e-3 relative off the f64 exponential (ours 9.6e-4, eager 2.4e-3), so they differ by more"
      " than the tolerance"),
     ("ldl", "LDL^T with Bunch-Kaufman pivoting (sytrf) has no rule"),
-    ("_linalg_svd", "full_matrices SVD of a non-square matrix (completing U or V to a basis) is not lowered"),
     ("fft", "FFT has no rule yet"),
     ("special_", "special polynomial/Bessel functions have no rule"),
 ]

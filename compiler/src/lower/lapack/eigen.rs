@@ -3,8 +3,9 @@
 //! Eigen/singular vectors are unique only up to sign; Jacobi's signs are not LAPACK's.
 
 use super::{batch_of, bmm, check_float, cmp_idx, column, entry, flat, iota, keep, mt, row, spread, triangle, unflat};
-use crate::ir::DType;
+use crate::ir::{DType, TensorType};
 use crate::lower::builder::{Builder, Combiner, Scalar, Val, R};
+use super::qr::fill_basis;
 use crate::lower::sorting::sort_dim;
 use crate::lower::{NodeCtx, Registry, Res};
 
@@ -132,6 +133,8 @@ fn jacobi_svd<'a>(b: &Builder<'a>, a: &Val<'a>) -> R<(Val<'a>, Val<'a>, Val<'a>)
     let zero = b.full_like(Scalar::Int(0), &s)?;
     let inv = b.select(&b.compare(&s, &zero, "GT")?, &b.div(&b.full_like(Scalar::Int(1), &s)?, &s)?, &zero)?;
     let u = b.mul(&x, &spread(b, &inv, x.shape(), 1)?)?;
+    // Columns of U for zero singular values are zero so far: fill them from the complement.
+    let u = fill_basis(b, &u, &b.compare(&s, &zero, "GT")?, n)?;
     Ok((u, s, take_cols(b, v, &idx)?))
 }
 
@@ -156,18 +159,12 @@ fn eigh(n: NodeCtx<'_>) -> Res<'_> {
 }
 
 /// `_linalg_svd(A, full_matrices, compute_uv) -> (U, S, Vh)`; without `compute_uv`, `U` and
-/// `Vh` are empty as in PyTorch.
-fn svd(n: NodeCtx<'_>) -> Res<'_> {
+/// `Vh` are empty as in PyTorch. `full_matrices` completes the shorter factor to a square
+/// orthogonal one (the completion is as non-unique as LAPACK's).
+fn svd<'a>(n: NodeCtx<'a>) -> Res<'a> {
     let a = n.tensor(0, "A")?;
     check_float(&n.op, &a)?;
     let (full, uv) = (n.bool_or(1, "full_matrices", false)?, n.bool_or(2, "compute_uv", true)?);
-    let r = a.rank();
-    if uv && full && a.shape()[r - 1] != a.shape()[r - 2] {
-        return Err(format!(
-            "_linalg_svd: full_matrices of a non-square {} (completing the basis) is not lowered",
-            crate::lower::builder::type_str(&a.ty)
-        ));
-    }
     let b = &n.b;
     let batch = batch_of(&a)?;
     let (u, s, v) = jacobi_svd(b, &flat(b, &a)?)?;
@@ -175,6 +172,15 @@ fn svd(n: NodeCtx<'_>) -> Res<'_> {
     if !uv {
         return Ok(vec![b.splat(Scalar::Int(0), n.out(0)?)?, s, b.splat(Scalar::Int(0), n.out(2)?)?]);
     }
+    let square = |x: Val<'a>| -> R<Val<'a>> {
+        let (bsz, r, k) = (x.shape()[0], x.shape()[1], x.shape()[2]);
+        if !full || r == k {
+            return Ok(x);
+        }
+        let all = b.splat(Scalar::Bool(true), &TensorType::new(DType::Bool, vec![bsz, k]))?;
+        fill_basis(b, &x, &all, r)
+    };
+    let (u, v) = (square(u)?, square(v)?);
     Ok(vec![unflat(b, &u, &batch)?, s, unflat(b, &mt(b, &v)?, &batch)?])
 }
 

@@ -17,7 +17,7 @@ pub fn register(r: &mut Registry) {
 }
 
 /// geqrf of `a[B, m, n]`: `(R above the diagonal and reflectors below it, tau[B, min(m, n)])`.
-fn factor<'a>(b: &Builder<'a>, a: &Val<'a>) -> R<(Val<'a>, Val<'a>)> {
+pub fn factor<'a>(b: &Builder<'a>, a: &Val<'a>) -> R<(Val<'a>, Val<'a>)> {
     let (bsz, m, n) = (a.shape()[0], a.shape()[1], a.shape()[2]);
     let k_max = m.min(n);
     let tau = b.splat(Scalar::Int(0), &TensorType::new(a.dtype(), vec![bsz, k_max]))?;
@@ -60,7 +60,7 @@ fn factor<'a>(b: &Builder<'a>, a: &Val<'a>) -> R<(Val<'a>, Val<'a>)> {
 /// Applies `Q = H_0 ... H_{K-1}` (reflector `i` in column `i` of `v[B, r, .]` below the
 /// diagonal, `tau[B, K]`) to `c`: `Q c` / `Q^T c` from the left (`c[B, r, p]`) or `c Q` /
 /// `c Q^T` from the right (`c[B, p, r]`).
-fn apply_q<'a>(b: &Builder<'a>, v: &Val<'a>, tau: &Val<'a>, c: &Val<'a>, left: bool, transpose: bool) -> R<Val<'a>> {
+pub fn apply_q<'a>(b: &Builder<'a>, v: &Val<'a>, tau: &Val<'a>, c: &Val<'a>, left: bool, transpose: bool) -> R<Val<'a>> {
     let k_max = tau.shape()[1];
     // Q c and c Q^T apply the last reflector first.
     let backward = left != transpose;
@@ -156,4 +156,18 @@ fn ormqr(n: NodeCtx<'_>) -> Res<'_> {
     let ft = b.reshape(&tau, &[fa.shape()[0], tshape[tshape.len() - 1]])?;
     let y = apply_q(b, &fa, &ft, &flat(b, &c)?, left, transpose)?;
     Ok(vec![unflat(b, &y, &batch)?])
+}
+
+/// `q[B, r, k]` with its invalid columns replaced and extended to `cols` (`k` or `r`)
+/// orthonormal columns. The columns where `valid[B, k]` holds are orthonormal and come first;
+/// the rest are zero. The reflectors that triangularize `q` span the valid columns with their
+/// first ones (up to sign), so their other columns complete the basis.
+pub fn fill_basis<'a>(b: &Builder<'a>, q: &Val<'a>, valid: &Val<'a>, cols: i64) -> R<Val<'a>> {
+    let (bsz, r, k) = (q.shape()[0], q.shape()[1], q.shape()[2]);
+    let (f, tau) = factor(b, q)?;
+    let full = apply_q(b, &f, &tau, &eye(b, bsz, r, q.dtype())?, true, false)?;
+    let head = b.slice(&full, &[0, 0, 0], &[bsz, r, k], &[1, 1, 1])?;
+    let head = b.select(&spread(b, valid, q.shape(), 1)?, q, &head)?;
+    let rest = b.slice(&full, &[0, 0, k], &[bsz, r, cols], &[1, 1, 1])?;
+    b.concat(&[&head, &rest], 2)
 }
