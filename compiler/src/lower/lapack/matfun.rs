@@ -31,14 +31,25 @@ fn matrix_exp(n: NodeCtx<'_>) -> Res<'_> {
     let (bsz, dim) = (fa.shape()[0], fa.shape()[1]);
     let col_sums = b.reduce(&b.unary("abs", &fa)?, &[1], Combiner::Add, false)?;
     let norm = b.reduce(&col_sums, &[1], Combiner::Max, false)?;
-    let log2 = b.div(&b.unary("log", &norm)?, &b.full_like(Scalar::Float(std::f64::consts::LN_2), &norm)?)?;
+    let log2 = b.div(
+        &b.unary("log", &norm)?,
+        &b.full_like(Scalar::Float(std::f64::consts::LN_2), &norm)?,
+    )?;
     let s = b.unary("ceil", &log2)?;
     let most = max_squarings(a.dtype());
     let lo = b.full_like(Scalar::Int(0), &s)?;
     let hi = b.full_like(Scalar::Int(most), &s)?;
     // NaN norms (and the -inf of an empty matrix) square nothing.
-    let s = b.select(&b.compare(&s, &s, "NE")?, &lo, &b.binary("maximum", &b.binary("minimum", &s, &hi)?, &lo)?)?;
-    let scale = b.binary("power", &b.full_like(Scalar::Int(2), &s)?, &b.unary("negate", &s)?)?;
+    let s = b.select(
+        &b.compare(&s, &s, "NE")?,
+        &lo,
+        &b.binary("maximum", &b.binary("minimum", &s, &hi)?, &lo)?,
+    )?;
+    let scale = b.binary(
+        "power",
+        &b.full_like(Scalar::Int(2), &s)?,
+        &b.unary("negate", &s)?,
+    )?;
     let x = b.mul(&fa, &b.broadcast_in_dim(&scale, fa.shape(), &[0])?)?;
     let id = eye(b, bsz, dim, a.dtype())?;
     // I + x/1 (I + x/2 (I + ... (I + x/18)))
@@ -51,7 +62,10 @@ fn matrix_exp(n: NodeCtx<'_>) -> Res<'_> {
         let (m, steps) = (&st[0], &st[1]);
         let more = b.compare(&b.broadcast_in_dim(&i, steps.shape(), &[])?, steps, "LT")?;
         let sq = bmm(&b, m, m)?;
-        Ok(vec![b.select(&b.broadcast_in_dim(&more, m.shape(), &[0])?, &sq, m)?, steps.clone()])
+        Ok(vec![
+            b.select(&b.broadcast_in_dim(&more, m.shape(), &[0])?, &sq, m)?,
+            steps.clone(),
+        ])
     })?;
     Ok(vec![unflat(b, &out[0], &batch)?])
 }

@@ -4,8 +4,8 @@
 //! Cholesky-factor solvers.
 
 use super::{
-    broadcast_batch, check_float, cmp_idx, column, entry, eye, flat, iota, keep, mt, outer,
-    spread, triangle, unflat,
+    broadcast_batch, check_float, cmp_idx, column, entry, eye, flat, iota, keep, mt, outer, spread,
+    triangle, unflat,
 };
 use crate::ir::{DType, TensorType};
 use crate::lower::builder::{Builder, Scalar, Val, R};
@@ -135,25 +135,50 @@ fn cholesky_ex(n: NodeCtx<'_>) -> Res<'_> {
     let batch = super::batch_of(&a)?;
     let fa = flat(b, &a)?;
     let (bsz, dim) = (fa.shape()[0], fa.shape()[1]);
-    let sym = b.add(&triangle(b, &fa, true, 0)?, &mt(b, &triangle(b, &fa, true, -1)?)?)?;
+    let sym = b.add(
+        &triangle(b, &fa, true, 0)?,
+        &mt(b, &triangle(b, &fa, true, -1)?)?,
+    )?;
     let info = b.splat(Scalar::Int(0), &TensorType::new(DType::I32, vec![bsz]))?;
     let out = b.fori_loop(dim, &[&sym, &info], |b, k, s| {
         let (a, info) = (&s[0], &s[1]);
         let shape = a.shape().to_vec();
         let col = column(&b, a, &k)?;
         let d = entry(&b, &col, &k)?;
-        let fails = b.unary("not", &b.compare(&d, &b.full_like(Scalar::Int(0), &d)?, "GT")?)?;
-        let first = b.binary("and", &fails, &b.compare(info, &b.full_like(Scalar::Int(0), info)?, "EQ")?)?;
-        let k1 = b.convert(&b.add(&k, &b.scalar(Scalar::Int(1), DType::I64)?)?, DType::I32)?;
+        let fails = b.unary(
+            "not",
+            &b.compare(&d, &b.full_like(Scalar::Int(0), &d)?, "GT")?,
+        )?;
+        let first = b.binary(
+            "and",
+            &fails,
+            &b.compare(info, &b.full_like(Scalar::Int(0), info)?, "EQ")?,
+        )?;
+        let k1 = b.convert(
+            &b.add(&k, &b.scalar(Scalar::Int(1), DType::I64)?)?,
+            DType::I32,
+        )?;
         let info = b.select(&first, &b.broadcast_in_dim(&k1, info.shape(), &[])?, info)?;
         let root = b.unary("sqrt", &d)?;
         let rv = iota(&b, &[shape[0], shape[1]], 1)?;
-        let l = keep(&b, &cmp_idx(&b, &rv, &k, "GT")?, &b.div(&col, &b.broadcast_in_dim(&root, col.shape(), &[0])?)?)?;
+        let l = keep(
+            &b,
+            &cmp_idx(&b, &rv, &k, "GT")?,
+            &b.div(&col, &b.broadcast_in_dim(&root, col.shape(), &[0])?)?,
+        )?;
         let a = b.sub(a, &outer(&b, &l, &l)?)?;
         let (rows, cols) = (iota(&b, &shape, 1)?, iota(&b, &shape, 2)?);
         let at_col = cmp_idx(&b, &cols, &k, "EQ")?;
-        let a = b.select(&b.binary("and", &at_col, &cmp_idx(&b, &rows, &k, "GT")?)?, &spread(&b, &l, &shape, 2)?, &a)?;
-        let a = b.select(&b.binary("and", &at_col, &cmp_idx(&b, &rows, &k, "EQ")?)?, &b.broadcast_in_dim(&root, &shape, &[0])?, &a)?;
+        let a = b.select(
+            &b.binary("and", &at_col, &cmp_idx(&b, &rows, &k, "GT")?)?,
+            &spread(&b, &l, &shape, 2)?,
+            &a,
+        )?;
+        let a = b.select(
+            &b.binary("and", &at_col, &cmp_idx(&b, &rows, &k, "EQ")?)?,
+            &b.broadcast_in_dim(&root, &shape, &[0])?,
+            &a,
+        )?;
         Ok(vec![a, info])
     })?;
     let l = triangle(b, &out[0], true, 0)?;
