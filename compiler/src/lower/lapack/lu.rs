@@ -3,8 +3,8 @@
 
 use super::triangular::{tri_solve, Tri};
 use super::{
-    batch_of, bmm, broadcast_batch, check_float, cmp_idx, column, diagonal, entry, eye, flat, iota,
-    keep, mt, outer, row, spread, triangle, unflat,
+    batch_of, bmm, broadcast_batch, check_float, cmp_idx, column, diagonal, entry, eye, flat,
+    flat_rows, iota, keep, mt, outer, row, spread, triangle, unflat,
 };
 use crate::ir::{DType, TensorType};
 use crate::lower::builder::{Builder, Combiner, Scalar, Val, R};
@@ -312,15 +312,9 @@ fn lu_solve(n: NodeCtx<'_>) -> Res<'_> {
     check_float(&n.op, &lu)?;
     let (left, adjoint) = (n.bool_or(3, "left", true)?, n.bool_or(4, "adjoint", false)?);
     let b = &n.b;
-    // Pivots ride along as a column so they broadcast with LU's batch.
-    let pv = b.reshape(&pivots, &[pivots.shape(), &[1]].concat())?;
     let (lu_b, rhs_b, batch) = broadcast_batch(b, &lu, &rhs)?;
-    let mut pshape = batch.clone();
-    pshape.extend_from_slice(&pv.shape()[pv.rank() - 2..]);
-    let pv = b.broadcast_to(&pv, &pshape)?;
     let flu = flat(b, &lu_b)?;
-    let fp = b.reshape(&pv, &[flu.shape()[0], pv.shape()[pv.rank() - 2]])?;
-    let perm = perm_of_pivots(b, &fp, flu.shape()[1])?;
+    let perm = perm_of_pivots(b, &flat_rows(b, &pivots, &batch)?, flu.shape()[1])?;
     let x = lu_solve_any(b, &flu, &perm, &flat(b, &rhs_b)?, left, adjoint)?;
     Ok(vec![unflat(b, &x, &batch)?])
 }
@@ -342,14 +336,9 @@ fn solve_ex(n: NodeCtx<'_>) -> Res<'_> {
         rhs.clone()
     };
     let lu = unflat(b, &f.lu, &batch_a)?;
-    let perm = unflat(b, &f.perm, &batch_a)?;
-    let pv = b.reshape(&perm, &[perm.shape(), &[1]].concat())?;
     let (lu_b, rhs_b, batch) = broadcast_batch(b, &lu, &rhs_m)?;
-    let mut pshape = batch.clone();
-    pshape.extend_from_slice(&pv.shape()[pv.rank() - 2..]);
-    let pv = b.broadcast_to(&pv, &pshape)?;
     let flu = flat(b, &lu_b)?;
-    let fperm = b.reshape(&pv, &[flu.shape()[0], flu.shape()[1]])?;
+    let fperm = flat_rows(b, &unflat(b, &f.perm, &batch_a)?, &batch)?;
     let x = lu_solve_any(b, &flu, &fperm, &flat(b, &rhs_b)?, left, false)?;
     let x = unflat(b, &x, &batch)?;
     let x = b.reshape(&x, &n.out(0)?.shape)?;

@@ -57,6 +57,14 @@ fn unflat<'a>(b: &Builder<'a>, x: &Val<'a>, batch: &[i64]) -> R<Val<'a>> {
     b.reshape(x, &shape)
 }
 
+/// Per-matrix vectors `v[..., k]` broadcast to the batch dims `batch` and flattened to `[B, k]`.
+fn flat_rows<'a>(b: &Builder<'a>, v: &Val<'a>, batch: &[i64]) -> R<Val<'a>> {
+    let k = v.shape()[v.rank() - 1];
+    let mut shape = batch.to_vec();
+    shape.push(k);
+    b.reshape(&b.broadcast_to(v, &shape)?, &[batch.iter().product(), k])
+}
+
 /// Two stacks of matrices broadcast to their common batch dims.
 fn broadcast_batch<'a>(
     b: &Builder<'a>,

@@ -2,8 +2,8 @@
 //! norm`, `tau = 0` when there is nothing to annihilate), and products with `Q` (orgqr/ormqr).
 
 use super::{
-    batch_of, broadcast_batch, check_float, cmp_idx, column, entry, eye, flat, iota, keep, outer,
-    spread, triangle, unflat,
+    batch_of, broadcast_batch, check_float, cmp_idx, column, entry, eye, flat, flat_rows, iota,
+    keep, outer, spread, triangle, unflat,
 };
 use crate::ir::TensorType;
 use crate::lower::builder::{Builder, Combiner, Scalar, Val, R};
@@ -187,7 +187,7 @@ fn householder_product(n: NodeCtx<'_>) -> Res<'_> {
     let batch = batch_of(&a)?;
     let fa = flat(b, &a)?;
     let (bsz, m, cols) = (fa.shape()[0], fa.shape()[1], fa.shape()[2]);
-    let ft = b.reshape(&tau, &[bsz, tau.shape()[tau.rank() - 1]])?;
+    let ft = flat_rows(b, &tau, &batch)?;
     let id = b.slice(
         &eye(b, bsz, m, a.dtype())?,
         &[0, 0, 0],
@@ -215,11 +215,8 @@ fn ormqr(n: NodeCtx<'_>) -> Res<'_> {
     );
     let b = &n.b;
     let (a, c, batch) = broadcast_batch(b, &a, &c)?;
-    let mut tshape = batch.clone();
-    tshape.push(tau.shape()[tau.rank() - 1]);
-    let tau = b.broadcast_to(&tau, &tshape)?;
     let fa = flat(b, &a)?;
-    let ft = b.reshape(&tau, &[fa.shape()[0], tshape[tshape.len() - 1]])?;
+    let ft = flat_rows(b, &tau, &batch)?;
     let y = apply_q(b, &fa, &ft, &flat(b, &c)?, left, transpose)?;
     Ok(vec![unflat(b, &y, &batch)?])
 }
