@@ -97,6 +97,9 @@ CASES = [
     ("polar", torch.linalg.polar, [rnd(2, 4, 4)]),
     ("matrix_exp", torch.linalg.matrix_exp, [rnd(2, 4, 4)]),
     ("matrix_exp_scaled", torch.linalg.matrix_exp, [rnd(3, 3) * 3]),
+    ("ldl_solve", torch.linalg.ldl_solve, [*torch.linalg.ldl_factor(sym(2, 5, 5)), rnd(5, 2)]),
+    # A zero diagonal forces sytrf's 2x2 pivot blocks.
+    ("ldl_solve_2x2", torch.linalg.ldl_solve, [*torch.linalg.ldl_factor(sym(5, 5) * (1 - torch.eye(5))), rnd(5, 3)]),
     ("det_empty", torch.linalg.det, [torch.ones(2, 0, 0)]),
     ("slogdet_singular", torch.linalg.slogdet, [torch.ones(3, 3)]),
     ("lu_factor_singular", torch.linalg.lu_factor_ex, [torch.tensor([[1.0, 2.0, 3.0], [2.0, 4.0, 6.0], [1.0, 1.0, 1.0]])]),

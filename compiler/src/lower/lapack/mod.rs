@@ -3,6 +3,7 @@
 //! matrix with index masks instead of dynamic slices, so one loop body serves every batch.
 
 mod eigen;
+mod ldl;
 mod lu;
 mod matfun;
 mod qr;
@@ -14,6 +15,7 @@ use crate::ir::{DType, TensorType};
 
 pub fn register(r: &mut Registry) {
     eigen::register(r);
+    ldl::register(r);
     lu::register(r);
     matfun::register(r);
     qr::register(r);
