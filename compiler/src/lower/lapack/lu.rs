@@ -212,12 +212,6 @@ fn lu_solve_left<'a>(
     }
 }
 
-/// `A^-1 rhs` for square `a[B, n, n]` by pivoted LU.
-pub fn solve_square<'a>(b: &Builder<'a>, a: &Val<'a>, rhs: &Val<'a>) -> R<Val<'a>> {
-    let f = factor(b, a)?;
-    lu_solve_left(b, &f.lu, &f.perm, rhs, false)
-}
-
 /// `left`: `op(A) x = rhs`; otherwise `x op(A) = rhs`, i.e. `op(A)^T x^T = rhs^T`.
 fn lu_solve_any<'a>(
     b: &Builder<'a>,
