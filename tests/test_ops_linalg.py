@@ -97,6 +97,9 @@ CASES = [
     ("polar", torch.linalg.polar, [rnd(2, 4, 4)]),
     ("matrix_exp", torch.linalg.matrix_exp, [rnd(2, 4, 4)]),
     ("matrix_exp_scaled", torch.linalg.matrix_exp, [rnd(3, 3) * 3]),
+    ("ldl_factor", torch.linalg.ldl_factor_ex, [sym(2, 6, 6)]),
+    ("ldl_factor_2x2", torch.linalg.ldl_factor_ex, [sym(6, 6) * (1 - torch.eye(6))]),
+    ("ldl_factor_zero", torch.linalg.ldl_factor_ex, [torch.zeros(3, 3)]),
     ("ldl_solve", torch.linalg.ldl_solve, [*torch.linalg.ldl_factor(sym(2, 5, 5)), rnd(5, 2)]),
     # A zero diagonal forces sytrf's 2x2 pivot blocks.
     ("ldl_solve_2x2", torch.linalg.ldl_solve, [*torch.linalg.ldl_factor(sym(5, 5) * (1 - torch.eye(5))), rnd(5, 3)]),

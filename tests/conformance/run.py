@@ -45,7 +45,6 @@ KNOWN = [
     ("matrix_exp", "f32 cancellation: on the 5x5x5 sample (entries ~1e5) small entries of ours and of eager"
      " are each ~1e-3 relative off the f64 exponential (ours 9.6e-4, eager 2.4e-3), so they differ by more"
      " than the tolerance"),
-    ("ldl_factor", "LDL^T factorization with Bunch-Kaufman pivoting (sytrf) has no rule (ldl_solve has)"),
     ("fft", "FFT has no rule yet"),
     ("special_", "special polynomial/Bessel functions have no rule"),
 ]
