@@ -118,12 +118,17 @@ def test_linalg_matches_eager(name, fn, args):
     torch.testing.assert_close(got, want, **TOL)
 
 
-def test_singular_inverse_raises_like_eager():
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "symbolic"])
+def test_singular_inverse_raises_like_eager(dynamic):
+    """`linalg.inv`'s error check (`with_effects`) raises PyTorch's own error from `info`."""
     a = torch.stack([torch.eye(3), torch.ones(3, 3)])
     with pytest.raises(torch.linalg.LinAlgError) as eager:
         torch.linalg.inv(a)
-    with torch.no_grad(), pytest.raises(torch.linalg.LinAlgError) as ours:
-        compile_tpu(torch.linalg.inv, dynamic=False)(a)
+    inv = compile_tpu(torch.linalg.inv, dynamic=dynamic)
+    with torch.no_grad():
+        torch.testing.assert_close(inv(a[:1] * 2), torch.linalg.inv(a[:1] * 2), **TOL)
+        with pytest.raises(torch.linalg.LinAlgError) as ours:
+            inv(a)
     assert str(ours.value) == str(eager.value)
 
 
