@@ -363,36 +363,24 @@ fn inv_ex(n: NodeCtx<'_>) -> Res<'_> {
 /// times the parity of the row swaps.
 fn det_parts<'a>(b: &Builder<'a>, f: &Lu<'a>) -> R<(Val<'a>, Val<'a>, Val<'a>)> {
     let d = diagonal(b, &f.lu)?;
-    let swaps = b.compare(
-        &f.pivots,
-        &b.convert(
-            &b.add(
-                &iota(b, f.pivots.shape(), 1)?,
-                &b.splat(
-                    Scalar::Int(1),
-                    &TensorType::new(DType::I64, f.pivots.shape().to_vec()),
-                )?,
-            )?,
-            DType::I32,
-        )?,
-        "NE",
+    // Row k was swapped when its pivot is not k + 1.
+    let p = b.convert(&f.pivots, DType::I64)?;
+    let row_of = b.sub(&p, &b.full_like(Scalar::Int(1), &p)?)?;
+    let swapped = b.compare(&row_of, &iota(b, f.pivots.shape(), 1)?, "NE")?;
+    let count = b.reduce(
+        &b.convert(&swapped, DType::I64)?,
+        &[1],
+        Combiner::Add,
+        false,
     )?;
-    let count = b.reduce(&b.convert(&swaps, DType::I64)?, &[1], Combiner::Add, false)?;
-    let odd = b.compare(
+    let odd = b.convert(
         &b.binary("remainder", &count, &b.full_like(Scalar::Int(2), &count)?)?,
-        &b.full_like(Scalar::Int(1), &count)?,
-        "EQ",
+        d.dtype(),
     )?;
-    let parity = b.select(
-        &odd,
-        &b.splat(
-            Scalar::Int(-1),
-            &TensorType::new(d.dtype(), vec![d.shape()[0]]),
-        )?,
-        &b.splat(
-            Scalar::Int(1),
-            &TensorType::new(d.dtype(), vec![d.shape()[0]]),
-        )?,
+    // (-1)^count = 1 - 2 (count mod 2)
+    let parity = b.sub(
+        &b.full_like(Scalar::Int(1), &odd)?,
+        &b.mul_scalar(&odd, 2.0)?,
     )?;
     let sign = b.mul(
         &parity,
