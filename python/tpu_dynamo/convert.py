@@ -18,8 +18,13 @@ import sympy
 import torch
 import torch.fx
 import torch.utils._sympy.functions as symfn
+from torch._functorch._aot_autograd.descriptors import ForwardTokenAOTInput
 
 from ._native import LowerError
+
+# The value of an effect token (placeholder or `with_effects` result): AOTAutograd passes None
+# for it and drops it from the results, so it is no IR value.
+_TOKEN = -1
 
 _DTYPES: dict[torch.dtype, str] = {
     torch.bool: "bool",
@@ -68,6 +73,9 @@ class Converted:
     """`(IR input, result index)` per input the graph updates in place (`copy_` into it)."""
     scalar_args: tuple[int, ...] = ()
     """Symbolic graphs: positions of the integer arguments that the IR's `scalars` describe."""
+    checks: tuple[tuple[int, str, bool], ...] = ()
+    """`(result index, api name, is_matrix)` per `_linalg_check_errors` of an `info` result: the
+    wrapper raises PyTorch's error for it after the call."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -199,6 +207,8 @@ class _Builder:
         # Symbolic graphs: SymInt placeholders' positions and `SymExpr`s.
         self.scalar_args: list[int] = []
         self.scalar_exprs: list[Any] = []
+        # `(info value id, api name, is_matrix)` of every linalg error check.
+        self.checks: list[tuple[int, str, bool]] = []
 
     def new_value(self) -> int:
         self.next_value += 1
@@ -211,6 +221,8 @@ class _Builder:
 
     def value_of(self, node: torch.fx.Node) -> int:
         v = self.values[node]
+        if v == _TOKEN:
+            raise LowerError(f"tpu_dynamo: effect token {node.format_node()} used as a tensor")
         if isinstance(v, dict):
             raise LowerError(f"tpu_dynamo: multi-output node {node.format_node()} used as one tensor")
         return v
@@ -251,6 +263,9 @@ class _Builder:
         assert len(phs) == len(self.placeholder_kinds), "one kind per placeholder"
         for i, (n, kind) in enumerate(zip(phs, self.placeholder_kinds)):
             val = n.meta.get("val")
+            if isinstance(n.meta.get("desc"), ForwardTokenAOTInput):
+                self.values[n] = _TOKEN
+                continue
             if isinstance(val, (int, float, bool, *_SYMBOLIC)):
                 self.scalars[n] = self.resolve(val)
                 if isinstance(self.scalars[n], SymbolicSize):
@@ -296,6 +311,9 @@ class _Builder:
             base, index = n.args
             self.values[n] = self.values[base][index]  # type: ignore[index]
             return
+        if n.target is torch.ops.higher_order.with_effects:
+            self.effect(n)
+            return
         if not isinstance(n.target, torch._ops.OpOverload):
             raise LowerError(
                 f"tpu_dynamo: {n.target} is not an ATen operator overload"
@@ -326,6 +344,23 @@ class _Builder:
         )
         self.sources.append(source_line(n))
 
+    def effect(self, n: torch.fx.Node) -> None:
+        """`with_effects(token, op, *args)`: the token only orders side effects. The one effectful
+        op linalg functions trace to, `_linalg_check_errors(info, api_name, is_matrix)`, raises on a
+        nonzero `info`; `info` becomes an extra result that the wrapper checks the same way after
+        the call. The new token is the old one, and like it no IR value."""
+        token, op, *args = n.args
+        if op is not torch.ops.aten._linalg_check_errors.default:
+            raise LowerError(
+                f"tpu_dynamo: with_effects of {op} is not supported (at {source_line(n) or 'unknown source'})"
+            )
+        info, api_name = args[:2]
+        is_matrix = args[2] if len(args) > 2 else n.kwargs["is_matrix"]
+        if self.values.get(token) != _TOKEN:
+            raise LowerError(f"tpu_dynamo: with_effects without an effect token: {n.format_node()}")
+        self.checks.append((self.value_of(info), api_name, bool(is_matrix)))
+        self.values[n] = {0: _TOKEN}
+
     def build(self) -> Converted:
         self.placeholders()
         outs: list[int] = []
@@ -335,7 +370,7 @@ class _Builder:
                 self.call(n)
             elif n.op == "output":
                 for o in n.args[0]:
-                    if o is None:
+                    if o is None or self.values.get(o) == _TOKEN:
                         template.append(None)
                     else:
                         template.append(len(outs))
@@ -345,6 +380,10 @@ class _Builder:
         mutations = []
         for inp, value in sorted(self.mutations.items()):
             mutations.append((inp, len(outs)))
+            outs.append(value)
+        checks = []
+        for value, api_name, is_matrix in self.checks:
+            checks.append((len(outs), api_name, is_matrix))
             outs.append(value)
         aliases = [{"input": i, "output": o} for i, o in mutations]
         graph = {"inputs": self.inputs, "nodes": self.nodes, "outputs": outs, "aliases": aliases}
@@ -359,6 +398,7 @@ class _Builder:
             tuple(template),
             tuple(mutations),
             tuple(self.scalar_args),
+            tuple(checks),
         )
 
     def symbolic_sizes(self) -> list[dict[str, Any]]:

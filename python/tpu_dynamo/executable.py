@@ -53,6 +53,7 @@ class Executable:
         # A mutated input's new value stays on the device, so it is resident whatever its kind.
         self.resident = tuple(k is not InputKind.USER or i in mutated for i, k in enumerate(converted.kinds))
         self.template = converted.outputs
+        self.checks = converted.checks
         self.out_types = [(_TORCH_DTYPES[d], tuple(s)) for d, s in native.output_types]
         self.out_nbytes = [math.prod(s) * d.itemsize for d, s in self.out_types]
 
@@ -87,6 +88,8 @@ class Executable:
         in_place = self.native.run(ins, [(o.data_ptr(), n) for o, n in zip(outs, self.out_nbytes)], movable)
         if self.mutations:
             self._commit_mutations(tensors, held, in_place)
+        for i, api_name, is_matrix in self.checks:
+            torch.ops.aten._linalg_check_errors(outs[i], api_name, is_matrix=is_matrix)
         return tuple(None if i is None else outs[i] for i in self.template)
 
     def bench_execute(self, args: list[Any], n: int) -> list[float]:

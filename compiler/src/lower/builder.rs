@@ -145,7 +145,6 @@ pub fn type_str(ty: &TensorType) -> String {
     format!("{}[{}]", ty.dtype.name(), dims.join(", "))
 }
 
-
 /// `array<i64: 1, 2>` (empty: `array<i64>`).
 pub fn i64_array(values: &[i64]) -> String {
     if values.is_empty() {
@@ -439,6 +438,30 @@ impl<'a> Builder<'a> {
             Ok(next)
         })?;
         self.op_regions("stablehlo.while", init, &[], vec![c, f], types)
+    }
+
+    /// `for i in 0..n { state = body(i, state) }` as a `while_loop`; `i` is a 0-d i64. The body
+    /// sees only its loop state, so whatever it needs from outside is carried in `init`
+    /// (returned unchanged).
+    pub fn fori_loop<F>(&self, n: i64, init: &[&Val<'a>], body: F) -> R<Vec<Val<'a>>>
+    where
+        F: for<'x> FnOnce(Builder<'x>, Val<'x>, Vec<Val<'x>>) -> R<Vec<Val<'x>>>,
+    {
+        let counter = self.scalar(Scalar::Int(0), DType::I64)?;
+        let mut state = vec![&counter];
+        state.extend_from_slice(init);
+        let mut out = self.while_loop(
+            &state,
+            |b, s| b.compare(&s[0], &b.scalar(Scalar::Int(n), DType::I64)?, "LT"),
+            |b, mut s| {
+                let i = s.remove(0);
+                let next = b.add(&i, &b.scalar(Scalar::Int(1), DType::I64)?)?;
+                let out = body(b, i, s)?;
+                Ok(std::iter::once(next).chain(out).collect())
+            },
+        )?;
+        out.remove(0);
+        Ok(out)
     }
 
     // ---- constants ----

@@ -11,6 +11,7 @@ mod creation;
 mod elementwise;
 mod fft;
 mod indexing;
+mod lapack;
 mod linalg;
 mod normalization;
 mod pooling;
@@ -147,6 +148,7 @@ fn registry() -> &'static Registry {
         convert::register(&mut r);
         creation::register(&mut r);
         indexing::register(&mut r);
+        lapack::register(&mut r);
         linalg::register(&mut r);
         normalization::register(&mut r);
         pooling::register(&mut r);
