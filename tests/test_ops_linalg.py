@@ -111,6 +111,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("name,fn,args", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.filterwarnings("ignore:torch.triangular_solve is deprecated")  # the op under test
 def test_linalg_matches_eager(name, fn, args):
     with torch.no_grad():
         want = fn(*args)
