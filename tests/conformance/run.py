@@ -34,7 +34,9 @@ KNOWN = [
     ("_scaled_dot_product_flash_attention_for_cpu", "PyTorch's decomposition gives logsumexp an extra dim"
      " (aot_eager with the same table agrees with us); the attention output matches"),
     ("with_effects", "with_effects of an effectful op other than _linalg_check_errors"),
-    ("new_empty_strided", "uninitialized memory: eager's values are arbitrary, nothing to match"),
+    ("empty", "uninitialized memory (empty, new_empty_strided): eager's values are arbitrary, nothing to match"),
+    ("linear_cross_entropy", "torch_nn's chunked linear + cross-entropy custom ops (label smoothing, gradients"
+     " precomputed in the forward) have no ATen decomposition; not lowered"),
     ("narrow", "narrow with a tensor start reads it with .item(): the slice start is a data-dependent"
      " scalar, which the static-shape compiler cannot bind"),
     ("symbolic shape", "data-dependent output shape; the compiler needs static shapes"),
