@@ -95,6 +95,7 @@ CASES = [
     ("spectrogram", lambda x: torch.stft(x, 8, window=torch.hann_window(8), return_complex=True).abs() ** 2,
      lambda: [rand(64)]),
     ("polar", torch.polar, lambda: [rand(3, 4).abs(), rand(3, 4)]),
+    ("complex_broadcast", torch.complex, lambda: [rand(3, 4), rand(4)]),
     ("searchsorted", torch.searchsorted, lambda: [seq(), values()]),
     ("searchsorted_right_int32", lambda s, x: torch.searchsorted(s, x, right=True, out_int32=True),
      lambda: [seq(), values()]),

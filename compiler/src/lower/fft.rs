@@ -23,6 +23,7 @@ pub fn register(r: &mut Registry) {
         conj,
     );
     r.add(&["aten.polar.default"], polar);
+    r.add(&["aten.complex.default"], complex);
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -206,17 +207,32 @@ fn conj(n: NodeCtx<'_>) -> Res<'_> {
 
 /// `polar(abs, angle)`: `abs * cos(angle) + i * abs * sin(angle)` (PyTorch's decomposition
 /// writes into a view in place, which a functional graph cannot hold).
-fn polar(n: NodeCtx<'_>) -> Res<'_> {
-    let (r, theta) = (n.tensor(0, "abs")?, n.tensor(1, "angle")?);
-    let b = &n.b;
-    if r.dtype() != DType::F32 || theta.dtype() != DType::F32 {
+/// The two f32 operands of `polar`/`complex`, broadcast to the result's shape.
+fn f32_pair<'a>(n: &NodeCtx<'a>, names: [&str; 2]) -> R<(Val<'a>, Val<'a>)> {
+    let (a, b) = (n.tensor(0, names[0])?, n.tensor(1, names[1])?);
+    if a.dtype() != DType::F32 || b.dtype() != DType::F32 {
         return Err(format!(
-            "polar of {} and {} is not lowered (needs f32)",
-            type_str(&r.ty),
-            type_str(&theta.ty)
+            "{} of {} and {} is not lowered (needs f32)",
+            n.op,
+            type_str(&a.ty),
+            type_str(&b.ty)
         ));
     }
+    let shape = n.out(0)?.shape.clone();
+    Ok((n.b.broadcast_to(&a, &shape)?, n.b.broadcast_to(&b, &shape)?))
+}
+
+fn polar(n: NodeCtx<'_>) -> Res<'_> {
+    let (r, theta) = f32_pair(&n, ["abs", "angle"])?;
+    let b = &n.b;
     let re = b.mul(&r, &b.unary("cosine", &theta)?)?;
     let im = b.mul(&r, &b.unary("sine", &theta)?)?;
     Ok(vec![b.complex(&re, &im)?])
+}
+
+/// `torch.complex(real, imag)`; PyTorch's decomposition writes into a view, which AOTAutograd
+/// rejects after functionalization, so the op is lowered as itself.
+fn complex(n: NodeCtx<'_>) -> Res<'_> {
+    let (re, im) = f32_pair(&n, ["real", "imag"])?;
+    Ok(vec![n.b.complex(&re, &im)?])
 }
