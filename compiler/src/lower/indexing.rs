@@ -44,6 +44,7 @@ pub fn register(r: &mut Registry) {
         &["aten.slice_scatter.default", "aten.select_scatter.default"],
         slice_scatter,
     );
+    r.add(&["aten.diagonal_scatter.default"], diagonal_scatter);
     r.add(
         &["aten.as_strided.default", "aten.as_strided_copy.default"],
         as_strided,
@@ -658,6 +659,44 @@ fn gather(n: NodeCtx<'_>) -> Res<'_> {
         index.shape().to_vec(),
     )?;
     Ok(vec![b.reshape(&g, &out.shape)?])
+}
+
+/// `diagonal_scatter(x, src, offset, dim1, dim2)`: `x` with its `offset` diagonal over (`dim1`,
+/// `dim2`) replaced by `src` (diagonal last): a select between `x` and `src` gathered at each
+/// element's position along the diagonal. (PyTorch's decomposition writes into a view, which
+/// AOTAutograd rejects after functionalization.)
+fn diagonal_scatter(n: NodeCtx<'_>) -> Res<'_> {
+    let b = &n.b;
+    let (x, src) = (n.tensor(0, "self")?, n.tensor(1, "src")?);
+    let offset = n.int_or(2, "offset", 0)?;
+    let rank = x.rank();
+    let (d1, d2) = (norm_dim(n.int_or(3, "dim1", 0)?, rank)?, norm_dim(n.int_or(4, "dim2", 1)?, rank)?);
+    let len = src.shape().last().copied().unwrap_or(0);
+    if rank < 2 || d1 == d2 || src.rank() != rank - 1 || src.dtype() != x.dtype() {
+        return Err(format!("diagonal_scatter of {} into {}", type_str(&src.ty), type_str(&x.ty)));
+    }
+    if len == 0 || x.shape().contains(&0) {
+        return Ok(vec![x]);
+    }
+    let mut perm: Vec<usize> = (0..rank).filter(|&d| d != d1 && d != d2).collect();
+    perm.extend([d1, d2]);
+    let xt = b.transpose(&x, &perm)?;
+    let (n1, n2) = (xt.shape()[rank - 2], xt.shape()[rank - 1]);
+    let plane = TensorType::new(DType::I64, vec![n1, n2]);
+    let (i, j) = (b.iota(&plane, 0)?, b.iota(&plane, 1)?);
+    let on_diagonal = b.compare(&b.sub(&j, &i)?, &b.full_like(Scalar::Int(offset), &i)?, "EQ")?;
+    // Position along the diagonal: the row for a diagonal above the main one, else the column.
+    let k = if offset >= 0 { i } else { j };
+    let k = b.binary("minimum", &k, &b.full_like(Scalar::Int(len - 1), &k)?)?;
+    let rest = &xt.shape()[..rank - 2];
+    let index_shape: Vec<i64> = rest.iter().copied().chain([n1 * n2]).collect();
+    let index = b.broadcast_in_dim(&b.reshape(&k, &[n1 * n2])?, &index_shape, &[rank - 2])?;
+    let coords = coordinates(b, &src, rank - 2, &index)?;
+    let picked = b.gather(&src, &coords, &pointwise_map(src.rank()), &vec![1; src.rank()], index_shape)?;
+    let picked = b.reshape(&picked, xt.shape())?;
+    let mask = b.broadcast_in_dim(&on_diagonal, xt.shape(), &[rank - 2, rank - 1])?;
+    let y = b.select(&mask, &picked, &xt)?;
+    Ok(vec![b.transpose(&y, &inverse_perm(&perm))?])
 }
 
 /// `scatter(x, dim, index, src|value[, reduce])`, `scatter_add` and `scatter_reduce`: the
