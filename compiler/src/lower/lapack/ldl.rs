@@ -6,8 +6,8 @@
 //! below it.
 
 use super::{
-    broadcast_batch, check_float, cmp_idx, column, entry, flat, flat_rows, iota, keep, mt, outer,
-    row, triangle, unflat,
+    broadcast_batch, check_float, cmp_idx, column, entry, flat, flat_rows, iota, keep, outer,
+    row, symmetric_from_lower, triangle, unflat,
 };
 use crate::ir::{DType, TensorType};
 use crate::lower::builder::{Builder, Combiner, Scalar, Val, R};
@@ -28,10 +28,7 @@ fn ldl_factor_ex(n: NodeCtx<'_>) -> Res<'_> {
     let batch = super::batch_of(&a)?;
     let fa = flat(b, &a)?;
     let (bsz, dim) = (fa.shape()[0], fa.shape()[1]);
-    let sym = b.add(
-        &triangle(b, &fa, true, 0)?,
-        &mt(b, &triangle(b, &fa, true, -1)?)?,
-    )?;
+    let sym = symmetric_from_lower(b, &fa)?;
     let piv = b.splat(Scalar::Int(0), &TensorType::new(DType::I64, vec![bsz, dim]))?;
     let info = b.splat(Scalar::Int(0), &TensorType::new(DType::I32, vec![bsz]))?;
     let skip = b.splat(

@@ -162,6 +162,11 @@ fn eye<'a>(b: &Builder<'a>, batch: i64, n: i64, dtype: DType) -> R<Val<'a>> {
     b.convert(&e, dtype)
 }
 
+/// The symmetric matrix whose lower triangle is `a`'s (what LAPACK reads with `uplo = 'L'`).
+fn symmetric_from_lower<'a>(b: &Builder<'a>, a: &Val<'a>) -> R<Val<'a>> {
+    b.add(&triangle(b, a, true, 0)?, &mt(b, &triangle(b, a, true, -1)?)?)
+}
+
 /// Lower (`diag` = 0: with the diagonal, -1: strictly) or upper (`diag` = 0/1) triangle.
 fn triangle<'a>(b: &Builder<'a>, a: &Val<'a>, lower: bool, diag: i64) -> R<Val<'a>> {
     let (i, j) = (iota(b, a.shape(), 1)?, iota(b, a.shape(), 2)?);

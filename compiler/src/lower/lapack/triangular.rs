@@ -5,7 +5,7 @@
 
 use super::{
     broadcast_batch, check_float, cmp_idx, column, entry, eye, flat, iota, keep, mt, outer, spread,
-    triangle, unflat,
+    symmetric_from_lower, triangle, unflat,
 };
 use crate::ir::{DType, TensorType};
 use crate::lower::builder::{Builder, Scalar, Val, R};
@@ -135,10 +135,7 @@ fn cholesky_ex(n: NodeCtx<'_>) -> Res<'_> {
     let batch = super::batch_of(&a)?;
     let fa = flat(b, &a)?;
     let (bsz, dim) = (fa.shape()[0], fa.shape()[1]);
-    let sym = b.add(
-        &triangle(b, &fa, true, 0)?,
-        &mt(b, &triangle(b, &fa, true, -1)?)?,
-    )?;
+    let sym = symmetric_from_lower(b, &fa)?;
     let info = b.splat(Scalar::Int(0), &TensorType::new(DType::I32, vec![bsz]))?;
     let out = b.fori_loop(dim, &[&sym, &info], |b, k, s| {
         let (a, info) = (&s[0], &s[1]);
