@@ -138,7 +138,7 @@ class PerShape:
         exe = self.padded.get(key)
         if exe is None:
             exe = self.padded[key] = self._specialize(shapes, scalars)
-        scalar_pads = [(i, v) for i, v in zip(c.scalar_args, scalars)]
+        scalar_pads = [(i, padded[sym]) for i, sym in zip(c.scalar_args, plan_scalars) if sym is not None]
         cuts = [[] if o is None else [(d, true[sym]) for d, sym in plan_outputs[o]] for o in c.outputs]
         debug.log.info(
             "%s: buckets: sizes %s run padded to %s",
