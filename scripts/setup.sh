@@ -27,12 +27,13 @@ if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv"
   "$PY" -m venv .venv
 fi
-# Reinstall Python requirements only when requirements.txt changes.
-req_hash=$(sha256sum requirements.txt | cut -d' ' -f1)
+# Reinstall Python requirements only when a requirements file changes.
+req_hash=$(cat requirements.txt requirements-nodeps.txt | sha256sum | cut -d' ' -f1)
 if [ "$(cat .venv/.requirements.sha256 2>/dev/null)" != "$req_hash" ]; then
   echo "setup: installing Python requirements"
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -r requirements.txt
+  .venv/bin/python -m pip install -q --no-deps -r requirements-nodeps.txt
   echo "$req_hash" > .venv/.requirements.sha256
 fi
 

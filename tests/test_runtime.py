@@ -1,4 +1,5 @@
 """End to end through backend="tpu": numerics, caching, resident parameters, errors."""
+import gc
 import logging
 import time
 
@@ -82,6 +83,46 @@ def test_in_place_parameter_update_is_uploaded_again():
         torch.testing.assert_close(after, m(x), atol=1e-6, rtol=1e-6)
     assert not torch.allclose(before, after)
     assert tpu_dynamo.stats()["compiles"] == 1
+
+
+def test_results_are_handed_over_and_outlive_the_executable():
+    """On a CPU plugin a result's buffer becomes the returned tensor's storage (no copy back):
+    the tensor is writable, a compiled graph taking it uses that buffer (a view hit, no upload)
+    and sees eager writes to it, and it stays valid after every compiled function is gone."""
+    f = compile_tpu(lambda x: torch.sin(x) * 2)
+    g = compile_tpu(lambda y: y + 1)
+    x = torch.randn(64)
+    want = torch.sin(x) * 2
+    with torch.no_grad():
+        y = f(x)
+        torch.testing.assert_close(y, want, atol=1e-6, rtol=1e-6)
+        before = tpu_dynamo.stats()
+        z = g(y)
+        after = tpu_dynamo.stats()
+        assert (after["view_hits"] - before["view_hits"], after["uploads"] - before["uploads"]) == (1, 0)
+        y.mul_(3)
+        torch.testing.assert_close(g(y), want * 3 + 1, atol=1e-5, rtol=1e-6)
+    del f, g
+    torch._dynamo.reset()
+    gc.collect()
+    torch.testing.assert_close(z, want + 1, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(y, want * 3, atol=1e-6, rtol=1e-6)
+
+
+def test_one_value_returned_twice_gives_tensors_like_eager():
+    """XLA may return one value twice (`y + 0` is `y`); the two results must not share memory."""
+
+    def twice(x):
+        y = x * 2
+        return y, y + 0
+
+    x = torch.randn(4, 4)
+    with torch.no_grad():
+        got, want = compile_tpu(twice)(x), twice(x)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    got[1].add_(1)
+    torch.testing.assert_close(got[0], want[0])
 
 
 def test_identical_graphs_share_an_executable():

@@ -18,7 +18,7 @@ use tpu_dynamo_runtime::{Buffer, CompileOptions, DType, Error as RtError, Execut
 
 use crate::device::{target, Target};
 use crate::errors::{lower_err, runtime_err, LowerError};
-use crate::host_view::{self, Shared};
+use crate::host_view::{self, Memory, Shared};
 use crate::counters::{add_time, STATS};
 use crate::persist::{disk_cache, log_warnings};
 
@@ -444,7 +444,6 @@ impl CompiledGraph {
     ///   gives the tensor, so the next call uploads nothing.
     fn place_updates(
         &self,
-        inputs: &[(usize, usize, i64)],
         movable: &[usize],
         held: &mut [Held<'_>],
         results: &mut [Option<Buffer>],
@@ -472,6 +471,33 @@ impl CompiledGraph {
             }
         }
         repoint
+    }
+
+    /// The memory of each result asked for by `(0, nbytes)`: the result buffer itself when the
+    /// host can address it (it leaves `results`), else a host allocation the caller copies it
+    /// into. Two results in one memory (an executable may return one value twice) share nothing:
+    /// the second is copied.
+    fn hand_over(&self, outputs: &[(usize, usize)], results: &mut [Option<Buffer>]) -> Vec<Option<Memory>> {
+        let mut seen = Vec::new();
+        outputs
+            .iter()
+            .zip(results.iter_mut())
+            .zip(&self.entry.outputs)
+            .map(|((&(ptr, nbytes), result), spec)| {
+                if ptr != 0 || nbytes == 0 || result.is_none() {
+                    return None;
+                }
+                let address = result.as_ref().and_then(Buffer::host_address).map(|a| a.as_ptr() as usize);
+                if address.is_some_and(|a| !seen.contains(&a)) {
+                    seen.extend(address);
+                    match Shared::new(result.take()?, spec.clone()) {
+                        Ok(shared) => return Some(Memory::Shared(shared)),
+                        Err(buffer) => *result = Some(buffer),
+                    }
+                }
+                Some(Memory::copied(nbytes))
+            })
+            .collect()
     }
 
     fn keep_copied(&self, inputs: &[(usize, usize, i64)], results: &mut [Option<Buffer>]) {
@@ -510,21 +536,24 @@ impl CompiledGraph {
     /// Runs once. `inputs`: `(data_ptr, nbytes, version)` of dense host tensors, version -1 for
     /// inputs that change every call; `outputs`: `(data_ptr, nbytes)` of dense host tensors to
     /// fill (for an aliased output: the mutated input's own memory, whose version the caller
-    /// then bumps once; see `Graph::aliases`); `movable`: updated inputs whose host tensor may
-    /// get a new storage. Returns `(input, DLPack capsule)` for each of those whose new value
-    /// stays in the executable's memory: the caller re-points that host tensor at it. The caller must keep every tensor alive and unshared
-    /// until this returns; the GIL is released meanwhile. Use it through
+    /// then bumps once; see `Graph::aliases`), or `(0, nbytes)` for a result to hand over
+    /// (`hands_over_outputs`); `movable`: updated inputs whose host tensor may get a new
+    /// storage. Returns DLPack capsules: `(input, capsule)` for each movable input whose new
+    /// value stays in the executable's memory (the caller re-points that host tensor at it),
+    /// and `(output, capsule)` for each handed-over result. The caller must keep every tensor
+    /// alive and unshared until this returns; the GIL is released meanwhile. Use it through
     /// `tpu_dynamo.executable.Executable`, which does.
+    #[allow(clippy::type_complexity)]
     fn run(
         &self,
         py: Python<'_>,
         inputs: Vec<(usize, usize, i64)>,
         outputs: Vec<(usize, usize)>,
         movable: Vec<usize>,
-    ) -> PyResult<Vec<(usize, Py<PyAny>)>> {
+    ) -> PyResult<(Vec<(usize, Py<PyAny>)>, Vec<(usize, Py<PyAny>)>)> {
         check_sizes("inputs", &self.entry.inputs, &inputs, |i| i.1)?;
         check_sizes("outputs", &self.entry.outputs, &outputs, |o| o.1)?;
-        let repoint = py
+        let (repoint, handed) = py
             .detach(|| -> Result<_, RtError> {
                 let start = Instant::now();
                 let args = self.input_buffers(&inputs)?;
@@ -534,21 +563,43 @@ impl CompiledGraph {
                 let results = self.entry.exe.execute(&refs)?;
                 drop(refs);
                 let mut results: Vec<Option<Buffer>> = results.into_iter().map(Some).collect();
-                let repoint = self.place_updates(&inputs, &movable, &mut held, &mut results);
+                let repoint = self.place_updates(&movable, &mut held, &mut results);
                 drop(held);
+                let mut handed = self.hand_over(&outputs, &mut results);
                 // SAFETY: the caller allocated `nbytes` writable bytes at `ptr` for each output.
-                let copies = results
-                    .iter()
-                    .zip(&outputs)
-                    .filter_map(|(r, &(ptr, nbytes))| Some((r.as_ref()?, unsafe { host_slice_mut(ptr, nbytes) })));
+                let copies = results.iter().zip(&outputs).zip(&mut handed).filter_map(|((r, &(ptr, nbytes)), h)| {
+                    let dst = match h {
+                        Some(memory) => memory.bytes_mut(nbytes)?,
+                        None => unsafe { host_slice_mut(ptr, nbytes) },
+                    };
+                    Some((r.as_ref()?, dst))
+                });
                 Buffer::to_host_all(copies)?;
                 self.keep_copied(&inputs, &mut results);
                 STATS.executions.fetch_add(1, Relaxed);
                 add_time(&STATS.execute_nanos, start.elapsed());
-                Ok(repoint)
+                Ok((repoint, handed))
             })
             .map_err(runtime_err)?;
-        repoint.into_iter().map(|(i, shared)| Ok((i, host_view::capsule(py, shared)?))).collect()
+        let repoint = repoint
+            .into_iter()
+            .map(|(i, shared)| Ok((i, host_view::capsule(py, Memory::Shared(shared), &self.entry.inputs[i])?)))
+            .collect::<PyResult<_>>()?;
+        let handed = handed
+            .into_iter()
+            .enumerate()
+            .filter_map(|(o, memory)| Some((o, memory?)))
+            .map(|(o, memory)| Ok((o, host_view::capsule(py, memory, &self.entry.outputs[o])?)))
+            .collect::<PyResult<_>>()?;
+        Ok((repoint, handed))
+    }
+
+    /// Whether results come back as memory handed over (`run`'s `(0, nbytes)` outputs) rather than
+    /// copied into host tensors the caller allocates: when the plugin computes in host memory, the
+    /// result buffer itself becomes the tensor's storage, with no copy and no allocation.
+    #[getter]
+    fn hands_over_outputs(&self) -> bool {
+        self.target.host_memory
     }
 
     /// Times the bare PJRT execute, `n` times, with every input uploaded once beforehand

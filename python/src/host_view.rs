@@ -97,10 +97,40 @@ struct DLManagedTensor {
     deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
 }
 
-/// What a capsule keeps alive: the dims its `DLTensor` points at and the buffer.
+/// What a capsule keeps alive: the dims its `DLTensor` points at and the memory.
 struct Owner {
     dims: Vec<i64>,
-    _shared: Arc<Shared>,
+    _memory: Memory,
+}
+
+/// Memory a host tensor can take over.
+pub enum Memory {
+    /// An executable buffer (registered, so graphs taking the tensor find it).
+    Shared(Arc<Shared>),
+    /// A host copy; `u128` elements align it for every dtype.
+    Copied(Vec<u128>),
+}
+
+impl Memory {
+    /// A zeroed host allocation for `nbytes`, for a result the host cannot address in place.
+    pub fn copied(nbytes: usize) -> Memory {
+        Memory::Copied(vec![0; nbytes.div_ceil(16)])
+    }
+
+    pub fn bytes_mut(&mut self, nbytes: usize) -> Option<&mut [u8]> {
+        match self {
+            Memory::Shared(_) => None,
+            // SAFETY: `v` holds at least `nbytes` initialized bytes (`copied` rounds up).
+            Memory::Copied(v) => Some(unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), nbytes) }),
+        }
+    }
+
+    fn address(&self) -> *mut c_void {
+        match self {
+            Memory::Shared(s) => s.address as *mut c_void,
+            Memory::Copied(v) => v.as_ptr() as *mut c_void,
+        }
+    }
 }
 
 const DLTENSOR: &CStr = c"dltensor";
@@ -144,15 +174,16 @@ unsafe extern "C" fn delete_capsule(capsule: *mut ffi::PyObject) {
     }
 }
 
-/// A DLPack capsule (CPU) over `shared`'s memory, for `torch.from_dlpack`.
-pub fn capsule(py: Python<'_>, shared: Arc<Shared>) -> PyResult<Py<PyAny>> {
-    let mut owner = Box::new(Owner { dims: shared.spec.dims.clone(), _shared: shared.clone() });
+/// A DLPack capsule (CPU) for a host tensor of type `spec` over `memory`, for `torch.from_dlpack`.
+pub fn capsule(py: Python<'_>, memory: Memory, spec: &TensorSpec) -> PyResult<Py<PyAny>> {
+    let data = memory.address();
+    let mut owner = Box::new(Owner { dims: spec.dims.clone(), _memory: memory });
     let managed = Box::into_raw(Box::new(DLManagedTensor {
         dl_tensor: DLTensor {
-            data: shared.address as *mut c_void,
+            data,
             device: DLDevice { device_type: K_DL_CPU, device_id: 0 },
             ndim: owner.dims.len() as i32,
-            dtype: dl_dtype(shared.spec.dtype),
+            dtype: dl_dtype(spec.dtype),
             shape: owner.dims.as_mut_ptr(),
             strides: std::ptr::null_mut(),
             byte_offset: 0,

@@ -29,16 +29,20 @@ class CompiledGraph:
     def input_types(self) -> list[tuple[str, list[int]]]: ...
     @property
     def output_types(self) -> list[tuple[str, list[int]]]: ...
+    @property
+    def hands_over_outputs(self) -> bool:
+        """Results can become host tensors as they are (the plugin computes in host memory)."""
     def run(
         self,
         inputs: Sequence[tuple[int, int, int]],
         outputs: Sequence[tuple[int, int]],
         movable: Sequence[int],
-    ) -> list[tuple[int, Any]]:
-        """inputs: (data_ptr, nbytes, version or -1); outputs: (data_ptr, nbytes); movable:
-        updated inputs whose tensor may be re-pointed. Returns (input index, DLPack capsule) for
-        those left in the executable's memory. Unsafe
-        on raw pointers: call it only through `tpu_dynamo.executable.Executable`."""
+    ) -> tuple[list[tuple[int, Any]], list[tuple[int, Any]]]:
+        """inputs: (data_ptr, nbytes, version or -1); outputs: (data_ptr, nbytes), or (0, nbytes)
+        for a result to hand over; movable: updated inputs whose tensor may be re-pointed.
+        Returns (input index, DLPack capsule) for those left in the executable's memory and
+        (output index, DLPack capsule) for the handed-over results. Unsafe on raw pointers:
+        call it only through `tpu_dynamo.executable.Executable`."""
     def bench_execute(self, inputs: Sequence[tuple[int, int, int]], n: int) -> list[float]:
         """Seconds per bare PJRT execute, `n` times, inputs uploaded once (as for `run`)."""
 

@@ -56,6 +56,12 @@ class Executable:
         self.checks = converted.checks
         self.out_types = [(_TORCH_DTYPES[d], tuple(s)) for d, s in native.output_types]
         self.out_nbytes = [math.prod(s) * d.itemsize for d, s in self.out_types]
+        # Results the plugin hands over as the tensors' storage (CPU plugins) instead of copying
+        # them into tensors allocated here; a mutated input's result goes into the input itself.
+        aliased = {o for _, o in self.mutations}
+        self.handed = [
+            native.hands_over_outputs and n > 0 and o not in aliased for o, n in enumerate(self.out_nbytes)
+        ]
 
     def _host_inputs(
         self, args: list[Any]
@@ -81,11 +87,18 @@ class Executable:
     def __call__(self, args: list[Any]) -> tuple[torch.Tensor | None, ...]:
         tensors, held, ins = self._host_inputs(args)
         args.clear()  # boxed convention: let AOTAutograd's caller free inputs early
-        outs = [torch.empty(shape, dtype=dtype) for dtype, shape in self.out_types]
+        outs: list[Any] = [
+            None if handed else torch.empty(shape, dtype=dtype)
+            for handed, (dtype, shape) in zip(self.handed, self.out_types)
+        ]
         for i, o in self.mutations:
             outs[o] = held[i]
         movable = [i for i, _ in self.mutations if held[i] is tensors[i] and _movable(tensors[i])]
-        in_place = self.native.run(ins, [(o.data_ptr(), n) for o, n in zip(outs, self.out_nbytes)], movable)
+        in_place, handed = self.native.run(
+            ins, [(0 if o is None else o.data_ptr(), n) for o, n in zip(outs, self.out_nbytes)], movable
+        )
+        for o, capsule in handed:
+            outs[o] = torch.from_dlpack(capsule)
         if self.mutations:
             self._commit_mutations(tensors, held, in_place)
         for i, api_name, is_matrix in self.checks:

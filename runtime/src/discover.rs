@@ -1,8 +1,8 @@
 //! Where to find a PJRT plugin when the caller does not name one.
 //!
 //! Order: the explicit path; env `TPU_DYNAMO_PJRT_PLUGIN`; libtpu (env `TPU_LIBRARY_PATH` or
-//! `libtpu/libtpu.so` in a site-packages) but only when TPU hardware is present; the XLA CPU
-//! plugin `xla_plugins/xla_cpu_pjrt/xla_cpu_pjrt.so` in a site-packages. Site-packages are, in
+//! `libtpu/libtpu.so` in a site-packages) but only when TPU hardware is present; an XLA CPU
+//! plugin in a site-packages, newest XLA first (see [`CPU_IN_SITE`]). Site-packages are, in
 //! order: env `TPU_DYNAMO_SITE_PACKAGES` (':'-separated, set by the Python shell, which knows
 //! `sys.path`), `$VIRTUAL_ENV`, and the `.venv` of the current directory and each parent.
 //! A path named explicitly or by `TPU_DYNAMO_PJRT_PLUGIN` is final: if it is missing we fail
@@ -17,7 +17,13 @@ use std::sync::Arc;
 const PLUGIN_ENV: &str = "TPU_DYNAMO_PJRT_PLUGIN";
 const SITE_PACKAGES_ENV: &str = "TPU_DYNAMO_SITE_PACKAGES";
 const LIBTPU_IN_SITE: &str = "libtpu/libtpu.so";
-const CPU_IN_SITE: &str = "xla_plugins/xla_cpu_pjrt/xla_cpu_pjrt.so";
+/// XLA CPU plugins from PyPI, preferred first: `lammps-jax-pjrt-cpu` (PJRT API 0.115) can execute
+/// on the calling thread (`asynchronous=false`, see the Python crate's `device.rs`), which
+/// `xla-cpu-pjrt` (0.81) cannot.
+const CPU_IN_SITE: [&str; 2] = [
+    "lammps_jax_pjrt_cpu/pjrt_c_api_cpu_plugin.so",
+    "xla_plugins/xla_cpu_pjrt/xla_cpu_pjrt.so",
+];
 
 pub(crate) fn discover(explicit: Option<&Path>) -> Result<Arc<Plugin>> {
     let search = Search {
@@ -97,7 +103,7 @@ impl Search<'_> {
                 ));
             }
         }
-        for path in sites.iter().map(|site| site.join(CPU_IN_SITE)) {
+        for path in CPU_IN_SITE.iter().flat_map(|file| sites.iter().map(move |site| site.join(file))) {
             if path.is_file() {
                 return Ok(path);
             }
@@ -213,6 +219,19 @@ mod tests {
         let t = Tree::new(
             "discover",
             &[venv_cpu, venv_tpu, "other/plugin.so", "proj/sub/.keep"],
+        );
+        // The preferred CPU plugin wins over the other one, wherever each is installed.
+        let both = Tree::new(
+            "discover-cpu",
+            &[
+                "a/xla_plugins/xla_cpu_pjrt/xla_cpu_pjrt.so",
+                "b/lammps_jax_pjrt_cpu/pjrt_c_api_cpu_plugin.so",
+            ],
+        );
+        let sites = std::env::join_paths([both.0.join("a"), both.0.join("b")]).unwrap();
+        assert_eq!(
+            locate(&[(SITE_PACKAGES_ENV, PathBuf::from(sites))], &both.0, false, None).unwrap(),
+            both.0.join("b/lammps_jax_pjrt_cpu/pjrt_c_api_cpu_plugin.so")
         );
         let cwd = t.0.join("proj/sub");
         let venv = t.0.join(".venv");
