@@ -7,8 +7,11 @@
 
 Steady state: after warm-up, the median of `--calls` calls per backend, torch threads fixed.
 Cold first call (compile included): a fresh process per backend and model, each with an empty
-cache (TORCHINDUCTOR_CACHE_DIR, TPU_DYNAMO_CACHE_DIR); warm first call: one more process of ours
-on the cache the cold one filled (the disk cache of issue #5). Backend overhead: our call / the bare PJRT execute of the same
+cache (TORCHINDUCTOR_CACHE_DIR, TPU_DYNAMO_CACHE_DIR), imports and model build before the clock;
+warm first call: one more process of ours on the cache the cold one filled (the disk cache of
+issue #5; Dynamo still traces); precompiled: two more under Dynamo's `caching_precompile`, the
+first saving its frames, the second loading them (no tracing where Dynamo can reattach them; see
+python/tpu_dynamo/precompile.py). Backend overhead: our call / the bare PJRT execute of the same
 executables with device-resident inputs (`Executable.bench_execute`).
 Writes the table between the markers of bench/RESULTS.md (CPU f32; other runs write
 bench/RESULTS-<device>-<dtype>.md) and the ratio chart beside it.
@@ -128,19 +131,31 @@ def steady(name: str, device: str, dtype: torch.dtype, calls: int) -> dict[str, 
     return row
 
 
-def cold(name: str, backend: str, device: str, dtype: torch.dtype) -> dict[str, Any]:
-    """First call of a fresh compile in a fresh process (imports and model build not counted)."""
-    import tpu_dynamo  # noqa: F401  (imported before the clock like torch)
+def cold(name: str, backend: str, device: str, dtype: torch.dtype, precompile: bool) -> dict[str, Any]:
+    """First call of a fresh compile in a fresh process. Not counted, in every process alike:
+    imports (torch, Dynamo and AOTAutograd, the backend's own modules) and the model build.
+    `precompile`: under Dynamo's `caching_precompile`, saved after the call (not timed) for the
+    next process of the same cache directory to load."""
+    import torch._dynamo
+    import torch._functorch.aot_autograd  # noqa: F401
 
+    torch._dynamo.lookup_backend(backend)
+    if backend == "inductor":
+        import torch._inductor.compile_fx  # noqa: F401
+    torch._dynamo.config.caching_precompile = precompile
     case = build(name, device if backend != "tpu" else "cpu", dtype)
     with torch.no_grad():
         start = time.perf_counter()
         _compiled(case, backend)()
         _sync(device)()
-        return {"model": name, "backend": backend, "cold_s": time.perf_counter() - start}
+        seconds = time.perf_counter() - start
+    if precompile:
+        torch.compiler.save_cache_artifacts()
+    return {"model": name, "backend": backend, "cold_s": seconds}
 
 
 def _child(args: argparse.Namespace, *what: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Runs this script in a new process; its last stdout line is the JSON result."""
     cmd = [sys.executable, __file__, *what, "--device", args.device, "--dtype", args.dtype,
            "--threads", str(args.threads), "--calls", str(args.calls)]
     print("+", " ".join(cmd[1:]), flush=True)
@@ -162,13 +177,14 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def table(rows: list[dict[str, Any]], colds: dict[tuple[str, str], float]) -> str:
     head = ("| model | eager ms | Inductor ms | tpu ms | tpu/Inductor | tpu/eager | raw execute ms "
             "| overhead (tpu/raw) | cold Inductor s | cold tpu s | cold tpu/Inductor | warm first call tpu s "
-            "| max abs diff | recompiles |")
+            "| warm/cold | warm first call, precompiled s | precompiled/cold | max abs diff | recompiles |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | error: {r['error']} |" + " |" * 12)
+            lines.append(f"| {r['model']} | error: {r['error']} |" + " |" * 15)
             continue
         ci, ct = colds.get((r["model"], "inductor")), colds.get((r["model"], "tpu"))
+        warm, pre = colds.get((r["model"], "tpu-warm")), colds.get((r["model"], "tpu-precompiled"))
         unit = " (per token)" if r["decode"] else ""
         per = NEW_TOKENS if r["decode"] else 1
         check = f"{r['mismatch']} tokens differ" if r["decode"] else f"{r['max_abs_diff']:.1e}"
@@ -177,7 +193,8 @@ def table(rows: list[dict[str, Any]], colds: dict[tuple[str, str], float]) -> st
             f"| {_fmt(r['tpu_ms'] / per)} | {_fmt(_ratio(r['tpu_ms'], r['inductor_ms']))} "
             f"| {_fmt(_ratio(r['tpu_ms'], r['eager_ms']))} | {_fmt(r.get('raw_ms'), 3)} "
             f"| {_fmt(_ratio(r['tpu_ms'], r.get('raw_ms')))} | {_fmt(ci, 1)} | {_fmt(ct, 2)} "
-            f"| {_fmt(_ratio(ct, ci))} | {_fmt(colds.get((r['model'], 'tpu-warm')), 2)} | {check} "
+            f"| {_fmt(_ratio(ct, ci))} | {_fmt(warm, 2)} | {_fmt(_ratio(warm, ct))} | {_fmt(pre, 2)} "
+            f"| {_fmt(_ratio(pre, colds.get((r['model'], 'tpu-precompile'))))} | {check} "
             f"| {r['recompiles']} |"
         )
     decode = [r for r in rows if r.get("decode") and "error" not in r]
@@ -205,6 +222,12 @@ def chart(rows: list[dict[str, Any]], colds: dict[tuple[str, str], float], path:
         "overhead: tpu / raw execute (target ≤ 1.2, micro)": [_ratio(r["tpu_ms"], r.get("raw_ms")) for r in ok],
         "cold first call tpu / Inductor (target ≤ 0.5)": [
             _ratio(colds.get((r["model"], "tpu")), colds.get((r["model"], "inductor"))) for r in ok
+        ],
+        "warm first call / cold (target ≤ 0.1)": [
+            _ratio(colds.get((r["model"], "tpu-warm")), colds.get((r["model"], "tpu"))) for r in ok
+        ],
+        "precompiled first call / cold": [
+            _ratio(colds.get((r["model"], "tpu-precompiled")), colds.get((r["model"], "tpu-precompile"))) for r in ok
         ],
     }
     fig, ax = plt.subplots(figsize=(11, 4.5))
@@ -269,6 +292,7 @@ def main() -> None:
     p.add_argument("--no-cold", action="store_true", help="skip the cold first-call processes")
     p.add_argument("--one", metavar="MODEL", help=argparse.SUPPRESS)
     p.add_argument("--cold", nargs=2, metavar=("BACKEND", "MODEL"), help=argparse.SUPPRESS)
+    p.add_argument("--precompile", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
@@ -276,16 +300,20 @@ def main() -> None:
         print(json.dumps(steady(args.one, args.device, dtype, max(args.calls, 20))))
         return
     if args.cold:
-        print(json.dumps(cold(args.cold[1], args.cold[0], args.device, dtype)))
+        print(json.dumps(cold(args.cold[1], args.cold[0], args.device, dtype, args.precompile)))
         return
     rows = [{"model": m, **_child(args, "--one", m)} for m in args.models]
     colds: dict[tuple[str, str], float] = {}
     for m in [] if args.no_cold else [m for m in COLD if m in args.models]:
         with tempfile.TemporaryDirectory() as cache:
             env = {"TORCHINDUCTOR_CACHE_DIR": f"{cache}/inductor", "TPU_DYNAMO_CACHE_DIR": f"{cache}/tpu"}
-            # The second "tpu" process finds the executables the first one wrote.
-            for label, backend in (("inductor", "inductor"), ("tpu", "tpu"), ("tpu-warm", "tpu")):
-                r = _child(args, "--cold", backend, m, env=env)
+            # The second "tpu" process finds the executables the first one wrote; the last two
+            # run under Dynamo's caching precompile (saved by the first, loaded by the second).
+            for label, backend, *flag in (
+                ("inductor", "inductor"), ("tpu", "tpu"), ("tpu-warm", "tpu"),
+                ("tpu-precompile", "tpu", "--precompile"), ("tpu-precompiled", "tpu", "--precompile"),
+            ):
+                r = _child(args, "--cold", backend, m, *flag, env=env)
                 if "cold_s" in r:
                     colds[(m, label)] = r["cold_s"]
     write_results(args, rows, colds)

@@ -11,7 +11,7 @@ from tpu_dynamo.convert import InputKind
 CAPTURE = textwrap.dedent("""
     import torch
     from torch._functorch.aot_autograd import aot_module_simplified
-    from tpu_dynamo.backend import DECOMPOSITIONS, _aot_kinds, _dynamo_kind
+    from tpu_dynamo.backend import decompositions, _aot_kinds, _dynamo_kind
     from tpu_dynamo.convert import convert
 
     captured = []
@@ -24,7 +24,7 @@ CAPTURE = textwrap.dedent("""
             captured.append(convert(aten_gm, _aot_kinds(aten_gm, kinds)))
             return aten_gm
 
-        return aot_module_simplified(gm, example_inputs, fw_compiler=fw, decompositions=DECOMPOSITIONS)
+        return aot_module_simplified(gm, example_inputs, fw_compiler=fw, decompositions=decompositions())
 
     class M(torch.nn.Module):
         def __init__(self):

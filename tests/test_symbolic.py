@@ -80,7 +80,7 @@ SCRIPT = textwrap.dedent("""
     import torch
     from torch._functorch.aot_autograd import aot_module_simplified
     from tpu_dynamo import _native
-    from tpu_dynamo.backend import DECOMPOSITIONS
+    from tpu_dynamo.backend import decompositions
     from tpu_dynamo.convert import InputKind, convert_symbolic
 
     def capture(gm, example_inputs):
@@ -90,7 +90,7 @@ SCRIPT = textwrap.dedent("""
             concrete = sym.specialize([[2, 5, 4], [7]], [5, 7]).graph_hash
             print(sym.graph_hash, concrete)
             return aten_gm
-        return aot_module_simplified(gm, example_inputs, fw_compiler=fw, decompositions=DECOMPOSITIONS)
+        return aot_module_simplified(gm, example_inputs, fw_compiler=fw, decompositions=decompositions())
 
     def f(x, y):
         b, s, h = x.shape

@@ -6,6 +6,8 @@ entry point (looked up only when the name is not registered yet) is the only col
 """
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -15,7 +17,7 @@ from torch._decomp import core_aten_decompositions, decomposition_table
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch._aot_autograd.descriptors import BufferAOTInput, ParamAOTInput, PlainAOTInput
 
-from . import _native
+from . import _native, precompile
 from . import options as options_mod
 from .convert import InputKind
 from .executable import compile_graph
@@ -27,11 +29,13 @@ from .symbolic import PerShape
 _KEEP = {torch.ops.aten.take.default}
 
 
-def _decompositions() -> dict[Any, Callable[..., Any]]:
+@functools.cache
+def decompositions() -> dict[Any, Callable[..., Any]]:
     """Core ATen (the compiler lowers core ATen ops, plus what the census shows survives it, e.g.
     SDPA is decomposed by this table into bmm/_softmax), and beyond it PyTorch's decomposition
     of every op the compiler has no rule for, so an op without a rule still compiles when it
-    reduces to ops with one."""
+    reduces to ops with one. Built on the first compile (~0.2 s), not at import: a process that
+    only loads precompiled graphs never needs it."""
     ours = set(_native.supported_ops())
     table = {op: fn for op, fn in core_aten_decompositions().items() if op not in _KEEP or str(op) not in ours}
     for op, fn in decomposition_table.items():
@@ -39,8 +43,6 @@ def _decompositions() -> dict[Any, Callable[..., Any]]:
             table[op] = fn
     return table
 
-
-DECOMPOSITIONS = _decompositions()
 
 
 def _dynamo_kind(node: torch.fx.Node, value: Any) -> InputKind:
@@ -114,13 +116,16 @@ def _aot_compile(
         kinds, bumps = _aot_kinds(aten_gm, dynamo_kinds), _versions_bumped_by_aot()
         if symbolic:
             return PerShape(aten_gm, kinds, opts, bumps)
-        return compile_graph(aten_gm, kinds, opts, bumps)
+        executable = compile_graph(aten_gm, kinds, opts, bumps)
+        # Set by Dynamo only under `caching_precompile`.
+        precompile.record(getattr(gm, "_backend_id", None), aten_gm, executable.converted)
+        return executable
 
     return aot_module_simplified(
         gm,
         list(args),
         fw_compiler=compiler,
-        decompositions=DECOMPOSITIONS,
+        decompositions=decompositions(),
         # Input mutations (StaticCache K/V, buffers) stay in the graph as trailing `copy_`s that
         # become donated input/output aliases, instead of extra outputs AOTAutograd copies back.
         keep_inference_input_mutations=True,

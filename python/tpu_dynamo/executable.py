@@ -44,6 +44,7 @@ class Executable:
         self, native: _native.CompiledGraph, converted: Converted, caller_bumps: frozenset[int] = frozenset()
     ) -> None:
         self.native = native
+        self.converted = converted
         self.tensor_args = converted.tensor_args
         self.constants = converted.constants
         self.mutations = converted.mutations

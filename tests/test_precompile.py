@@ -1,0 +1,66 @@
+"""Dynamo's caching precompile with backend="tpu": a second process loads the first one's frames
+and our artifacts, so its first call neither traces nor compiles (python/tpu_dynamo/precompile.py)."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch
+    torch._dynamo.config.caching_precompile = True
+    import tpu_dynamo
+    from torch._dynamo.utils import counters
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 16)
+            self.register_buffer("scale", torch.linspace(0.5, 1.5, 16))
+            self.register_buffer("steps", torch.zeros(()))
+
+        def forward(self, x):
+            self.steps.add_(1)  # an input mutation inside the graph
+            return torch.tanh(self.lin(x) * self.scale), x.sum(-1)
+
+    torch.manual_seed(0)
+    m = Block().eval()
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        got = torch.compile(m, backend="tpu", fullgraph=True)(x)
+        steps = m.steps.item()
+        m.steps.zero_()
+        want = Block.forward(m, x)
+    if sys.argv[1] == "save":
+        torch.compiler.save_cache_artifacts()
+    stats = tpu_dynamo.stats()
+    print(json.dumps({
+        "diff": max((g - w).abs().max().item() for g, w in zip(got, want)),
+        "steps": steps,
+        "graphs_traced": counters["stats"]["unique_graphs"],
+        "compiles": stats["compiles"],
+        "dynamo_cache": dict(counters["dynamo_cache"]),
+    }))
+    """
+)
+
+
+def _run(mode, env):
+    out = subprocess.run([sys.executable, "-c", SCRIPT, mode], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_second_process_loads_precompiled_frames_without_tracing_or_compiling(tmp_path):
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "torch"), "TPU_DYNAMO_CACHE_DIR": str(tmp_path / "tpu")}
+    first = _run("save", env)
+    assert first["dynamo_cache"] == {"dynamo_cache_miss": 1} and first["compiles"] == 1
+    second = _run("load", env)
+    assert second["dynamo_cache"] == {"dynamo_cache_hit": 1}
+    # Nothing traced; the executable came from our disk cache.
+    assert (second["graphs_traced"], second["compiles"]) == (0, 0)
+    assert first["graphs_traced"] == 1
+    for r in (first, second):
+        assert r["diff"] <= 1e-6
+        assert r["steps"] == 1  # the in-graph buffer update lands without AOTAutograd's wrapper
