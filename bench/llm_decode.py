@@ -51,6 +51,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--backends", default="eager,inductor,tpu")
     args = parser.parse_args()
+    tpu_dynamo.device_info()  # the plugin's allocator setting holds for every backend (bench.py)
     ids = torch.randint(1, 256, (1, 8), generator=torch.Generator().manual_seed(1))
     names = args.backends.split(",")
     reference = None

@@ -59,6 +59,26 @@ def test_second_process_loads_from_disk_without_compiling(model, tmp_path):
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == written
 
 
+def test_compiler_flags_from_the_environment_are_part_of_the_key(tmp_path):
+    """XLA_FLAGS changes the code XLA generates, so a process with other flags compiles anew."""
+    script = (
+        "import torch, tpu_dynamo\n"
+        "f = torch.compile(lambda t: torch.tanh(t @ t.T + 1.0), backend='tpu', fullgraph=True)\n"
+        "f(torch.randn(4, 4))\n"
+        "s = tpu_dynamo.stats(); print(s['compiles'], s['disk_hits'])\n"
+    )
+
+    def process(flags: str) -> str:
+        env = {**os.environ, "TPU_DYNAMO_CACHE_DIR": str(tmp_path), "XLA_FLAGS": flags}
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+        return done.stdout.split("\n")[-2]
+
+    assert process("") == "1 0"
+    assert process("--xla_cpu_enable_fast_math=false") == "1 0"
+    assert process("--xla_cpu_enable_fast_math=false") == "0 1"
+    assert process("") == "0 1"
+
+
 @pytest.mark.parametrize(
     "damage, reason",
     [

@@ -1,6 +1,9 @@
 """End to end through backend="tpu": numerics, caching, resident parameters, errors."""
 import gc
 import logging
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -160,3 +163,27 @@ def test_unsupported_op_raises_lower_error_naming_it():
     assert isinstance(err, tpu_dynamo.LowerError) and isinstance(err, RuntimeError)
     assert "aten.linalg_eig.default" in str(err) and "f32[4, 4]" in str(err)
     assert "test_runtime.py" in str(err)  # the user's source line
+
+
+MALLINFO_PROBE = """
+import ctypes, torch, tpu_dynamo
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+tpu_dynamo.device_info()
+before = libc.mallinfo2().hblks
+big = torch.empty(64 << 20, dtype=torch.uint8)
+print(libc.mallinfo2().hblks - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
+@pytest.mark.parametrize("tuning, mapped", [("1", 0), ("0", 1)])
+def test_cpu_plugin_keeps_freed_memory_in_the_heap(tuning, mapped):
+    """With a CPU plugin large blocks come from the heap, not per-block mmaps that every execute
+    would fault in again; TPU_DYNAMO_MALLOC_TUNING=0 keeps glibc's defaults."""
+    env = {**os.environ, "TPU_DYNAMO_MALLOC_TUNING": tuning}
+    out = subprocess.run([sys.executable, "-c", MALLINFO_PROBE], env=env, capture_output=True, text=True, check=True)
+    assert int(out.stdout.split()[-1]) == mapped
