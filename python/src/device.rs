@@ -66,6 +66,7 @@ fn plugin_identity(client: &Client, disk: &DiskCache) -> Result<PluginIdentity, 
 /// inline: 11 µs and 47 µs; UNet 75 ms → 49 ms). `asynchronous=false` executes on the calling
 /// thread (the pool still runs the parallel parts of an execute). Plugins that do not know the
 /// option ignore it (PJRT API 0.81) or reject it: then the first client stays.
+/// `TPU_DYNAMO_CPU_INLINE=0` keeps the plugin's default.
 fn inline_cpu_client(plugin: Arc<Plugin>) -> Option<Client> {
     // The plugin logs the option through absl ("asynchronous set via create_options: false",
     // preceded by absl's "log messages before InitializeLog" banner): noise for every user.
@@ -146,7 +147,8 @@ pub fn target() -> Result<Arc<Target>, Error> {
     let plugin = Plugin::discover(None)?;
     let client = Client::new(plugin.clone(), &ClientOptions::default())?;
     let host_memory = client.platform_name().is_ok_and(|p| p == "cpu");
-    let client = if host_memory { inline_cpu_client(plugin).unwrap_or(client) } else { client };
+    let inline = std::env::var_os("TPU_DYNAMO_CPU_INLINE").is_none_or(|v| v != "0");
+    let client = if host_memory && inline { inline_cpu_client(plugin).unwrap_or(client) } else { client };
     if host_memory && std::env::var_os("TPU_DYNAMO_MALLOC_TUNING").is_none_or(|v| v != "0") {
         keep_freed_memory_for_reuse();
     }
