@@ -6,7 +6,7 @@
 
 use crate::ir::{DType, TensorType};
 use melior::{
-    ir::operation::OperationBuilder,
+    ir::operation::{OperationBuilder, OperationLike, OperationResult},
     ir::{
         block::BlockLike, Attribute, Block, Identifier, Location, OperationRef, Region, RegionLike,
         Type, Value,
@@ -611,6 +611,20 @@ impl<'a> Builder<'a> {
             &[],
             TensorType::new(x.dtype(), shape.to_vec()),
         )
+    }
+
+    /// The matrix `x` is the transpose of, when `x` was built as `transpose(m, [1, 0])`: a dot can
+    /// contract `m`'s other dim instead. XLA:CPU otherwise materializes the transpose, and for
+    /// `x @ W.T` that is a copy of the weight on every call.
+    pub fn transposed_matrix(&self, x: &Val<'a>) -> Option<Val<'a>> {
+        let op = OperationResult::try_from(x.v).ok()?.owner();
+        let is_transpose = op.name().as_string_ref().as_str().ok()? == "stablehlo.transpose";
+        if !is_transpose || x.rank() != 2 {
+            return None;
+        }
+        let m = op.operand(0).ok()?;
+        let ty = TensorType::new(x.dtype(), vec![x.shape()[1], x.shape()[0]]);
+        Some(Val { v: m, ty })
     }
 
     pub fn transpose(&self, x: &Val<'a>, perm: &[usize]) -> R<Val<'a>> {
