@@ -70,7 +70,8 @@ fn plugin_identity(client: &Client, disk: &DiskCache) -> Result<PluginIdentity, 
 fn inline_cpu_client(plugin: Arc<Plugin>) -> Option<Client> {
     // The plugin logs the option through absl ("asynchronous set via create_options: false",
     // preceded by absl's "log messages before InitializeLog" banner): noise for every user.
-    with_stderr_silenced(|| Client::new(plugin, &ClientOptions::default().cpu_device_count(1).bool("asynchronous", false))).ok()
+    let options = ClientOptions::default().cpu_device_count(1).bool("asynchronous", false);
+    with_stderr_silenced(|| Client::new(plugin, &options)).ok()
 }
 
 /// XLA:CPU allocates each execute's temporaries and results with malloc. Under glibc's defaults
@@ -131,6 +132,11 @@ fn with_stderr_silenced<T>(f: impl FnOnce() -> T) -> T {
     f()
 }
 
+/// A setting on by default, off when the variable is `0`.
+fn not_off(variable: &str) -> bool {
+    std::env::var_os(variable).is_none_or(|v| v != "0")
+}
+
 fn compiler_env() -> String {
     ["XLA_FLAGS", "LIBTPU_INIT_ARGS"]
         .map(|name| format!("{name}={}", std::env::var(name).unwrap_or_default()))
@@ -147,9 +153,12 @@ pub fn target() -> Result<Arc<Target>, Error> {
     let plugin = Plugin::discover(None)?;
     let client = Client::new(plugin.clone(), &ClientOptions::default())?;
     let host_memory = client.platform_name().is_ok_and(|p| p == "cpu");
-    let inline = std::env::var_os("TPU_DYNAMO_CPU_INLINE").is_none_or(|v| v != "0");
-    let client = if host_memory && inline { inline_cpu_client(plugin).unwrap_or(client) } else { client };
-    if host_memory && std::env::var_os("TPU_DYNAMO_MALLOC_TUNING").is_none_or(|v| v != "0") {
+    let client = if host_memory && not_off("TPU_DYNAMO_CPU_INLINE") {
+        inline_cpu_client(plugin).unwrap_or(client)
+    } else {
+        client
+    };
+    if host_memory && not_off("TPU_DYNAMO_MALLOC_TUNING") {
         keep_freed_memory_for_reuse();
     }
     let device = client

@@ -95,7 +95,8 @@ impl fmt::Display for Error {
                 write!(
                     f,
                     "Install one: `pip install xla-cpu-pjrt` (CPU; faster on small machines: \
-                     `pip install --no-deps lammps-jax-pjrt-cpu`), `pip install libtpu` on a TPU VM, or set TPU_DYNAMO_PJRT_PLUGIN=/path/to/plugin.so"
+                     `pip install --no-deps lammps-jax-pjrt-cpu`), `pip install libtpu` on a TPU \
+                     VM, or set TPU_DYNAMO_PJRT_PLUGIN=/path/to/plugin.so"
                 )
             }
             Error::Load { path, message } => {

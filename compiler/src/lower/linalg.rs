@@ -90,9 +90,6 @@ fn matmul(n: NodeCtx<'_>) -> Res<'_> {
     let prod = if n.op == "aten.addbmm.default" {
         // The batch dim is contracted too: the sum of the batch's products.
         bd.dot_general(&a, &b, (&[], &[]), (&[0, 2], &[0, 1]), opmath(out))?
-    } else if let Some(w) = bd.transposed_matrix(&b) {
-        // `a @ w.T` (every Linear layer): contract w's dim 1 rather than transposing w.
-        bd.dot_general(&a, &w, (&[], &[]), (&[1], &[1]), opmath(out))?
     } else {
         let batch: &[i64] = if a.rank() == 3 { &[0] } else { &[] };
         let k = a.rank() as i64 - 1;
