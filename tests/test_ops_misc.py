@@ -206,3 +206,41 @@ def test_embedding_max_norm(norm_type):
 
 def test_squeeze_empty_dims_keeps_shape():
     check(lambda x: x.squeeze(()) * 2, rand(1, 3, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_attention_with_fully_masked_rows_is_one_softmax(dtype):
+    """SDPA's `_safe_softmax` is lowered as itself: rows masked entirely to -inf give 0 as in
+    eager (not NaN), and the graph keeps no `any` pass over the scores to find them."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 8, 16, dtype=dtype) for _ in range(3))
+    mask = torch.randn(2, 1, 8, 8, dtype=dtype)
+    mask[0, 0, 3] = float("-inf")  # query 3 of batch 0 sees nothing
+    mask[1, 0, :, 2] = float("-inf")  # key 2 of batch 1 is hidden from every query
+    graphs = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    run = compile_tpu(sdpa, options={"debug_callback": graphs.append})
+    with torch.no_grad():
+        got, want = run(q, k, v, attn_mask=mask), sdpa(q, k, v, attn_mask=mask)
+    assert got[0, :, 3].eq(0).all() and want[0, :, 3].eq(0).all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, rtol=0, atol=tol)
+    (graph,) = graphs
+    assert "aten._safe_softmax.default" in graph["fx_code"] and "aten.any" not in graph["fx_code"]
+
+
+def test_softmax_rows_with_nan_and_infinities_match_eager():
+    """The softmax rules take the row max without a NaN pass of their own (NaN still reaches
+    every output of its row through the sum) and tell masked rows by their sum: each edge row
+    must come out as eager's, NaN for NaN."""
+    inf, nan = float("inf"), float("nan")
+    rows = torch.tensor([
+        [1.0, 2, 3, 4], [-inf, -inf, -inf, -inf], [nan, -inf, -inf, -inf], [nan, 1, 2, 3],
+        [inf, 1, 2, 3], [-inf, -inf, 0, -inf], [nan, nan, nan, nan], [-80.0, -inf, -79, -inf],
+    ])
+    # Zero queries and keys make the scores the mask itself, and identity values make the
+    # output the attention weights: `_safe_softmax(rows)`.
+    q, k, v = torch.zeros(1, 1, 8, 4), torch.zeros(1, 1, 4, 4), torch.eye(4)[None, None]
+    attention = lambda m: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m[None, None])
+    for fn in (lambda x: torch.softmax(x, -1), lambda x: torch.log_softmax(x, -1), attention):
+        check(fn, rows)

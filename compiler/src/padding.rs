@@ -329,7 +329,11 @@ impl<'a> Walk<'a> {
                     .collect();
                 Ok(vec![out; n_out])
             }
-            "aten._softmax.default" | "aten._log_softmax.default" | "aten.softmax.int" | "aten.log_softmax.int" => {
+            "aten._softmax.default"
+            | "aten._log_softmax.default"
+            | "aten.softmax.int"
+            | "aten.log_softmax.int"
+            | "aten._safe_softmax.default" => {
                 let x = x()?;
                 let d = norm(int_list(arg(node, 1, "dim")).ok_or("dim")?[0], x.len())?;
                 if x[d].is_padded() {

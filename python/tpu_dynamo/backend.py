@@ -25,8 +25,10 @@ from .symbolic import PerShape
 
 
 # Core ATen ops lowered as themselves when the compiler has a rule: core's decomposition of `take`
-# reads a 0-d index with `.item()`, a data-dependent scalar that static shapes cannot bind.
-_KEEP = {torch.ops.aten.take.default}
+# reads a 0-d index with `.item()`, a data-dependent scalar that static shapes cannot bind;
+# `_safe_softmax` (SDPA's softmax) decomposes into two extra passes over the attention scores to
+# find fully masked rows, which the rule reads off the row max it takes anyway.
+_KEEP = {torch.ops.aten.take.default, torch.ops.aten._safe_softmax.default}
 
 
 @functools.cache

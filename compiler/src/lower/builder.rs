@@ -859,6 +859,34 @@ impl<'a> Builder<'a> {
         combiner: Combiner,
         keepdim: bool,
     ) -> R<Val<'a>> {
+        let out = self.reduce_as_backend(x, dims, combiner, false)?;
+        let out = if matches!(combiner, Combiner::Max | Combiner::Min)
+            && x.dtype().is_float()
+            && x.rank() > 0
+        {
+            // XLA's CPU reductions drop NaN whatever the region says, so NaN is found apart.
+            let nan = self.reduce(&self.compare(x, x, "NE")?, dims, Combiner::Or, false)?;
+            self.select(&nan, &self.full_like(Scalar::Float(f64::NAN), &out)?, &out)?
+        } else {
+            out
+        };
+        if keepdim && x.rank() > 0 {
+            self.reshape(&out, &keep_dims_shape(x.shape(), dims))
+        } else {
+            Ok(out)
+        }
+    }
+
+    /// `reduce` without its separate NaN pass for float max/min, whose NaN handling is then
+    /// the backend's (XLA:CPU drops NaN): for callers whose result turns NaN anyway when an
+    /// input is NaN, saving a compare and a reduction over the whole input.
+    pub fn reduce_as_backend(
+        &self,
+        x: &Val<'a>,
+        dims: &[usize],
+        combiner: Combiner,
+        keepdim: bool,
+    ) -> R<Val<'a>> {
         if x.rank() == 0 {
             return Ok(x.clone());
         }
@@ -881,13 +909,6 @@ impl<'a> Builder<'a> {
                 vec![TensorType::new(d, kept)],
             )?
             .remove(0);
-        let out = if matches!(combiner, Combiner::Max | Combiner::Min) && d.is_float() {
-            // XLA's CPU reductions drop NaN whatever the region says, so NaN is found apart.
-            let nan = self.reduce(&self.compare(x, x, "NE")?, dims, Combiner::Or, false)?;
-            self.select(&nan, &self.full_like(Scalar::Float(f64::NAN), &out)?, &out)?
-        } else {
-            out
-        };
         if keepdim {
             self.reshape(&out, &keep_dims_shape(x.shape(), dims))
         } else {

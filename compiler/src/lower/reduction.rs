@@ -54,6 +54,7 @@ pub fn register(r: &mut Registry) {
             "aten._log_softmax.default",
             "aten.softmax.int",
             "aten.log_softmax.int",
+            "aten._safe_softmax.default",
         ],
         softmax,
     );
@@ -175,7 +176,16 @@ fn any_all(n: NodeCtx<'_>) -> Res<'_> {
     )?])
 }
 
-/// Numerically stable (log-)softmax along `dim`: shift by the max first.
+/// Numerically stable (log-)softmax along `dim`: shift by the row max first.
+///
+/// The max needs no NaN pass of its own: a NaN in a row makes the row's sum of exponentials,
+/// and so every output of the row, NaN, as in eager.
+///
+/// `_safe_softmax` (what SDPA's math path calls) gives 0 on rows that are entirely -inf (fully
+/// masked); its decomposition finds them with a compare and an `any` over the whole scores
+/// tensor. Here such a row shifts by 0 instead of its -inf max, so its exponentials sum to 0,
+/// which no other row's do (the max element alone contributes 1; a NaN gives NaN): the row
+/// sums say which rows are masked.
 fn softmax(n: NodeCtx<'_>) -> Res<'_> {
     let x = n.tensor(0, "self")?;
     let dim = norm_dim(n.int(1, "dim")?, x.rank())?;
@@ -188,9 +198,15 @@ fn softmax(n: NodeCtx<'_>) -> Res<'_> {
         "aten._softmax.default" | "aten._log_softmax.default" => x.dtype(),
         _ => n.opt_dtype(2, "dtype")?.unwrap_or(x.dtype()),
     };
+    let safe = n.op == "aten._safe_softmax.default";
     let b = &n.b;
     let xf = b.convert(&x, opmath(out))?;
-    let max = b.reduce(&xf, &[dim], Combiner::Max, true)?;
+    let mut max = b.reduce_as_backend(&xf, &[dim], Combiner::Max, true)?;
+    if safe {
+        let neg_inf = b.full_like(Scalar::Float(f64::NEG_INFINITY), &max)?;
+        let masked = b.compare(&max, &neg_inf, "EQ")?;
+        max = b.select(&masked, &b.full_like(Scalar::Float(0.0), &max)?, &max)?;
+    }
     let shifted = b.sub(&xf, &max)?;
     let e = b.unary("exponential", &shifted)?;
     let total = b.reduce(&e, &[dim], Combiner::Add, true)?;
@@ -198,6 +214,12 @@ fn softmax(n: NodeCtx<'_>) -> Res<'_> {
         b.sub(&shifted, &b.unary("log", &total)?)?
     } else {
         b.div(&e, &total)?
+    };
+    let y = if safe {
+        let masked = b.compare(&total, &b.full_like(Scalar::Float(0.0), &total)?, "EQ")?;
+        b.select(&masked, &b.full_like(Scalar::Float(0.0), &y)?, &y)?
+    } else {
+        y
     };
     Ok(vec![b.convert(&y, out)?])
 }
