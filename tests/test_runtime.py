@@ -129,6 +129,41 @@ def test_one_value_returned_twice_gives_tensors_like_eager():
     torch.testing.assert_close(got[0], want[0])
 
 
+def test_inference_graphs_skip_aotautograds_wrapper_only_when_it_has_nothing_to_do(monkeypatch):
+    """A graph AOTAutograd's runtime wrapper would only call is called directly; one whose output
+    is a view of an input keeps the wrapper, which makes that output a view as in eager."""
+    from tpu_dynamo import direct
+
+    calls = []
+    call = direct.Direct.__call__
+    monkeypatch.setattr(direct.Direct, "__call__", lambda self, *args: calls.append(1) or call(self, *args))
+    x = torch.randn(4, 4)
+    plain = compile_tpu(lambda x: (x * 2).sin())
+    aliasing = compile_tpu(lambda x: (x.view(16), x * 2))
+    with torch.no_grad():
+        torch.testing.assert_close(plain(x), (x * 2).sin())
+        torch.testing.assert_close(plain(x), (x * 2).sin())
+        assert len(calls) == 2
+        view, doubled = aliasing(x)
+    assert len(calls) == 2 and view._base is x
+    torch.testing.assert_close(doubled, x * 2)
+
+
+def test_in_place_update_bumps_the_version_once_without_the_wrapper():
+    """Called directly, the executable bumps a mutated input's version itself, once, so
+    version-keyed caches (ours: the resident copy) see the change, as after an eager `add_`."""
+    buf = torch.randn(8)
+    step = compile_tpu(lambda b: b.add_(1.0).sum())
+    with torch.no_grad():
+        want = buf + 1
+        before = buf._version
+        total = step(buf)
+        assert buf._version == before + 1
+        torch.testing.assert_close(buf, want)
+        torch.testing.assert_close(total, want.sum())
+        torch.testing.assert_close(step(buf), (want + 1).sum())
+
+
 def test_identical_graphs_share_an_executable():
     m1, m2 = ScaleShift(8), ScaleShift(8)
     x = torch.randn(2, 8)

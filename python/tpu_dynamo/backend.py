@@ -17,10 +17,10 @@ from torch._decomp import core_aten_decompositions, decomposition_table
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch._aot_autograd.descriptors import BufferAOTInput, ParamAOTInput, PlainAOTInput
 
-from . import _native, precompile
+from . import _native, direct, precompile
 from . import options as options_mod
 from .convert import InputKind
-from .executable import compile_graph
+from .executable import Executable, compile_graph
 from .symbolic import PerShape
 
 
@@ -113,17 +113,20 @@ def _aot_compile(
     gm: torch.fx.GraphModule, args: Sequence[Any], dynamo_kinds: list[InputKind], opts: options_mod.Options
 ) -> Callable[..., Any]:
     symbolic = _is_symbolic(args)
+    unwrapped: list[Executable] = []
 
     def compiler(aten_gm: torch.fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
         kinds, bumps = _aot_kinds(aten_gm, dynamo_kinds), _versions_bumped_by_aot()
         if symbolic:
             return PerShape(aten_gm, kinds, opts, bumps)
         executable = compile_graph(aten_gm, kinds, opts, bumps)
-        # Set by Dynamo only under `caching_precompile`.
-        precompile.record(getattr(gm, "_backend_id", None), aten_gm, executable.converted)
+        if direct.wrapper_free(aten_gm, len(args)):
+            unwrapped.append(executable)
+            # Set by Dynamo only under `caching_precompile`.
+            precompile.record(getattr(gm, "_backend_id", None), executable.converted)
         return executable
 
-    return aot_module_simplified(
+    wrapped = aot_module_simplified(
         gm,
         list(args),
         fw_compiler=compiler,
@@ -132,6 +135,9 @@ def _aot_compile(
         # become donated input/output aliases, instead of extra outputs AOTAutograd copies back.
         keep_inference_input_mutations=True,
     )
+    if len(unwrapped) == 1:
+        return direct.Direct(unwrapped[0].native, unwrapped[0].converted)
+    return wrapped
 
 
 def tpu_backend(

@@ -1,0 +1,66 @@
+"""Graphs called straight from Dynamo's bytecode, without AOTAutograd's runtime wrapper.
+
+AOTAutograd wraps every compiled graph in Python that dedupes inputs, replays input mutations
+and metadata changes, regenerates outputs that alias inputs or intermediates, threads effect
+tokens and runs the graph under the right grad mode: about a dozen frames per call. An inference
+graph with none of these needs (`wrapper_free`) gets none of that work from it, only its cost,
+so the backend hands Dynamo the executable itself (`Direct`). Dynamo's caching precompile
+stores the same graphs (precompile.py), whose loaded artifacts are called the same way.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+from torch._functorch._aot_autograd.descriptors import PlainAOTInput
+from torch._functorch._aot_autograd.schemas import MutationType, OutputType
+
+from . import _native
+from .convert import Converted
+from .executable import Executable
+
+
+def wrapper_free(aten_gm: torch.fx.GraphModule, dynamo_inputs: int) -> bool:
+    """Whether AOTAutograd's runtime wrapper for `aten_gm` (being compiled now, for a Dynamo
+    graph of `dynamo_inputs` inputs) would only call it: static shapes, the Dynamo inputs
+    themselves in order, no output that aliases an input or an intermediate, input mutations all
+    inside the graph, no effect tokens, no RNG state threading, no grad-mode change to replay.
+    (Its one remaining act, running the graph with grad mode off, does not concern an executable
+    that records no autograd history.)"""
+    meta = getattr(torch._guards.TracingContext.try_get(), "fw_metadata", None)
+    if (
+        meta is None
+        or meta.tokens
+        or meta.num_intermediate_bases
+        or meta.is_rng_op_functionalized
+        or meta.num_graphsafe_rng_states
+        or meta.grad_enabled_mutation is not None
+        or meta.dynamic_outputs
+    ):
+        return False
+    placeholders = aten_gm.graph.find_nodes(op="placeholder")
+    return (
+        len(placeholders) == dynamo_inputs
+        and all(
+            isinstance(desc := n.meta.get("desc"), PlainAOTInput) and desc.idx == i
+            for i, n in enumerate(placeholders)
+        )
+        and all(o.output_type == OutputType.non_alias for o in meta.output_info)
+        and all(
+            i.mutation_type in (MutationType.NOT_MUTATED, MutationType.MUTATED_IN_GRAPH)
+            and not i.mutates_metadata
+            for i in meta.input_info
+        )
+    )
+
+
+class Direct:
+    """What Dynamo's bytecode calls, with the graph's inputs as arguments. Nothing wraps it, so
+    its executable bumps the version of every input it updates itself."""
+
+    def __init__(self, native: _native.CompiledGraph, converted: Converted) -> None:
+        self.executable = Executable(native, converted)
+
+    def __call__(self, *args: Any) -> tuple[torch.Tensor | None, ...]:
+        return self.executable(list(args))
