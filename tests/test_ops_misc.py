@@ -208,39 +208,64 @@ def test_squeeze_empty_dims_keeps_shape():
     check(lambda x: x.squeeze(()) * 2, rand(1, 3, 1))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_attention_with_fully_masked_rows_is_one_softmax(dtype):
-    """SDPA's `_safe_softmax` is lowered as itself: rows masked entirely to -inf give 0 as in
-    eager (not NaN), and the graph keeps no `any` pass over the scores to find them."""
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 4, 8, 16, dtype=dtype) for _ in range(3))
-    mask = torch.randn(2, 1, 8, 8, dtype=dtype)
-    mask[0, 0, 3] = float("-inf")  # query 3 of batch 0 sees nothing
+def _float_mask(batch, q_len, kv_len, dtype):
+    mask = torch.randn(batch, 1, q_len, kv_len, dtype=dtype)
+    mask[0, 0, 3] = float("-inf")  # query 3 of batch 0 sees no key: its output is 0
     mask[1, 0, :, 2] = float("-inf")  # key 2 of batch 1 is hidden from every query
+    return mask
+
+
+# (id, query heads, key/value heads, query length, key length, SDPA keyword arguments)
+ATTENTION_CASES = [
+    ("float_mask", 4, 4, 8, 8, lambda dt: {"attn_mask": _float_mask(2, 8, 8, dt)}),
+    ("bool_mask", 4, 4, 8, 6, lambda dt: {"attn_mask": torch.rand(2, 4, 8, 6) < 0.7}),
+    ("causal", 4, 4, 8, 8, lambda dt: {"is_causal": True}),
+    ("causal_longer_keys", 4, 4, 5, 9, lambda dt: {"is_causal": True}),
+    ("grouped_query_causal", 4, 2, 8, 8, lambda dt: {"is_causal": True, "enable_gqa": True}),
+    ("grouped_query_mask_scale", 6, 2, 7, 5,
+     lambda dt: {"attn_mask": _float_mask(2, 7, 5, dt), "enable_gqa": True, "scale": 0.3}),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name,heads,kv_heads,q_len,kv_len,kwargs", ATTENTION_CASES, ids=[c[0] for c in ATTENTION_CASES])
+def test_attention_is_lowered_as_one_op_and_matches_eager(name, heads, kv_heads, q_len, kv_len, kwargs, dtype):
+    """CPU SDPA (`_scaled_dot_product_flash_attention_for_cpu`) is lowered as itself, V multiplied
+    by unnormalized weights and divided by the row sums: eager's values for every mask kind,
+    grouped-query heads and fully masked rows (0, not NaN). Tolerances: 1e-5 f32, 2e-2 bf16 (the
+    products accumulate in f32 on both sides)."""
+    torch.manual_seed(0)
+    q = torch.randn(2, heads, q_len, 16, dtype=dtype)
+    k, v = (torch.randn(2, kv_heads, kv_len, 16, dtype=dtype) for _ in range(2))
+    kw = kwargs(dtype)
     graphs = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
     run = compile_tpu(sdpa, options={"debug_callback": graphs.append})
     with torch.no_grad():
-        got, want = run(q, k, v, attn_mask=mask), sdpa(q, k, v, attn_mask=mask)
-    assert got[0, :, 3].eq(0).all() and want[0, :, 3].eq(0).all()
+        got, want = run(q, k, v, **kw), sdpa(q, k, v, **kw)
+    if name == "float_mask":
+        assert got[0, :, 3].eq(0).all() and want[0, :, 3].eq(0).all()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, rtol=0, atol=tol)
     (graph,) = graphs
-    assert "aten._safe_softmax.default" in graph["fx_code"] and "aten.any" not in graph["fx_code"]
+    assert "_scaled_dot_product_flash_attention_for_cpu.default" in graph["fx_code"]
+    assert "bmm" not in graph["fx_code"] and "softmax" not in graph["fx_code"]
 
 
 def test_softmax_rows_with_nan_and_infinities_match_eager():
     """The softmax rules take the row max without a NaN pass of their own (NaN still reaches
     every output of its row through the sum) and tell masked rows by their sum: each edge row
-    must come out as eager's, NaN for NaN."""
+    must come out as eager's, NaN for NaN, for softmax, log_softmax, `_safe_softmax` (the SDPA
+    math path's, 0 on fully masked rows) and SDPA itself."""
     inf, nan = float("inf"), float("nan")
     rows = torch.tensor([
         [1.0, 2, 3, 4], [-inf, -inf, -inf, -inf], [nan, -inf, -inf, -inf], [nan, 1, 2, 3],
         [inf, 1, 2, 3], [-inf, -inf, 0, -inf], [nan, nan, nan, nan], [-80.0, -inf, -79, -inf],
     ])
     # Zero queries and keys make the scores the mask itself, and identity values make the
-    # output the attention weights: `_safe_softmax(rows)`.
+    # output the attention weights.
     q, k, v = torch.zeros(1, 1, 8, 4), torch.zeros(1, 1, 4, 4), torch.eye(4)[None, None]
     attention = lambda m: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m[None, None])
-    for fn in (lambda x: torch.softmax(x, -1), lambda x: torch.log_softmax(x, -1), attention):
+    safe_softmax = lambda x: torch.ops.aten._safe_softmax.default(x, -1)
+    for fn in (lambda x: torch.softmax(x, -1), lambda x: torch.log_softmax(x, -1), safe_softmax, attention):
         check(fn, rows)

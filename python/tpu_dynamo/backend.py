@@ -26,9 +26,15 @@ from .symbolic import PerShape
 
 # Core ATen ops lowered as themselves when the compiler has a rule: core's decomposition of `take`
 # reads a 0-d index with `.item()`, a data-dependent scalar that static shapes cannot bind;
-# `_safe_softmax` (SDPA's softmax) decomposes into two extra passes over the attention scores to
-# find fully masked rows, which the rule reads off the row max it takes anyway.
-_KEEP = {torch.ops.aten.take.default, torch.ops.aten._safe_softmax.default}
+# CPU SDPA's (`_scaled_dot_product_flash_attention_for_cpu`) normalizes the whole probability
+# matrix before multiplying by V, where the rule divides the product; `_safe_softmax` (the math
+# path's softmax) decomposes into two extra passes over the scores to find fully masked rows,
+# which the rule reads off the row sums.
+_KEEP = {
+    torch.ops.aten.take.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._safe_softmax.default,
+}
 
 
 @functools.cache

@@ -4,6 +4,7 @@
 //! op name to a rule from the registry (one module per op family, each with a `register`), and
 //! checks that every rule produced exactly the types FX recorded in `Node::outputs`.
 
+mod attention;
 mod builder;
 mod compare;
 mod convert;
@@ -142,6 +143,7 @@ fn registry() -> &'static Registry {
     static REG: OnceLock<Registry> = OnceLock::new();
     REG.get_or_init(|| {
         let mut r = Registry(HashMap::new());
+        attention::register(&mut r);
         elementwise::register(&mut r);
         fft::register(&mut r);
         compare::register(&mut r);
