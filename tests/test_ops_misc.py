@@ -269,3 +269,22 @@ def test_softmax_rows_with_nan_and_infinities_match_eager():
     safe_softmax = lambda x: torch.ops.aten._safe_softmax.default(x, -1)
     for fn in (lambda x: torch.softmax(x, -1), lambda x: torch.log_softmax(x, -1), safe_softmax, attention):
         check(fn, rows)
+
+
+# (input shape, groups, with weight and bias)
+GROUP_NORM_CASES = [((2, 6), 3, True), ((2, 8, 5), 4, False), ((1, 32, 6, 6), 8, True), ((2, 4, 3, 2, 2), 2, True)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape,groups,affine", GROUP_NORM_CASES, ids=[str(len(c[0])) + "d" for c in GROUP_NORM_CASES])
+def test_group_norm_output_and_statistics_match_eager(shape, groups, affine, dtype):
+    """`native_group_norm`: output, mean and rstd as eager's for 2-5-d inputs, inputs off zero
+    mean so the centering matters. Tolerances 1e-5 f32, 2e-2 bf16 (statistics in f32 on both
+    sides)."""
+    torch.manual_seed(0)
+    x = (torch.randn(shape) * 3 + 1).to(dtype)
+    n, c = shape[:2]
+    w, b = ((torch.randn(c).to(dtype), torch.randn(c).to(dtype)) if affine else (None, None))
+    spatial = x[0, 0].numel()
+    fn = lambda x, w, b: torch.native_group_norm(x, w, b, n, c, spatial, groups, 1e-5)
+    check(fn, x, w, b, tol=1e-5 if dtype == torch.float32 else 2e-2)
