@@ -46,6 +46,13 @@ def _bindings(placeholders: list[torch.fx.Node], args: list[Any]) -> dict[sympy.
     return out
 
 
+def _is_symbolic(val: Any) -> bool:
+    """Whether a placeholder's traced value has a symbolic size or is a symbolic scalar."""
+    if isinstance(val, torch.Tensor):
+        return any(isinstance(d, torch.SymInt) for d in val.shape)
+    return isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
 def _resolver(bindings: dict[sympy.Symbol, int]):
     def resolve(x: Any) -> Any:
         if not isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
@@ -72,6 +79,9 @@ class PerShape:
     ) -> None:
         self.gm, self.kinds, self.options, self.caller_bumps = gm, kinds, options, caller_bumps
         self.placeholders = gm.graph.find_nodes(op="placeholder")
+        # The inputs whose sizes or values can differ between calls: Dynamo's guards pin every
+        # other input's dtype and shape, so these alone key the signature.
+        self.varying = [i for i, n in enumerate(self.placeholders) if _is_symbolic(n.meta.get("val"))]
         self.compiled: dict[tuple[Any, ...], Executable | _Padded] = {}
         self.padded: dict[tuple[Any, ...], Executable] = {}
         name = options.name or "graph"
@@ -93,7 +103,7 @@ class PerShape:
                     debug.log.info("%s: buckets: compiling exact shapes, padding is not proven safe: %s", name, e)
 
     def __call__(self, args: list[Any]) -> tuple[torch.Tensor | None, ...]:
-        signature = tuple((a.dtype, tuple(a.shape)) if isinstance(a, torch.Tensor) else a for a in args)
+        signature = tuple(args[i].shape if isinstance(args[i], torch.Tensor) else args[i] for i in self.varying)
         exe = self.compiled.get(signature)
         if exe is None:
             exe = self._compile(args)
