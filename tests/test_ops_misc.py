@@ -288,3 +288,13 @@ def test_group_norm_output_and_statistics_match_eager(shape, groups, affine, dty
     spatial = x[0, 0].numel()
     fn = lambda x, w, b: torch.native_group_norm(x, w, b, n, c, spatial, groups, 1e-5)
     check(fn, x, w, b, tol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_attention_op_returns_eagers_logsumexp_too(causal):
+    """The op's second result (the rows' logsumexp of the scaled scores, what a backward would
+    read) matches the CPU flash kernel's, with grouped-query heads."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    check(lambda q, k, v: op(q, k, v, is_causal=causal), q, k, v)
