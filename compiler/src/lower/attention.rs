@@ -8,7 +8,8 @@
 //! 3.2 M scores per attention). Scores, softmax and products run in f32 for half inputs, as the
 //! CPU flash kernel accumulates.
 
-use super::builder::{opmath, Builder, Combiner, Scalar, Val, R};
+use super::builder::{opmath, Builder, Scalar, Val, R};
+use super::reduction::{exponentials, zero_masked_rows};
 use super::{NodeCtx, Registry, Res, A};
 use crate::ir::{DType, TensorType};
 
@@ -23,9 +24,8 @@ pub fn register(r: &mut Registry) {
 /// (grouped-query when `H` is a multiple of `Hkv`: query head `h` reads key/value head
 /// `h / (H / Hkv)`).
 ///
-/// Rows that mask every key (all scores -inf) give 0 as eager does: such a row is shifted by 0
-/// instead of its -inf max, so its exponentials, their sum and its product with V are all 0,
-/// a sum no other row has (the max element alone contributes 1; a NaN gives NaN).
+/// Rows that mask every key (all scores -inf) give 0 as eager does (`exponentials` with masked
+/// rows: their exponentials, sum and product with V are all 0).
 fn flash_attention_for_cpu(n: NodeCtx<'_>) -> Res<'_> {
     let (q, k, v) = (
         n.tensor(0, "query")?,
@@ -69,23 +69,13 @@ fn flash_attention_for_cpu(n: NodeCtx<'_>) -> Res<'_> {
     let full = [batch, heads, len_q, len_kv];
     let scores = masked(b, b.reshape(&scores, &full)?, mask, causal)?;
 
-    let max = b.reduce_as_backend(&scores, &[3], Combiner::Max, true)?;
-    let neg_inf = b.full_like(Scalar::Float(f64::NEG_INFINITY), &max)?;
-    let zero = b.full_like(Scalar::Float(0.0), &max)?;
-    let shift = b.select(&b.compare(&max, &neg_inf, "EQ")?, &zero, &max)?;
-    let e = b.unary("exponential", &b.sub(&scores, &shift)?)?;
-    let total = b.reduce(&e, &[3], Combiner::Add, true)?;
+    let rows = exponentials(b, &scores, 3, true)?;
 
-    let e = b.reshape(&e, &[batch, kv_heads, group * len_q, len_kv])?;
+    let e = b.reshape(&rows.e, &[batch, kv_heads, group * len_q, len_kv])?;
     let weighted = b.dot_general(&e, &v, (&[0, 1], &[0, 1]), (&[3], &[2]), f)?;
     let weighted = b.reshape(&weighted, &[batch, heads, len_q, dim])?;
-    let masked_row = b.compare(&total, &zero, "EQ")?;
-    let out = b.select(
-        &masked_row,
-        &b.full_like(Scalar::Float(0.0), &weighted)?,
-        &b.div(&weighted, &total)?,
-    )?;
-    let lse = b.add(&shift, &b.unary("log", &total)?)?;
+    let out = zero_masked_rows(b, &b.div(&weighted, &rows.total)?, &rows.total)?;
+    let lse = b.add(&rows.shift, &b.unary("log", &rows.total)?)?;
     let lse = b.reshape(&lse, &[batch, heads, len_q])?;
     Ok(vec![
         b.convert(&out, n.out(0)?.dtype)?,

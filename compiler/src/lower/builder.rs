@@ -859,22 +859,16 @@ impl<'a> Builder<'a> {
         combiner: Combiner,
         keepdim: bool,
     ) -> R<Val<'a>> {
-        let out = self.reduce_as_backend(x, dims, combiner, false)?;
-        let out = if matches!(combiner, Combiner::Max | Combiner::Min)
-            && x.dtype().is_float()
-            && x.rank() > 0
+        let out = self.reduce_as_backend(x, dims, combiner, keepdim)?;
+        if !matches!(combiner, Combiner::Max | Combiner::Min)
+            || !x.dtype().is_float()
+            || x.rank() == 0
         {
-            // XLA's CPU reductions drop NaN whatever the region says, so NaN is found apart.
-            let nan = self.reduce(&self.compare(x, x, "NE")?, dims, Combiner::Or, false)?;
-            self.select(&nan, &self.full_like(Scalar::Float(f64::NAN), &out)?, &out)?
-        } else {
-            out
-        };
-        if keepdim && x.rank() > 0 {
-            self.reshape(&out, &keep_dims_shape(x.shape(), dims))
-        } else {
-            Ok(out)
+            return Ok(out);
         }
+        // XLA's CPU reductions drop NaN whatever the region says, so NaN is found apart.
+        let nan = self.reduce(&self.compare(x, x, "NE")?, dims, Combiner::Or, keepdim)?;
+        self.select(&nan, &self.full_like(Scalar::Float(f64::NAN), &out)?, &out)
     }
 
     /// `reduce` without its separate NaN pass for float max/min, whose NaN handling is then

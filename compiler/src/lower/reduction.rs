@@ -176,16 +176,10 @@ fn any_all(n: NodeCtx<'_>) -> Res<'_> {
     )?])
 }
 
-/// Numerically stable (log-)softmax along `dim`: shift by the row max first.
-///
-/// The max needs no NaN pass of its own: a NaN in a row makes the row's sum of exponentials,
-/// and so every output of the row, NaN, as in eager.
-///
-/// `_safe_softmax` (what SDPA's math path calls) gives 0 on rows that are entirely -inf (fully
-/// masked); its decomposition finds them with a compare and an `any` over the whole scores
-/// tensor. Here such a row shifts by 0 instead of its -inf max, so its exponentials sum to 0,
-/// which no other row's do (the max element alone contributes 1; a NaN gives NaN): the row
-/// sums say which rows are masked.
+/// Numerically stable (log-)softmax along `dim`: shift by the row max first (`exponentials`).
+/// `_safe_softmax` (what SDPA's math path calls) gives 0 on fully masked rows, which its
+/// decomposition finds with a compare and an `any` over the whole scores tensor; here the row
+/// sums say which rows they are.
 fn softmax(n: NodeCtx<'_>) -> Res<'_> {
     let x = n.tensor(0, "self")?;
     let dim = norm_dim(n.int(1, "dim")?, x.rank())?;
@@ -200,28 +194,61 @@ fn softmax(n: NodeCtx<'_>) -> Res<'_> {
     };
     let safe = n.op == "aten._safe_softmax.default";
     let b = &n.b;
-    let xf = b.convert(&x, opmath(out))?;
-    let mut max = b.reduce_as_backend(&xf, &[dim], Combiner::Max, true)?;
-    if safe {
-        let neg_inf = b.full_like(Scalar::Float(f64::NEG_INFINITY), &max)?;
-        let masked = b.compare(&max, &neg_inf, "EQ")?;
-        max = b.select(&masked, &b.full_like(Scalar::Float(0.0), &max)?, &max)?;
-    }
-    let shifted = b.sub(&xf, &max)?;
-    let e = b.unary("exponential", &shifted)?;
-    let total = b.reduce(&e, &[dim], Combiner::Add, true)?;
+    let rows = exponentials(b, &b.convert(&x, opmath(out))?, dim, safe)?;
     let y = if n.op.contains("log_softmax") {
-        b.sub(&shifted, &b.unary("log", &total)?)?
+        b.sub(&rows.shifted, &b.unary("log", &rows.total)?)?
     } else {
-        b.div(&e, &total)?
+        b.div(&rows.e, &rows.total)?
     };
     let y = if safe {
-        let masked = b.compare(&total, &b.full_like(Scalar::Float(0.0), &total)?, "EQ")?;
-        b.select(&masked, &b.full_like(Scalar::Float(0.0), &y)?, &y)?
+        zero_masked_rows(b, &y, &rows.total)?
     } else {
         y
     };
     Ok(vec![b.convert(&y, out)?])
+}
+
+/// A softmax's pieces along one dim: `shifted = x - shift` with `shift` the row max (kept dim),
+/// `e = exp(shifted)` and the row sums `total`.
+pub struct Exponentials<'a> {
+    pub shift: Val<'a>,
+    pub shifted: Val<'a>,
+    pub e: Val<'a>,
+    pub total: Val<'a>,
+}
+
+/// The max needs no NaN pass of its own: a NaN in a row makes the row's sum, and so every
+/// softmax output of the row, NaN, as in eager. With `masked_rows`, a row that is entirely -inf
+/// (fully masked) shifts by 0 instead of its -inf max, so its exponentials sum to 0, which no
+/// other row's do (the max element alone contributes 1; a NaN gives NaN): `zero_masked_rows`
+/// reads them off `total`.
+pub fn exponentials<'a>(
+    b: &Builder<'a>,
+    x: &Val<'a>,
+    dim: usize,
+    masked_rows: bool,
+) -> R<Exponentials<'a>> {
+    let mut shift = b.reduce_as_backend(x, &[dim], Combiner::Max, true)?;
+    if masked_rows {
+        let neg_inf = b.full_like(Scalar::Float(f64::NEG_INFINITY), &shift)?;
+        let masked = b.compare(&shift, &neg_inf, "EQ")?;
+        shift = b.select(&masked, &b.full_like(Scalar::Float(0.0), &shift)?, &shift)?;
+    }
+    let shifted = b.sub(x, &shift)?;
+    let e = b.unary("exponential", &shifted)?;
+    let total = b.reduce(&e, &[dim], Combiner::Add, true)?;
+    Ok(Exponentials {
+        shift,
+        shifted,
+        e,
+        total,
+    })
+}
+
+/// `y` with 0 on the rows whose `total` (from `exponentials` with `masked_rows`) is 0.
+pub fn zero_masked_rows<'a>(b: &Builder<'a>, y: &Val<'a>, total: &Val<'a>) -> R<Val<'a>> {
+    let masked = b.compare(total, &b.full_like(Scalar::Float(0.0), total)?, "EQ")?;
+    b.select(&masked, &b.full_like(Scalar::Float(0.0), y)?, y)
 }
 
 /// Inclusive scan of `x` along `dim` with `combiner`: a `reduce_window` whose window covers
