@@ -291,10 +291,19 @@ def test_group_norm_output_and_statistics_match_eager(shape, groups, affine, dty
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_attention_op_returns_eagers_logsumexp_too(causal):
+@pytest.mark.parametrize("masked", [False, True], ids=["no_mask", "mask"])
+def test_attention_op_returns_eagers_logsumexp_too(causal, masked):
     """The op's second result (the rows' logsumexp of the scaled scores, what a backward would
-    read) matches the CPU flash kernel's, with grouped-query heads."""
+    read) matches the CPU flash kernel's, with grouped-query heads; with a float mask (the op's
+    only kind: SDPA converts bool masks) rows it hides entirely are 0 in both results, alone
+    and combined with the causal mask."""
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+    mask = _float_mask(2, 6, 6, torch.float32) if masked else None
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-    check(lambda q, k, v: op(q, k, v, is_causal=causal), q, k, v)
+    fn = lambda q, k, v: op(q, k, v, is_causal=causal, attn_mask=mask)
+    if masked:
+        with torch.no_grad():
+            out, lse = fn(q, k, v)
+        assert out[0, :, 3].eq(0).all() and lse[0, :, 3].eq(0).all()
+    check(fn, q, k, v)
