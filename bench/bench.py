@@ -5,8 +5,7 @@
     python bench/bench.py --device cuda --dtype bf16   # eager and Inductor on CUDA; ours through the
         # PJRT plugin TPU_DYNAMO_PJRT_PLUGIN names, fed CPU tensors (host->device->host included)
 
-Steady state: after warm-up, the median of `--calls` calls per backend, torch threads fixed,
-taken in three rounds that each time every backend in turn (`interleaved_ms`).
+Steady state: after warm-up, the median of `--calls` calls per backend, torch threads fixed.
 Cold first call (compile included): a fresh process per backend and model, each with an empty
 cache (TORCHINDUCTOR_CACHE_DIR, TPU_DYNAMO_CACHE_DIR), imports and model build before the clock;
 warm first call: one more process of ours on the cache the cold one filled (the disk cache of
@@ -20,8 +19,6 @@ bench/RESULTS-<device>-<dtype>.md) and the ratio chart beside it.
 from __future__ import annotations
 
 import argparse
-import copy
-import dataclasses
 import datetime
 import json
 import os
@@ -43,7 +40,6 @@ from models import COLD, MODELS, NEW_TOKENS, Case, build  # noqa: E402
 HERE = Path(__file__).parent
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 WARMUP = 5
-ROUNDS = 3
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 
@@ -51,26 +47,17 @@ def _sync(device: str) -> Callable[[], None]:
     return torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
 
-def interleaved_ms(fns: dict[str, Callable[[], Any]], calls: int, sync: Callable[[], None]) -> dict[str, float]:
-    """Median ms per call of each function, timed in ROUNDS rounds that each give every function
-    a block of `calls / ROUNDS` calls in turn: this VM's speed drifts by tens of percent within a
-    minute, and blocks taken in turn spread that drift over every backend alike instead of
-    charging it to whichever ran during a slow phase. Each block starts after a pause and
-    WARMUP untimed calls: the previous backend's worker threads (torch's OpenMP pool, the
-    plugin's) spin for a while after their last task and would compete with this block's."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(ROUNDS):
-        for name, fn in fns.items():
-            time.sleep(0.05)
-            for _ in range(WARMUP):
-                fn()
-            for _ in range(-(-calls // ROUNDS)):
-                sync()
-                start = time.perf_counter()
-                fn()
-                sync()
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+def median_ms(fn: Callable[[], Any], calls: int, sync: Callable[[], None]) -> float:
+    for _ in range(WARMUP):
+        fn()
+    times = []
+    for _ in range(calls):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
 
 
 def _tensor(out: Any) -> torch.Tensor:
@@ -87,14 +74,11 @@ def _call(case: Case, fn: Callable[..., Any]) -> Callable[[], Any]:
 
 def _compiled(case: Case, backend: str) -> Callable[[], Any]:
     """Compiles as a user would: the model's forward (for decode, the model under generate())."""
+    torch._dynamo.reset()
     if case.decode:
         case.module.model.compile(backend=backend, fullgraph=True)
         return _call(case, case.module)
     return _call(case, torch.compile(case.module, backend=backend, fullgraph=True))
-
-
-def _copy(case: Case) -> Case:
-    return dataclasses.replace(case, module=copy.deepcopy(case.module))
 
 
 def _recorded_executions(fn: Callable[[], Any]) -> list[tuple[Any, list[Any]]]:
@@ -135,19 +119,18 @@ def steady(name: str, device: str, dtype: torch.dtype, calls: int) -> dict[str, 
     with torch.no_grad():
         eager_fn = _call(case, case.module)
         reference = _tensor(eager_fn())
-        # Each compiled backend gets its own copy of the model (same weights), so both stay
-        # compiled side by side and their calls can be interleaved.
-        inductor_fn = _compiled(_copy(case), "inductor")
+        row["eager_ms"] = median_ms(eager_fn, calls, sync)
+        inductor_fn = _compiled(case, "inductor")
         inductor_fn()
+        row["inductor_ms"] = median_ms(inductor_fn, calls, sync)
+
         # Ours takes CPU tensors: on another device it runs on a CPU copy of the same model.
-        ours = _copy(case) if device == "cpu" else build(name, "cpu", dtype)
+        ours = case if device == "cpu" else build(name, "cpu", dtype)
         tpu_fn = _compiled(ours, "tpu")
         out = _tensor(tpu_fn())
         # Executables obtained, whether compiled or found in the memory or disk cache.
         executables = _executables_obtained()
-        # One sync for all: a no-op on CPU; on CUDA ours (CPU tensors) has nothing pending.
-        ms = interleaved_ms({"eager": eager_fn, "inductor": inductor_fn, "tpu": tpu_fn}, calls, sync)
-        row.update({f"{backend}_ms": v for backend, v in ms.items()})
+        row["tpu_ms"] = median_ms(tpu_fn, calls, lambda: None)
         row["recompiles"] = _executables_obtained() - executables
         row["graphs"] = executables
         if case.decode:
