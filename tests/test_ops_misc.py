@@ -252,6 +252,27 @@ def test_attention_is_lowered_as_one_op_and_matches_eager(name, heads, kv_heads,
     assert "bmm" not in graph["fx_code"] and "softmax" not in graph["fx_code"]
 
 
+@pytest.mark.parametrize("kwargs", [{"is_causal": True}, {"attn_mask": "float"}, {}], ids=["causal", "float_mask", "no_mask"])
+def test_attention_scores_see_no_select_so_xla_fuses_them_with_the_product(kwargs):
+    """XLA:CPU fuses the scores' product, mask, row max and exponentials into one YNNPACK kernel
+    only if no compare or select touches the `[B, H, L, S]` scores (a select there made causal
+    GPT-2 attention 2x slower): masks are added as a bias, hidden rows handled on `[L, S]`."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 128, 16) for _ in range(3))
+    if kwargs.get("attn_mask") == "float":
+        kwargs = {"attn_mask": _float_mask(2, 128, 128, torch.float32)}
+    modules = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    run = compile_tpu(sdpa, options={"debug_callback": lambda d: modules.append(d["stablehlo"])})
+    with torch.no_grad():
+        torch.testing.assert_close(run(q, k, v, **kwargs), sdpa(q, k, v, **kwargs), rtol=0, atol=1e-5)
+    (text,) = modules
+    scores = "tensor<2x4x128x128x"
+    for line in text.splitlines():
+        if '"stablehlo.select"' in line or '"stablehlo.compare"' in line:
+            assert scores not in line, line
+
+
 def test_softmax_rows_with_nan_and_infinities_match_eager():
     """The softmax rules take the row max without a NaN pass of their own (NaN still reaches
     every output of its row through the sum) and tell masked rows by their sum: each edge row
