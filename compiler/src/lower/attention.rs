@@ -9,7 +9,7 @@
 //! CPU flash kernel accumulates.
 
 use super::builder::{broadcast_shapes, opmath, Builder, Combiner, Scalar, Val, R};
-use super::reduction::exponentials;
+use super::reduction::{exponentials, zero_rows};
 use super::{NodeCtx, Registry, Res, A};
 use crate::ir::{DType, TensorType};
 
@@ -75,7 +75,8 @@ fn flash_attention_for_cpu(n: NodeCtx<'_>) -> Res<'_> {
     let scores = b.dot_general(&q, &k, (&[0, 1], &[0, 1]), (&[3], &[3]), f)?;
     let full = [batch, heads, len_q, len_kv];
     let scores = b.reshape(&scores, &full)?;
-    let bias = bias(b, mask.clone(), causal, len_q, len_kv, f)?;
+    let masked = mask.is_some();
+    let bias = bias(b, mask, causal, len_q, len_kv, f)?;
     let scores = match &bias {
         Some(bias) => b.add(&scores, &b.broadcast_to(bias, &full)?)?,
         None => scores,
@@ -89,7 +90,7 @@ fn flash_attention_for_cpu(n: NodeCtx<'_>) -> Res<'_> {
     let mut out = b.div(&weighted, &rows.total)?;
     let mut lse = b.add(&rows.shift, &b.unary("log", &rows.total)?)?;
     // The causal mask alone never hides a whole row: query i always sees key 0.
-    if let (Some(bias), Some(_)) = (&bias, &mask) {
+    if let Some(bias) = bias.as_ref().filter(|_| masked) {
         let neg_inf = b.full_like(Scalar::Float(f64::NEG_INFINITY), bias)?;
         let last = bias.rank() - 1;
         let hidden = b.reduce(
@@ -105,12 +106,6 @@ fn flash_attention_for_cpu(n: NodeCtx<'_>) -> Res<'_> {
         b.convert(&out, n.out(0)?.dtype)?,
         b.convert(&lse, n.out(1)?.dtype)?,
     ])
-}
-
-/// `x` with 0 on the rows `hidden` (`[..., L, 1]`) marks.
-fn zero_rows<'a>(b: &Builder<'a>, hidden: &Val<'a>, x: &Val<'a>) -> R<Val<'a>> {
-    let hidden = b.broadcast_to(hidden, x.shape())?;
-    b.select(&hidden, &b.full_like(Scalar::Float(0.0), x)?, x)
 }
 
 /// What the masks add to the scores, `[L, S]` or the mask's own shape (broadcast to the

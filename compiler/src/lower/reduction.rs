@@ -247,8 +247,13 @@ pub fn exponentials<'a>(
 
 /// `y` with 0 on the rows whose `total` (from `exponentials` with `masked_rows`) is 0.
 pub fn zero_masked_rows<'a>(b: &Builder<'a>, y: &Val<'a>, total: &Val<'a>) -> R<Val<'a>> {
-    let masked = b.compare(total, &b.full_like(Scalar::Float(0.0), total)?, "EQ")?;
-    b.select(&masked, &b.full_like(Scalar::Float(0.0), y)?, y)
+    zero_rows(b, &b.compare(total, &b.full_like(Scalar::Float(0.0), total)?, "EQ")?, y)
+}
+
+/// `y` with 0 on the rows `hidden` marks (a pred with the reduced dim kept, broadcast to `y`).
+pub fn zero_rows<'a>(b: &Builder<'a>, hidden: &Val<'a>, y: &Val<'a>) -> R<Val<'a>> {
+    let hidden = b.broadcast_to(hidden, y.shape())?;
+    b.select(&hidden, &b.full_like(Scalar::Float(0.0), y)?, y)
 }
 
 /// Inclusive scan of `x` along `dim` with `combiner`: a `reduce_window` whose window covers
