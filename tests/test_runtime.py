@@ -89,6 +89,31 @@ def test_in_place_parameter_update_is_uploaded_again():
     assert tpu_dynamo.stats()["compiles"] == 1
 
 
+def test_executables_of_one_model_share_its_parameters_on_the_device():
+    """Each input shape gets its own executable (a decode step: one per length); all of them
+    run on one device copy of each parameter, buffer and constant, uploaded once, not once per
+    executable (a 177 MB Llama decoding 32 tokens held 3.9 GB). An in-place update is uploaded
+    once more, by the first executable that sees it, and the others find that copy."""
+    m = ScaleShift(16)
+    f = compile_tpu(m)
+    xs = [torch.randn(n, 16) for n in range(1, 6)]
+
+    def check_all():
+        for x in xs:
+            torch.testing.assert_close(f(x), m(x), atol=1e-6, rtol=1e-6)
+
+    with torch.no_grad():
+        check_all()
+        s = tpu_dynamo.stats()
+        assert s["compiles"] == 5
+        assert (s["uploads"], s["resident_shared_hits"]) == (3 + 5, 3 * 4)
+        m.w.add_(1.0)
+        check_all()
+        t = tpu_dynamo.stats()
+        assert (t["uploads"] - s["uploads"], t["resident_shared_hits"] - s["resident_shared_hits"]) == (1 + 5, 4)
+        assert t["compiles"] == 5
+
+
 def test_results_are_handed_over_and_outlive_the_executable():
     """On a CPU plugin a result's buffer becomes the returned tensor's storage (no copy back):
     the tensor is writable, a compiled graph taking it uses that buffer (a view hit, no upload)

@@ -21,6 +21,7 @@ use crate::errors::{lower_err, runtime_err, LowerError};
 use crate::host_view::{self, Memory, Shared};
 use crate::counters::{add_time, STATS};
 use crate::persist::{disk_cache, log_warnings};
+use crate::resident;
 
 /// Bumped when anything that shapes an executable changes without changing the IR bytes.
 const CACHE_VERSION: &str = concat!("tpu_dynamo ", env!("CARGO_PKG_VERSION"), " cache v1");
@@ -395,8 +396,9 @@ impl Held<'_> {
 
 impl CompiledGraph {
     /// The device buffer for input `i`: the resident one if `(ptr, version)` still matches
-    /// (checked first: parameters are most inputs), the one the host tensor views, else a fresh
-    /// upload (kept when `version >= 0`).
+    /// (checked first: parameters are most inputs), the one the host tensor views, the copy
+    /// another graph made of the same version, else a fresh upload (kept when `version >= 0`).
+    /// An input this graph donates never shares a copy: the execute consumes it.
     fn input_buffer(&self, i: usize, (ptr, nbytes, version): (usize, usize, i64)) -> Result<Arg, RtError> {
         let spec = &self.entry.inputs[i];
         let mut slot = (version >= 0).then(|| self.resident[i].lock().unwrap_or_else(|p| p.into_inner()));
@@ -410,11 +412,30 @@ impl CompiledGraph {
             STATS.view_hits.fetch_add(1, Relaxed);
             return Ok(Arg::Viewed(shared));
         }
-        STATS.uploads.fetch_add(1, Relaxed);
-        // SAFETY: see `run`: the Python caller keeps the tensor alive during the call.
-        let bytes = unsafe { host_slice(ptr, nbytes) };
-        let t = &self.target;
-        let buf = Arc::new(t.client.buffer_from_host(bytes, spec, &t.device)?);
+        let shared_key = (slot.is_some() && !self.aliases.iter().any(|&(a, _)| a == i)).then(|| resident::Key {
+            target: Arc::as_ptr(&self.target) as usize,
+            ptr,
+            version,
+            spec: spec.clone(),
+        });
+        let found = shared_key.as_ref().and_then(resident::find);
+        let buf = match found {
+            Some(buf) => {
+                STATS.resident_shared_hits.fetch_add(1, Relaxed);
+                buf
+            }
+            None => {
+                STATS.uploads.fetch_add(1, Relaxed);
+                // SAFETY: see `run`: the Python caller keeps the tensor alive during the call.
+                let bytes = unsafe { host_slice(ptr, nbytes) };
+                let t = &self.target;
+                let buf = Arc::new(t.client.buffer_from_host(bytes, spec, &t.device)?);
+                if let Some(key) = shared_key {
+                    resident::publish(key, &buf);
+                }
+                buf
+            }
+        };
         if let Some(slot) = slot.as_deref_mut() {
             *slot = Some((ptr, version, buf.clone()));
         }

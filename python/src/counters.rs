@@ -12,6 +12,8 @@ pub struct Stats {
     pub execute_nanos: AtomicU64,
     pub uploads: AtomicU64,
     pub resident_hits: AtomicU64,
+    /// Resident inputs another graph had uploaded already (the same host tensor version).
+    pub resident_shared_hits: AtomicU64,
     /// Inputs that were a host tensor viewing an executable buffer (no upload).
     pub view_hits: AtomicU64,
     /// Inputs updated in place: left where the executable wrote them (host tensor re-pointed or
@@ -50,6 +52,7 @@ pub static STATS: Stats = Stats {
     execute_nanos: AtomicU64::new(0),
     uploads: AtomicU64::new(0),
     resident_hits: AtomicU64::new(0),
+    resident_shared_hits: AtomicU64::new(0),
     disk_hits: AtomicU64::new(0),
     disk_misses: AtomicU64::new(0),
     disk_rejects: AtomicU64::new(0),
@@ -72,7 +75,7 @@ pub fn add_time(counter: &AtomicU64, d: Duration) {
 }
 
 impl Stats {
-    fn all(&self) -> [(&'static str, &AtomicU64); 23] {
+    fn all(&self) -> [(&'static str, &AtomicU64); 24] {
         [
             ("compiles", &self.compiles),
             ("memory_hits", &self.memory_hits),
@@ -82,6 +85,7 @@ impl Stats {
             ("execute_seconds", &self.execute_nanos),
             ("uploads", &self.uploads),
             ("resident_hits", &self.resident_hits),
+            ("resident_shared_hits", &self.resident_shared_hits),
             ("view_hits", &self.view_hits),
             ("updates_in_place", &self.updates_in_place),
             ("updates_copied", &self.updates_copied),

@@ -5,6 +5,7 @@ mod device;
 mod errors;
 mod host_view;
 mod persist;
+mod resident;
 mod symbolic;
 
 use pyo3::exceptions::PyValueError;
