@@ -1,12 +1,17 @@
-"""LLM decode (issue #7): greedy `generate` with a StaticCache on a tiny random-weight Llama.
+"""LLM decode (issue #7): greedy `generate` on a tiny random-weight Llama, with a StaticCache
+(one executable for every step) or HF's default dynamic cache (`--cache dynamic`: the cache
+grows, so one executable per length).
 
-Reports decode tokens/s for eager, Inductor and tpu_dynamo, plus tpu_dynamo's compiles,
-host->device uploads per decode step, and how each step's updated K/V reached the host tensors
-(left in place where the executable wrote them, or copied back). Run: `python bench/llm_decode.py [--tokens 64] [--repeat 3] [--hidden 64 --layers 2]`.
+Reports decode tokens/s for eager, Inductor and tpu_dynamo, the process's resident memory
+growth over each backend's generates, plus tpu_dynamo's compiles, host->device uploads per
+decode step, and how each step's updated K/V reached the host tensors (left in place where the
+executable wrote them, or copied back). Run: `python bench/llm_decode.py [--tokens 64]
+[--repeat 3] [--hidden 64 --layers 2 --vocab 256] [--cache static|dynamic]`.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -15,30 +20,35 @@ import transformers
 import tpu_dynamo
 
 
-def tiny_llama(hidden: int, layers: int) -> transformers.LlamaForCausalLM:
+def tiny_llama(hidden: int, layers: int, vocab: int) -> transformers.LlamaForCausalLM:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
     )
     return transformers.LlamaForCausalLM(config).eval()
 
 
-def generate(model, ids: torch.Tensor, tokens: int) -> torch.Tensor:
+def generate(model, ids: torch.Tensor, tokens: int, cache: str) -> torch.Tensor:
     with torch.no_grad():
         return model.generate(
             ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-            cache_implementation="static", pad_token_id=0,
+            cache_implementation=cache, pad_token_id=0,
         )
 
 
-def timed(model, ids: torch.Tensor, tokens: int, repeat: int) -> tuple[float, torch.Tensor]:
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def timed(model, ids: torch.Tensor, tokens: int, repeat: int, cache: str) -> tuple[float, torch.Tensor]:
     """Median seconds of one generate over `repeat` runs after a warm-up run (which compiles)."""
-    out = generate(model, ids, tokens)
+    out = generate(model, ids, tokens, cache)
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
-        out = generate(model, ids, tokens)
+        out = generate(model, ids, tokens, cache)
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2], out
 
@@ -49,21 +59,26 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--cache", default="static", choices=["static", "dynamic"])
     parser.add_argument("--backends", default="eager,inductor,tpu")
     args = parser.parse_args()
     tpu_dynamo.device_info()  # the plugin's allocator setting holds for every backend (bench.py)
-    ids = torch.randint(1, 256, (1, 8), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(1, args.vocab, (1, 8), generator=torch.Generator().manual_seed(1))
     names = args.backends.split(",")
     reference = None
     for name in names:
-        model = tiny_llama(args.hidden, args.layers)
+        model = tiny_llama(args.hidden, args.layers, args.vocab)
         if name != "eager":
             model.forward = torch.compile(model.forward, backend=name, fullgraph=True)
         torch._dynamo.reset()
         tpu_dynamo.reset_stats()
-        seconds, out = timed(model, ids, args.tokens, args.repeat)
+        before = resident_bytes()
+        seconds, out = timed(model, ids, args.tokens, args.repeat, args.cache)
+        grown = (resident_bytes() - before) / 2**20
         reference = out if reference is None else reference
         line = f"{name:9s} {args.tokens / seconds:8.1f} tokens/s  {seconds / args.tokens * 1e3:6.2f} ms/token"
+        line += f"  resident memory +{grown:.0f} MiB"
         line += f"  same tokens as {names[0]}: {torch.equal(out, reference)}"
         if name == "tpu":
             s = tpu_dynamo.stats()
