@@ -6,7 +6,9 @@ import re
 import subprocess
 import sys
 import time
+import weakref
 
+import numpy
 import pytest
 import torch
 
@@ -112,6 +114,30 @@ def test_executables_of_one_model_share_its_parameters_on_the_device():
         t = tpu_dynamo.stats()
         assert (t["uploads"] - s["uploads"], t["resident_shared_hits"] - s["resident_shared_hits"]) == (1 + 5, 4)
         assert t["compiles"] == 5
+
+
+def test_a_resident_copy_keeps_its_host_memory_alive_until_replaced():
+    """A resident copy is found by the host memory and version it was made from, so nothing else
+    may come to live at that memory while the copy exists (a new tensor there would have version
+    0 too, and the graph would run on the old value): the copy keeps the host storage alive, and
+    lets it go when a new value replaces it. Seen through a buffer whose memory is a numpy array."""
+    m = ScaleShift(64)
+    f = compile_tpu(m)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        f(x)
+        host = numpy.random.rand(64).astype(numpy.float32)
+        alive = weakref.ref(host)
+        m.b = torch.from_numpy(host)
+        del host
+        torch.testing.assert_close(f(x), m(x), atol=1e-6, rtol=1e-6)
+        m.b = torch.rand(64)
+        gc.collect()
+        assert alive() is not None, "the resident copy's host memory was freed while the copy lives"
+        torch.testing.assert_close(f(x), m(x), atol=1e-6, rtol=1e-6)
+        f(x)
+        gc.collect()
+        assert alive() is None, "the replaced copy still holds its host memory"
 
 
 def test_results_are_handed_over_and_outlive_the_executable():

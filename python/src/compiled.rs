@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::types::PyList;
 use tpu_dynamo_cache::{
     DiskCache, Entry as DiskEntry, Key, KeyBuilder, Lookup, MemoryStore, Mode, PluginIdentity, PutError, TensorSig,
 };
@@ -255,8 +256,23 @@ fn find_or_build(
     Ok((entry, if memory_hit { Source::Memory } else { source }))
 }
 
-/// A resident input's device copy and the host `(data_ptr, version)` it was uploaded from.
-type Resident = Option<(usize, i64, Arc<Buffer>)>;
+/// A resident input's device copy and the host `(data_ptr, version)` whose value it holds.
+/// The host storage at `data_ptr` is kept alive with the copy (`storage`, set once the call
+/// that made the copy has the GIL again): memory that is never freed is never reused by another
+/// tensor, so `(data_ptr, version)` keeps naming this value while the copy exists, here and in
+/// the process-wide registry (`resident.rs`).
+struct Resident {
+    ptr: usize,
+    version: i64,
+    copy: Arc<Buffer>,
+    storage: Option<Py<PyAny>>,
+}
+
+impl Resident {
+    fn new(ptr: usize, version: i64, copy: Arc<Buffer>) -> Option<Resident> {
+        Some(Resident { ptr, version, copy, storage: None })
+    }
+}
 
 /// A graph compiled for one concrete input signature.
 #[pyclass(frozen, module = "tpu_dynamo._native")]
@@ -264,7 +280,7 @@ pub struct CompiledGraph {
     entry: Arc<Entry>,
     target: Arc<Target>,
     /// Per input slot; stays `None` for user inputs.
-    resident: Vec<Mutex<Resident>>,
+    resident: Vec<Mutex<Option<Resident>>>,
     /// `(input, output)` pairs the executable updates in place (donated input buffers); from the
     /// graph, so they hold for an executable loaded from disk too.
     aliases: Vec<(usize, usize)>,
@@ -398,14 +414,20 @@ impl CompiledGraph {
     /// The device buffer for input `i`: the resident one if `(ptr, version)` still matches
     /// (checked first: parameters are most inputs), the one the host tensor views, the copy
     /// another graph made of the same version, else a fresh upload (kept when `version >= 0`).
-    /// An input this graph donates never shares a copy: the execute consumes it.
-    fn input_buffer(&self, i: usize, (ptr, nbytes, version): (usize, usize, i64)) -> Result<Arg, RtError> {
+    /// An input this graph donates never shares a copy: the execute consumes it. A copy newly
+    /// kept adds `i` to `unpinned`.
+    fn input_buffer(
+        &self,
+        i: usize,
+        (ptr, nbytes, version): (usize, usize, i64),
+        unpinned: &mut Vec<usize>,
+    ) -> Result<Arg, RtError> {
         let spec = &self.entry.inputs[i];
         let mut slot = (version >= 0).then(|| self.resident[i].lock().unwrap_or_else(|p| p.into_inner()));
-        if let Some(Some((p, v, buf))) = slot.as_deref() {
-            if (*p, *v) == (ptr, version) {
+        if let Some(Some(r)) = slot.as_deref() {
+            if (r.ptr, r.version) == (ptr, version) {
                 STATS.resident_hits.fetch_add(1, Relaxed);
-                return Ok(Arg::Owned(buf.clone()));
+                return Ok(Arg::Owned(r.copy.clone()));
             }
         }
         if let Some(shared) = Shared::find(ptr, spec) {
@@ -437,13 +459,26 @@ impl CompiledGraph {
             }
         };
         if let Some(slot) = slot.as_deref_mut() {
-            *slot = Some((ptr, version, buf.clone()));
+            *slot = Resident::new(ptr, version, buf.clone());
+            unpinned.push(i);
         }
         Ok(Arg::Owned(buf))
     }
 
-    fn input_buffers(&self, inputs: &[(usize, usize, i64)]) -> Result<Vec<Arg>, RtError> {
-        inputs.iter().enumerate().map(|(i, &input)| self.input_buffer(i, input)).collect()
+    fn input_buffers(&self, inputs: &[(usize, usize, i64)], unpinned: &mut Vec<usize>) -> Result<Vec<Arg>, RtError> {
+        inputs.iter().enumerate().map(|(i, &input)| self.input_buffer(i, input, unpinned)).collect()
+    }
+
+    /// Keeps the host storage of each `unpinned` input (`tensors`, the call's dense inputs) alive
+    /// with its new resident copy.
+    fn pin(&self, tensors: &Bound<'_, PyList>, unpinned: &[usize]) -> PyResult<()> {
+        for &i in unpinned {
+            let mut slot = self.resident[i].lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(r) = slot.as_mut().filter(|r| r.storage.is_none()) {
+                r.storage = Some(tensors.get_item(i)?.call_method0("untyped_storage")?.unbind());
+            }
+        }
+        Ok(())
     }
 
     /// Donation bookkeeping before an execute: an aliased input's buffer is consumed by the
@@ -523,13 +558,15 @@ impl CompiledGraph {
             .collect()
     }
 
-    fn keep_copied(&self, inputs: &[(usize, usize, i64)], results: &mut [Option<Buffer>]) {
+    fn keep_copied(&self, inputs: &[(usize, usize, i64)], results: &mut [Option<Buffer>], unpinned: &mut Vec<usize>) {
         for &(i, o) in &self.aliases {
             let (ptr, _, version) = inputs[i];
             let Some(buf) = results[o].take() else { continue };
             STATS.updates_copied.fetch_add(1, Relaxed);
             if version >= 0 {
-                *self.resident[i].lock().unwrap_or_else(|p| p.into_inner()) = Some((ptr, version + 1, Arc::new(buf)));
+                *self.resident[i].lock().unwrap_or_else(|p| p.into_inner()) =
+                    Resident::new(ptr, version + 1, Arc::new(buf));
+                unpinned.push(i);
             }
         }
     }
@@ -570,40 +607,42 @@ impl CompiledGraph {
     fn run(
         &self,
         py: Python<'_>,
+        tensors: Bound<'_, PyList>,
         inputs: Vec<(usize, usize, i64)>,
         outputs: Vec<(usize, usize)>,
         movable: Vec<usize>,
     ) -> PyResult<(Vec<(usize, Py<PyAny>)>, Vec<(usize, Py<PyAny>)>)> {
         check_sizes("inputs", &self.entry.inputs, &inputs, |i| i.1)?;
         check_sizes("outputs", &self.entry.outputs, &outputs, |o| o.1)?;
-        let (repoint, handed) = py
-            .detach(|| -> Result<_, RtError> {
-                let start = Instant::now();
-                let args = self.input_buffers(&inputs)?;
-                let mut held: Vec<Held> = args.iter().map(Arg::hold).collect();
-                let refs: Vec<&Buffer> = held.iter().map(Held::buffer).collect();
-                self.forget_donated();
-                let results = self.entry.exe.execute(&refs)?;
-                drop(refs);
-                let mut results: Vec<Option<Buffer>> = results.into_iter().map(Some).collect();
-                let repoint = self.place_updates(&movable, &mut held, &mut results);
-                drop(held);
-                let mut handed = self.hand_over(&outputs, &mut results);
-                // SAFETY: the caller allocated `nbytes` writable bytes at `ptr` for each output.
-                let copies = results.iter().zip(&outputs).zip(&mut handed).filter_map(|((r, &(ptr, nbytes)), h)| {
-                    let dst = match h {
-                        Some(memory) => memory.bytes_mut(nbytes)?,
-                        None => unsafe { host_slice_mut(ptr, nbytes) },
-                    };
-                    Some((r.as_ref()?, dst))
-                });
-                Buffer::to_host_all(copies)?;
-                self.keep_copied(&inputs, &mut results);
-                STATS.executions.fetch_add(1, Relaxed);
-                add_time(&STATS.execute_nanos, start.elapsed());
-                Ok((repoint, handed))
-            })
-            .map_err(runtime_err)?;
+        let mut unpinned = vec![];
+        let ran = py.detach(|| -> Result<_, RtError> {
+            let start = Instant::now();
+            let args = self.input_buffers(&inputs, &mut unpinned)?;
+            let mut held: Vec<Held> = args.iter().map(Arg::hold).collect();
+            let refs: Vec<&Buffer> = held.iter().map(Held::buffer).collect();
+            self.forget_donated();
+            let results = self.entry.exe.execute(&refs)?;
+            drop(refs);
+            let mut results: Vec<Option<Buffer>> = results.into_iter().map(Some).collect();
+            let repoint = self.place_updates(&movable, &mut held, &mut results);
+            drop(held);
+            let mut handed = self.hand_over(&outputs, &mut results);
+            // SAFETY: the caller allocated `nbytes` writable bytes at `ptr` for each output.
+            let copies = results.iter().zip(&outputs).zip(&mut handed).filter_map(|((r, &(ptr, nbytes)), h)| {
+                let dst = match h {
+                    Some(memory) => memory.bytes_mut(nbytes)?,
+                    None => unsafe { host_slice_mut(ptr, nbytes) },
+                };
+                Some((r.as_ref()?, dst))
+            });
+            Buffer::to_host_all(copies)?;
+            self.keep_copied(&inputs, &mut results, &mut unpinned);
+            STATS.executions.fetch_add(1, Relaxed);
+            add_time(&STATS.execute_nanos, start.elapsed());
+            Ok((repoint, handed))
+        });
+        self.pin(&tensors, &unpinned)?;
+        let (repoint, handed) = ran.map_err(runtime_err)?;
         let repoint = repoint
             .into_iter()
             .map(|(i, shared)| Ok((i, host_view::capsule(py, Memory::Shared(shared), &self.entry.inputs[i])?)))
@@ -628,14 +667,21 @@ impl CompiledGraph {
     /// Times the bare PJRT execute, `n` times, with every input uploaded once beforehand
     /// (`inputs` as for `run`); returns seconds per execute. It is the baseline the benchmark
     /// divides `run`'s time by to get the backend's per-call overhead.
-    fn bench_execute(&self, py: Python<'_>, inputs: Vec<(usize, usize, i64)>, n: usize) -> PyResult<Vec<f64>> {
+    fn bench_execute(
+        &self,
+        py: Python<'_>,
+        tensors: Bound<'_, PyList>,
+        inputs: Vec<(usize, usize, i64)>,
+        n: usize,
+    ) -> PyResult<Vec<f64>> {
         check_sizes("inputs", &self.entry.inputs, &inputs, |i| i.1)?;
         if !self.aliases.is_empty() {
             // Each execute would consume (donate) the inputs it updates in place.
             return Err(PyValueError::new_err("tpu_dynamo: bench_execute cannot time a graph that mutates its inputs"));
         }
-        py.detach(|| -> Result<Vec<f64>, RtError> {
-            let args = self.input_buffers(&inputs)?;
+        let mut unpinned = vec![];
+        let timed = py.detach(|| -> Result<Vec<f64>, RtError> {
+            let args = self.input_buffers(&inputs, &mut unpinned)?;
             let held: Vec<Held> = args.iter().map(Arg::hold).collect();
             let args: Vec<&Buffer> = held.iter().map(Held::buffer).collect();
             (0..n)
@@ -647,7 +693,8 @@ impl CompiledGraph {
                     Ok(seconds)
                 })
                 .collect()
-        })
-        .map_err(runtime_err)
+        });
+        self.pin(&tensors, &unpinned)?;
+        timed.map_err(runtime_err)
     }
 }

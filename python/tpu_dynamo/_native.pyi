@@ -34,16 +34,18 @@ class CompiledGraph:
         """Results can become host tensors as they are (the plugin computes in host memory)."""
     def run(
         self,
+        tensors: list[Any],
         inputs: Sequence[tuple[int, int, int]],
         outputs: Sequence[tuple[int, int]],
         movable: Sequence[int],
     ) -> tuple[list[tuple[int, Any]], list[tuple[int, Any]]]:
-        """inputs: (data_ptr, nbytes, version or -1); outputs: (data_ptr, nbytes), or (0, nbytes)
+        """tensors: the dense input tensors (a resident copy keeps its storage alive);
+        inputs: their (data_ptr, nbytes, version or -1); outputs: (data_ptr, nbytes), or (0, nbytes)
         for a result to hand over; movable: updated inputs whose tensor may be re-pointed.
         Returns (input index, DLPack capsule) for those left in the executable's memory and
         (output index, DLPack capsule) for the handed-over results. Unsafe on raw pointers:
         call it only through `tpu_dynamo.executable.Executable`."""
-    def bench_execute(self, inputs: Sequence[tuple[int, int, int]], n: int) -> list[float]:
+    def bench_execute(self, tensors: list[Any], inputs: Sequence[tuple[int, int, int]], n: int) -> list[float]:
         """Seconds per bare PJRT execute, `n` times, inputs uploaded once (as for `run`)."""
 
 MLIR_VERSION: str

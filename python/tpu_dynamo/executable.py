@@ -96,7 +96,7 @@ class Executable:
             outs[o] = held[i]
         movable = [i for i, _ in self.mutations if held[i] is tensors[i] and _movable(tensors[i])]
         in_place, handed = self.native.run(
-            ins, [(0 if o is None else o.data_ptr(), n) for o, n in zip(outs, self.out_nbytes)], movable
+            held, ins, [(0 if o is None else o.data_ptr(), n) for o, n in zip(outs, self.out_nbytes)], movable
         )
         for o, capsule in handed:
             outs[o] = torch.from_dlpack(capsule)
@@ -108,8 +108,8 @@ class Executable:
 
     def bench_execute(self, args: list[Any], n: int) -> list[float]:
         """Seconds per bare PJRT execute on `args` (a call's inputs, uploaded once), `n` times."""
-        _tensors, _held, ins = self._host_inputs(args)
-        return self.native.bench_execute(ins, n)
+        _tensors, held, ins = self._host_inputs(args)
+        return self.native.bench_execute(held, ins, n)
 
     def _commit_mutations(
         self, tensors: list[torch.Tensor], held: list[torch.Tensor], in_place: list[tuple[int, Any]]
