@@ -274,6 +274,10 @@ impl Resident {
     }
 }
 
+/// `(input, data_ptr, version)` of the resident copies a call made, whose storage it keeps
+/// alive once it has the GIL again (`CompiledGraph::pin`).
+type Unpinned = Vec<(usize, usize, i64)>;
+
 /// A graph compiled for one concrete input signature.
 #[pyclass(frozen, module = "tpu_dynamo._native")]
 pub struct CompiledGraph {
@@ -415,12 +419,12 @@ impl CompiledGraph {
     /// (checked first: parameters are most inputs), the one the host tensor views, the copy
     /// another graph made of the same version, else a fresh upload (kept when `version >= 0`).
     /// An input this graph donates never shares a copy: the execute consumes it. A copy newly
-    /// kept adds `i` to `unpinned`.
+    /// kept adds `(i, ptr, version)` to `unpinned`.
     fn input_buffer(
         &self,
         i: usize,
         (ptr, nbytes, version): (usize, usize, i64),
-        unpinned: &mut Vec<usize>,
+        unpinned: &mut Unpinned,
     ) -> Result<Arg, RtError> {
         let spec = &self.entry.inputs[i];
         let mut slot = (version >= 0).then(|| self.resident[i].lock().unwrap_or_else(|p| p.into_inner()));
@@ -460,21 +464,25 @@ impl CompiledGraph {
         };
         if let Some(slot) = slot.as_deref_mut() {
             *slot = Resident::new(ptr, version, buf.clone());
-            unpinned.push(i);
+            unpinned.push((i, ptr, version));
         }
         Ok(Arg::Owned(buf))
     }
 
-    fn input_buffers(&self, inputs: &[(usize, usize, i64)], unpinned: &mut Vec<usize>) -> Result<Vec<Arg>, RtError> {
+    fn input_buffers(
+        &self,
+        inputs: &[(usize, usize, i64)],
+        unpinned: &mut Unpinned,
+    ) -> Result<Vec<Arg>, RtError> {
         inputs.iter().enumerate().map(|(i, &input)| self.input_buffer(i, input, unpinned)).collect()
     }
 
     /// Keeps the host storage of each `unpinned` input (`tensors`, the call's dense inputs) alive
-    /// with its new resident copy.
-    fn pin(&self, tensors: &Bound<'_, PyList>, unpinned: &[usize]) -> PyResult<()> {
-        for &i in unpinned {
+    /// with the resident copy made of it, unless another call has replaced that copy since.
+    fn pin(&self, tensors: &Bound<'_, PyList>, unpinned: &Unpinned) -> PyResult<()> {
+        for &(i, ptr, version) in unpinned {
             let mut slot = self.resident[i].lock().unwrap_or_else(|p| p.into_inner());
-            if let Some(r) = slot.as_mut().filter(|r| r.storage.is_none()) {
+            if let Some(r) = slot.as_mut().filter(|r| (r.ptr, r.version) == (ptr, version) && r.storage.is_none()) {
                 r.storage = Some(tensors.get_item(i)?.call_method0("untyped_storage")?.unbind());
             }
         }
@@ -558,7 +566,12 @@ impl CompiledGraph {
             .collect()
     }
 
-    fn keep_copied(&self, inputs: &[(usize, usize, i64)], results: &mut [Option<Buffer>], unpinned: &mut Vec<usize>) {
+    fn keep_copied(
+        &self,
+        inputs: &[(usize, usize, i64)],
+        results: &mut [Option<Buffer>],
+        unpinned: &mut Unpinned,
+    ) {
         for &(i, o) in &self.aliases {
             let (ptr, _, version) = inputs[i];
             let Some(buf) = results[o].take() else { continue };
@@ -566,7 +579,7 @@ impl CompiledGraph {
             if version >= 0 {
                 *self.resident[i].lock().unwrap_or_else(|p| p.into_inner()) =
                     Resident::new(ptr, version + 1, Arc::new(buf));
-                unpinned.push(i);
+                unpinned.push((i, ptr, version + 1));
             }
         }
     }
