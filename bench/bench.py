@@ -5,7 +5,9 @@
     python bench/bench.py --device cuda --dtype bf16   # eager and Inductor on CUDA; ours through the
         # PJRT plugin TPU_DYNAMO_PJRT_PLUGIN names, fed CPU tensors (host->device->host included)
 
-Steady state: after warm-up, the median of `--calls` calls per backend, torch threads fixed.
+Steady state: after warm-up, the median of `--calls` calls per backend, torch threads fixed, in
+`--processes` processes per model (every model in turn, then again); each backend's lowest
+median counts (this VM's slow phases land on one backend's block of one process).
 Cold first call (compile included): a fresh process per backend and model, each with an empty
 cache (TORCHINDUCTOR_CACHE_DIR, TPU_DYNAMO_CACHE_DIR), imports and model build before the clock;
 warm first call: one more process of ours on the cache the cold one filled (the disk cache of
@@ -41,6 +43,7 @@ from models import COLD, MODELS, NEW_TOKENS, Case, build  # noqa: E402
 HERE = Path(__file__).parent
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 WARMUP = 5
+TIMES = ("eager_ms", "inductor_ms", "tpu_ms", "raw_ms")
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 
@@ -184,6 +187,24 @@ def _child(args: argparse.Namespace, *what: str, env: dict[str, str] | None = No
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _lowest(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One model's row from its processes: per backend the lowest median (this VM has slow
+    phases of seconds to minutes that land on one backend's block in one process, seldom on the
+    same block in every process), the checks from the worst process, and every process's times."""
+    errors = [r for r in runs if "error" in r]
+    if errors:
+        return errors[0]
+    row = dict(runs[0])
+    for key in TIMES:
+        if key in row:
+            row[key] = min(r[key] for r in runs)
+    for key in ("max_abs_diff", "mismatch", "recompiles"):
+        if key in row:
+            row[key] = max(r[key] for r in runs)
+    row["processes"] = [{k: r[k] for k in TIMES if k in r} for r in runs]
+    return row
+
+
 def _fmt(x: float | None, digits: int = 2, suffix: str = "") -> str:
     return "—" if x is None else f"{x:.{digits}f}{suffix}"
 
@@ -281,7 +302,9 @@ def header(args: argparse.Namespace) -> str:
         f"- versions: python {platform.python_version()}, torch {torch.__version__}, transformers "
         f"{transformers.__version__}, diffusers {diffusers.__version__}, tpu_dynamo {tpu_dynamo.__version__}",
         f"- PJRT plugin: `{info['identity']}`; ours: {ours}",
-        f"- steady state: median of {args.calls} calls after {WARMUP} warm-up calls; ms per call",
+        f"- steady state: median of {args.calls} calls after {WARMUP} warm-up calls, in each of "
+        f"{args.processes} processes per model (every model in turn, then again); per backend the lowest "
+        "median; ms per call",
     ])
 
 
@@ -308,6 +331,7 @@ def main() -> None:
     p.add_argument("--dtype", default="f32", choices=list(DTYPES))
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--calls", type=int, default=30)
+    p.add_argument("--processes", type=int, default=2, help="steady-state processes per model")
     p.add_argument("--no-cold", action="store_true", help="skip the cold first-call processes")
     p.add_argument("--one", metavar="MODEL", help=argparse.SUPPRESS)
     p.add_argument("--cold", nargs=2, metavar=("BACKEND", "MODEL"), help=argparse.SUPPRESS)
@@ -321,7 +345,8 @@ def main() -> None:
     if args.cold:
         print(json.dumps(cold(args.cold[1], args.cold[0], args.device, dtype, args.precompile)))
         return
-    rows = [{"model": m, **_child(args, "--one", m)} for m in args.models]
+    passes = [[{"model": m, **_child(args, "--one", m)} for m in args.models] for _ in range(args.processes)]
+    rows = [_lowest(list(runs)) for runs in zip(*passes)]
     colds: dict[tuple[str, str], float] = {}
     for m in [] if args.no_cold else [m for m in COLD if m in args.models]:
         with tempfile.TemporaryDirectory() as cache:
