@@ -1,4 +1,5 @@
 """Issue #7: symbolic graphs are converted once and specialized per shape in Rust."""
+import logging
 import subprocess
 import sys
 import textwrap
@@ -60,6 +61,24 @@ def test_gpt2_generate_dynamic_cache_matches_eager(conversions):
     assert graphs >= 1 and shapes > graphs
     # One conversion per static graph compiled, one per symbolic graph: none per shape.
     assert conversions[0] == compiles - shapes + graphs
+
+
+def test_sizes_that_keep_changing_are_reported_once(caplog):
+    """Every new size of a symbolic graph is another XLA compile; after SIZES_BEFORE_WARNING of
+    them the user is told once, with what to do (fixed sizes, or buckets)."""
+    from tpu_dynamo.symbolic import SIZES_BEFORE_WARNING
+
+    f = torch.compile(lambda x: torch.tanh(x) * 2, backend="tpu", dynamic=True)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="tpu_dynamo"):
+        # From 2: Dynamo compiles size 1 as a static graph of its own.
+        for count, n in enumerate(range(2, SIZES_BEFORE_WARNING + 5), start=1):
+            x = torch.randn(n)
+            torch.testing.assert_close(f(x), torch.tanh(x) * 2)
+            warned = [r for r in caplog.records if "input sizes so far" in r.getMessage()]
+            assert len(warned) == (count >= SIZES_BEFORE_WARNING)
+    message = warned[0].getMessage()
+    assert f"compiled for {SIZES_BEFORE_WARNING} input sizes" in message
+    assert 'cache_implementation="static"' in message and "bucket_size" in message
 
 
 def test_unrepresentable_size_falls_back_to_python_per_shape(caplog):

@@ -28,6 +28,9 @@ from .convert import InputKind, convert_symbolic
 from .executable import Executable, compile_graph, wrap
 from .options import Options
 
+# Exact-shape compiles of one symbolic graph after which the user hears that sizes keep changing.
+SIZES_BEFORE_WARNING = 8
+
 
 def _bindings(placeholders: list[torch.fx.Node], args: list[Any]) -> dict[sympy.Symbol, int]:
     """Each size symbol that appears as a whole input size (or SymInt input) -> its value now."""
@@ -84,7 +87,8 @@ class PerShape:
         self.varying = [i for i, n in enumerate(self.placeholders) if _is_symbolic(n.meta.get("val"))]
         self.compiled: dict[tuple[Any, ...], Executable | _Padded] = {}
         self.padded: dict[tuple[Any, ...], Executable] = {}
-        name = options.name or "graph"
+        self.compile_seconds = 0.0
+        self.name = name = options.name or "graph"
         try:
             self.converted = convert_symbolic(gm, kinds)
             self.symbolic: _native.SymbolicGraph | None = _native.SymbolicGraph(self.converted.json)
@@ -106,9 +110,29 @@ class PerShape:
         signature = tuple(args[i].shape if isinstance(args[i], torch.Tensor) else args[i] for i in self.varying)
         exe = self.compiled.get(signature)
         if exe is None:
+            start = time.perf_counter()
             exe = self._compile(args)
+            self.compile_seconds += time.perf_counter() - start
             self.compiled[signature] = exe
+            if len(self.compiled) == SIZES_BEFORE_WARNING and self.plan is None:
+                self._warn_sizes_keep_changing()
         return exe(args)
+
+    def _warn_sizes_keep_changing(self) -> None:
+        """Each new size is an XLA compile; a workload whose sizes never repeat (a dynamic-cache
+        decode: every step a new length) compiles on every call."""
+        pad = (
+            "padding them to buckets was refused for this graph (the INFO log says why)"
+            if self.options.buckets is not None
+            else 'or pad them to buckets (options={"bucket_size": 128})'
+        )
+        debug.log.warning(
+            "%s: compiled for %d input sizes so far (%.1f s compiling or loading them); every new "
+            "size is another executable, so sizes that keep changing (e.g. generate() with the "
+            "default dynamic cache, where each step is a new length) keep compiling. Fix the sizes "
+            '(cache_implementation="static" for LLM decode), %s',
+            self.name, len(self.compiled), self.compile_seconds, pad,
+        )
 
     def _compile(self, args: list[Any]) -> Executable | _Padded:
         if self.plan is not None:
