@@ -51,12 +51,16 @@ def _sync(device: str) -> Callable[[], None]:
     return torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
 
-def median_ms(fn: Callable[[], Any], calls: int, sync: Callable[[], None]) -> float:
+def warm_up(fn: Callable[[], Any]) -> None:
     for _ in range(WARMUP):
         fn()
     # What compiling left for Python's collector is swept now, for every backend alike, so that a
     # full collection it owes does not fall into one backend's timed calls (a 0.3 s pause in decode).
     gc.collect()
+
+
+def median_ms(fn: Callable[[], Any], calls: int, sync: Callable[[], None]) -> float:
+    """Median of `calls` timed calls of `fn` (warmed up by the caller)."""
     times = []
     for _ in range(calls):
         sync()
@@ -126,9 +130,11 @@ def steady(name: str, device: str, dtype: torch.dtype, calls: int) -> dict[str, 
     with torch.no_grad():
         eager_fn = _call(case, case.module)
         reference = _tensor(eager_fn())
+        warm_up(eager_fn)
         row["eager_ms"] = median_ms(eager_fn, calls, sync)
         inductor_fn = _compiled(case, "inductor")
         inductor_fn()
+        warm_up(inductor_fn)
         row["inductor_ms"] = median_ms(inductor_fn, calls, sync)
 
         # Ours takes CPU tensors: on another device it runs on a CPU copy of the same model.
@@ -137,8 +143,7 @@ def steady(name: str, device: str, dtype: torch.dtype, calls: int) -> dict[str, 
         out = _tensor(tpu_fn())
         # Executables obtained after the warm-up (whether compiled or found in the memory or disk
         # cache): a decode's second generate still specializes its first step once.
-        for _ in range(WARMUP):
-            tpu_fn()
+        warm_up(tpu_fn)
         executables = _executables_obtained()
         row["tpu_ms"] = median_ms(tpu_fn, calls, lambda: None)
         row["recompiles"] = _executables_obtained() - executables

@@ -269,8 +269,8 @@ struct Resident {
 }
 
 impl Resident {
-    fn new(ptr: usize, version: i64, copy: Arc<Buffer>) -> Option<Resident> {
-        Some(Resident { ptr, version, copy, storage: None })
+    fn new(ptr: usize, version: i64, copy: Arc<Buffer>) -> Resident {
+        Resident { ptr, version, copy, storage: None }
     }
 }
 
@@ -444,7 +444,7 @@ impl CompiledGraph {
             version,
             spec: spec.clone(),
         });
-        let found = shared_key.as_ref().and_then(resident::find);
+        let found = shared_key.as_ref().and_then(|key| resident::COPIES.get(key));
         let buf = match found {
             Some(buf) => {
                 STATS.resident_shared_hits.fetch_add(1, Relaxed);
@@ -457,13 +457,13 @@ impl CompiledGraph {
                 let t = &self.target;
                 let buf = Arc::new(t.client.buffer_from_host(bytes, spec, &t.device)?);
                 if let Some(key) = shared_key {
-                    resident::publish(key, &buf);
+                    resident::COPIES.insert(key, &buf);
                 }
                 buf
             }
         };
         if let Some(slot) = slot.as_deref_mut() {
-            *slot = Resident::new(ptr, version, buf.clone());
+            *slot = Some(Resident::new(ptr, version, buf.clone()));
             unpinned.push((i, ptr, version));
         }
         Ok(Arg::Owned(buf))
@@ -578,7 +578,7 @@ impl CompiledGraph {
             STATS.updates_copied.fetch_add(1, Relaxed);
             if version >= 0 {
                 *self.resident[i].lock().unwrap_or_else(|p| p.into_inner()) =
-                    Resident::new(ptr, version + 1, Arc::new(buf));
+                    Some(Resident::new(ptr, version + 1, Arc::new(buf)));
                 unpinned.push((i, ptr, version + 1));
             }
         }

@@ -7,13 +7,14 @@
 //! reads the current value whenever they look. A registry finds the buffer behind a tensor's
 //! address, so any graph taking that tensor reuses it instead of uploading a copy.
 
-use std::collections::HashMap;
 use std::ffi::{c_void, CStr};
-use std::sync::{Arc, LazyLock, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 
 use pyo3::ffi;
 use pyo3::prelude::*;
 use tpu_dynamo_runtime::{Buffer, DType, TensorSpec};
+
+use crate::weak_map::WeakMap;
 
 /// A device buffer whose memory a host tensor uses as storage. After each donating execute the
 /// buffer is replaced by the output that took over the same memory.
@@ -24,11 +25,7 @@ pub struct Shared {
 }
 
 /// Address → buffer, for every `Shared` alive.
-static REGISTRY: LazyLock<Mutex<HashMap<usize, Weak<Shared>>>> = LazyLock::new(Default::default);
-
-fn registry() -> MutexGuard<'static, HashMap<usize, Weak<Shared>>> {
-    REGISTRY.lock().unwrap_or_else(|p| p.into_inner())
-}
+static REGISTRY: LazyLock<WeakMap<usize, Shared>> = LazyLock::new(WeakMap::new);
 
 impl Shared {
     /// Registers `buffer` for host tensors to view; gives it back if the host cannot address it.
@@ -36,13 +33,13 @@ impl Shared {
         let Some(address) = buffer.host_address() else { return Err(buffer) };
         let address = address.as_ptr() as usize;
         let shared = Arc::new(Shared { buffer: Mutex::new(buffer), address, spec });
-        registry().insert(address, Arc::downgrade(&shared));
+        REGISTRY.insert(address, &shared);
         Ok(shared)
     }
 
     /// The live buffer a host tensor at `address` views, if its type is `spec`.
     pub fn find(address: usize, spec: &TensorSpec) -> Option<Arc<Shared>> {
-        let found = registry().get(&address)?.upgrade()?;
+        let found = REGISTRY.get(&address)?;
         (found.spec == *spec).then_some(found)
     }
 
@@ -57,11 +54,8 @@ impl Shared {
 
 impl Drop for Shared {
     fn drop(&mut self) {
-        let mut map = registry();
         // A newer buffer may have been registered at the same address since this one died.
-        if map.get(&self.address).is_some_and(|w| w.strong_count() == 0) {
-            map.remove(&self.address);
-        }
+        REGISTRY.forget_if_gone(&self.address);
     }
 }
 

@@ -7,6 +7,7 @@ mod host_view;
 mod persist;
 mod resident;
 mod symbolic;
+mod weak_map;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;

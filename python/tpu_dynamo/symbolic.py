@@ -176,7 +176,7 @@ class PerShape:
         cuts = [[] if o is None else [(d, true[sym]) for d, sym in plan_outputs[o]] for o in c.outputs]
         debug.log.info(
             "%s: buckets: sizes %s run padded to %s",
-            self.options.name or "graph",
+            self.name,
             sorted(true.values()),
             sorted(padded.values()),
         )
