@@ -418,8 +418,9 @@ impl CompiledGraph {
     /// The device buffer for input `i`: the resident one if `(ptr, version)` still matches
     /// (checked first: parameters are most inputs), the one the host tensor views, the copy
     /// another graph made of the same version, else a fresh upload (kept when `version >= 0`).
-    /// An input this graph donates never shares a copy: the execute consumes it. A copy newly
-    /// kept adds `(i, ptr, version)` to `unpinned`.
+    /// An input this graph donates never shares a copy: the execute consumes it. On a CPU plugin
+    /// any other upload is the host memory itself, taken in place. A copy newly kept adds
+    /// `(i, ptr, version)` to `unpinned`.
     fn input_buffer(
         &self,
         i: usize,
@@ -438,7 +439,8 @@ impl CompiledGraph {
             STATS.view_hits.fetch_add(1, Relaxed);
             return Ok(Arg::Viewed(shared));
         }
-        let shared_key = (slot.is_some() && !self.aliases.iter().any(|&(a, _)| a == i)).then(|| resident::Key {
+        let donated = self.aliases.iter().any(|&(a, _)| a == i);
+        let shared_key = (slot.is_some() && !donated).then(|| resident::Key {
             target: Arc::as_ptr(&self.target) as usize,
             ptr,
             version,
@@ -455,7 +457,19 @@ impl CompiledGraph {
                 // SAFETY: see `run`: the Python caller keeps the tensor alive during the call.
                 let bytes = unsafe { host_slice(ptr, nbytes) };
                 let t = &self.target;
-                let buf = Arc::new(t.client.buffer_from_host(bytes, spec, &t.device)?);
+                let buf = if t.host_memory && !donated {
+                    // SAFETY: the caller keeps the memory alive during the call, and after it
+                    // the resident slot keeps the tensor's storage (`pin`) for as long as it
+                    // keeps the buffer; the buffer is only taken while `(ptr, version)` still
+                    // match, i.e. before any in-place change.
+                    unsafe { t.client.buffer_over_host(bytes, spec, &t.device)? }
+                } else {
+                    t.client.buffer_from_host(bytes, spec, &t.device)?
+                };
+                if slot.is_some() && buf.host_address().map(|a| a.as_ptr() as usize) == Some(ptr) {
+                    STATS.uploads_in_place.fetch_add(1, Relaxed);
+                }
+                let buf = Arc::new(buf);
                 if let Some(key) = shared_key {
                     resident::COPIES.insert(key, &buf);
                 }

@@ -11,6 +11,8 @@ pub struct Stats {
     pub executions: AtomicU64,
     pub execute_nanos: AtomicU64,
     pub uploads: AtomicU64,
+    /// Resident inputs whose device buffer is the host tensor's own memory (CPU plugins).
+    pub uploads_in_place: AtomicU64,
     pub resident_hits: AtomicU64,
     /// Resident inputs another graph had uploaded already (the same host tensor version).
     pub resident_shared_hits: AtomicU64,
@@ -51,6 +53,7 @@ pub static STATS: Stats = Stats {
     executions: AtomicU64::new(0),
     execute_nanos: AtomicU64::new(0),
     uploads: AtomicU64::new(0),
+    uploads_in_place: AtomicU64::new(0),
     resident_hits: AtomicU64::new(0),
     resident_shared_hits: AtomicU64::new(0),
     disk_hits: AtomicU64::new(0),
@@ -75,7 +78,7 @@ pub fn add_time(counter: &AtomicU64, d: Duration) {
 }
 
 impl Stats {
-    fn all(&self) -> [(&'static str, &AtomicU64); 24] {
+    fn all(&self) -> [(&'static str, &AtomicU64); 25] {
         [
             ("compiles", &self.compiles),
             ("memory_hits", &self.memory_hits),
@@ -84,6 +87,7 @@ impl Stats {
             ("executions", &self.executions),
             ("execute_seconds", &self.execute_nanos),
             ("uploads", &self.uploads),
+            ("uploads_in_place", &self.uploads_in_place),
             ("resident_hits", &self.resident_hits),
             ("resident_shared_hits", &self.resident_shared_hits),
             ("view_hits", &self.view_hits),

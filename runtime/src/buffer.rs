@@ -204,6 +204,42 @@ impl Client {
         spec: &TensorSpec,
         device: &Device,
     ) -> Result<Buffer> {
+        let semantics = PJRT_HostBufferSemantics_PJRT_HostBufferSemantics_kImmutableOnlyDuringCall;
+        let (buffer, done) = self.buffer_of_host(data, spec, device, semantics)?;
+        // Even with copy-during-call semantics the done event must be awaited and destroyed.
+        event::wait(&self.inner.plugin, done)?;
+        Ok(buffer)
+    }
+
+    /// A buffer over `data` itself where the plugin computes in host memory and `data` is
+    /// aligned as it needs (see [`Buffer::host_address`]), else a copy as
+    /// [`Client::buffer_from_host`] makes. In place, a resident weight exists once instead of
+    /// twice (host tensor and device copy) and nothing is copied.
+    ///
+    /// # Safety
+    /// `data` must stay allocated until the returned buffer is dropped, and must not change
+    /// while an execute that takes the buffer runs.
+    pub unsafe fn buffer_over_host(
+        &self,
+        data: &[u8],
+        spec: &TensorSpec,
+        device: &Device,
+    ) -> Result<Buffer> {
+        let semantics = PJRT_HostBufferSemantics_PJRT_HostBufferSemantics_kImmutableZeroCopy;
+        // The done event fires when the plugin lets go of `data`: at once after a copy, else
+        // when the buffer is destroyed, which the caller's guarantee covers; it is not awaited.
+        let (buffer, done) = self.buffer_of_host(data, spec, device, semantics)?;
+        drop(event::Event::adopt(&self.inner.plugin, done));
+        Ok(buffer)
+    }
+
+    fn buffer_of_host(
+        &self,
+        data: &[u8],
+        spec: &TensorSpec,
+        device: &Device,
+        semantics: PJRT_HostBufferSemantics,
+    ) -> Result<(Buffer, *mut PJRT_Event)> {
         let expected = spec.byte_size()?;
         if data.len() != expected {
             return Err(Error::invalid(format!(
@@ -223,13 +259,9 @@ impl Client {
         args.type_ = spec.dtype.to_pjrt();
         args.dims = spec.dims.as_ptr();
         args.num_dims = spec.dims.len();
-        args.host_buffer_semantics =
-            PJRT_HostBufferSemantics_PJRT_HostBufferSemantics_kImmutableOnlyDuringCall;
+        args.host_buffer_semantics = semantics;
         args.device = device.raw();
         call!(plugin, PJRT_Client_BufferFromHostBuffer, &mut args)?;
-        let buffer = Buffer::adopt(&self.inner, args.buffer);
-        // Even with copy-during-call semantics the done event must be awaited and destroyed.
-        event::wait(plugin, args.done_with_host_buffer)?;
-        Ok(buffer)
+        Ok((Buffer::adopt(&self.inner, args.buffer), args.done_with_host_buffer))
     }
 }

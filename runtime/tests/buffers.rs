@@ -75,3 +75,31 @@ fn size_mismatches_are_rejected() {
 fn client_device_of_other_client() -> Device {
     client(1).devices().remove(0)
 }
+
+#[test]
+fn a_buffer_over_host_memory_uses_it_in_place_where_aligned() {
+    let client = client(1);
+    let dev = &client.devices()[0];
+    let spec = f32_spec(&[256, 64]);
+    let values = Rng::new(9).f32s(256 * 64);
+    // 64-byte aligned, as XLA's CPU client asks of memory it takes in place (and as torch's
+    // CPU allocator aligns tensors).
+    #[repr(C, align(64))]
+    struct Line([f32; 16]);
+    let mut host: Vec<Line> = values.chunks_exact(16).map(|c| Line(c.try_into().unwrap())).collect();
+    // SAFETY: `host` is 65536 plain bytes, viewed as bytes while nothing else touches it.
+    let bytes = unsafe { std::slice::from_raw_parts(host.as_mut_ptr().cast::<u8>(), 256 * 64 * 4) };
+    // SAFETY: `host` outlives the buffer and is not written while an execute takes it.
+    let buffer = unsafe { client.buffer_over_host(bytes, &spec, dev) }.unwrap();
+    assert_eq!(download(&buffer), values);
+    assert_eq!(
+        buffer.host_address().map(|a| a.as_ptr() as usize),
+        Some(bytes.as_ptr() as usize),
+        "the CPU plugin copied instead of using the host memory"
+    );
+    // Misaligned memory is copied, so the buffer is still right.
+    let unaligned = &bytes[4..4 + 255 * 64 * 4];
+    let copied = unsafe { client.buffer_over_host(unaligned, &f32_spec(&[255, 64]), dev) }.unwrap();
+    assert_eq!(download(&copied), values[1..1 + 255 * 64]);
+    drop((buffer, copied));
+}
