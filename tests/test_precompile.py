@@ -46,8 +46,8 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _run(mode, env):
-    out = subprocess.run([sys.executable, "-c", SCRIPT, mode], env=env, capture_output=True, text=True, timeout=300)
+def _run(mode, env, script=SCRIPT):
+    out = subprocess.run([sys.executable, "-c", script, mode], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -64,3 +64,52 @@ def test_second_process_loads_precompiled_frames_without_tracing_or_compiling(tm
     for r in (first, second):
         assert r["diff"] <= 1e-6
         assert r["steps"] == 1  # the in-graph buffer update lands without AOTAutograd's wrapper
+
+
+# A forward wrapped by a decorator from another module (as transformers' `deprecate_kwarg` and
+# `can_return_tuple` wrap every model's forward): `functools.wraps` copies the wrapped function's
+# `__module__`, while the wrapper's code reads its own module's globals.
+DECORATED = textwrap.dedent(
+    """
+    import functools, json, sys, torch
+    torch._dynamo.config.caching_precompile = True
+    import tpu_dynamo
+    from torch._dynamo.utils import counters
+
+    def passthrough(f):
+        @functools.wraps(f)
+        def wrapped(*args, **kwargs):
+            return f(*args, **kwargs)
+        return wrapped
+
+    class Linear(torch.nn.Linear):
+        forward = passthrough(torch.nn.Linear.forward)
+
+    torch.manual_seed(0)
+    m = Linear(16, 8)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        got = torch.compile(m, backend="tpu", fullgraph=True)(x)
+        want = torch.nn.functional.linear(x, m.weight, m.bias)
+    if sys.argv[1] == "save":
+        torch.compiler.save_cache_artifacts()
+    print(json.dumps({
+        "diff": (got - want).abs().max().item(),
+        "graphs_traced": counters["stats"]["unique_graphs"],
+        "compiles": tpu_dynamo.stats()["compiles"],
+    }))
+    """
+)
+
+
+def test_a_decorated_forward_is_traced_again_instead_of_failing_to_load(tmp_path):
+    """Dynamo reinstalls a saved frame's compiled graph into the module named by `__module__`,
+    not the one whose globals the frame reads, so loading a decorated forward fails with a
+    `NameError` (torch's bug, the same with backend="inductor"). We record no artifact for such a
+    frame: the next process traces it again (and finds the executable in our disk cache)."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "torch"), "TPU_DYNAMO_CACHE_DIR": str(tmp_path / "tpu")}
+    first = _run("save", env, DECORATED)
+    second = _run("load", env, DECORATED)
+    assert (first["graphs_traced"], first["compiles"]) == (1, 1)
+    assert (second["graphs_traced"], second["compiles"]) == (1, 0)
+    assert max(first["diff"], second["diff"]) <= 1e-6

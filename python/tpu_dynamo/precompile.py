@@ -10,6 +10,7 @@ cache, so the first call only checks guards, loads and runs.
 Stored are the graphs the backend already calls without AOTAutograd's runtime wrapper
 (`direct.wrapper_free`): nothing of AOTAutograd is needed to call them again. For any other
 graph no artifact is recorded, so Dynamo stores no entry for its frame and traces it as before.
+Nor for a frame Dynamo could not load again (`_reloadable`).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 from torch._dynamo.precompile_context import BackendCacheArtifact, PrecompileContext
+from torch._dynamo.symbolic_convert import InstructionTranslator
 
 from . import _native
 from .convert import Converted
@@ -29,9 +31,22 @@ def record(backend_id: str | None, converted: Converted) -> None:
     """Records `converted`, a graph called without AOTAutograd's wrapper (direct.py), as the
     artifact of Dynamo's backend call `backend_id` (set on the graph Dynamo hands the backend
     only under caching precompile)."""
-    if backend_id is None:
+    if backend_id is None or not _reloadable():
         return
     PrecompileContext.record_artifact(TpuArtifact(key=backend_id, content=pickle.dumps(converted)))
+
+
+def _reloadable() -> bool:
+    """Whether Dynamo can reattach the frame being compiled in a later process. It installs the
+    saved graph into the module named by the function's `__module__`, while the frame's code
+    reads the globals it was defined with; a wrapper made with `functools.wraps` in another module
+    (transformers' `deprecate_kwarg` and `can_return_tuple`, diffusers' decorators wrap model
+    forwards so) has the wrapped function's `__module__`, and its saved frame fails to load with
+    a `NameError` (also with backend="inductor"). Such a frame is traced again instead."""
+    tx = InstructionTranslator.current_tx()
+    fn = getattr(getattr(tx, "package", None), "_innermost_fn", None)
+    scope = getattr(fn, "__globals__", {}).get("__name__")
+    return fn is None or scope is None or fn.__module__ == scope
 
 
 @dataclasses.dataclass
