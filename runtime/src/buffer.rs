@@ -14,17 +14,23 @@ use std::sync::Arc;
 pub struct Buffer {
     client: Arc<ClientInner>,
     raw: *mut PJRT_Buffer,
+    /// For a buffer made over host memory: the event the plugin fires when it lets go of that
+    /// memory, awaited on drop so the memory's owner may free it once the buffer is gone.
+    host_done: *mut PJRT_Event,
 }
 
-// SAFETY: PJRT buffers may be used from any thread.
+// SAFETY: PJRT buffers and events may be used from any thread.
 unsafe impl Send for Buffer {}
 unsafe impl Sync for Buffer {}
 
 impl Drop for Buffer {
     fn drop(&mut self) {
+        let plugin = &*self.client.plugin;
         let mut args = PJRT_Buffer_Destroy_Args::new();
         args.buffer = self.raw;
-        let _ = call!(&self.client.plugin, PJRT_Buffer_Destroy, &mut args);
+        let _ = call!(plugin, PJRT_Buffer_Destroy, &mut args);
+        // Nothing useful can be done with an error here.
+        let _ = event::wait(plugin, self.host_done);
     }
 }
 
@@ -43,6 +49,7 @@ impl Buffer {
         Buffer {
             client: client.clone(),
             raw,
+            host_done: std::ptr::null_mut(),
         }
     }
 
@@ -217,8 +224,9 @@ impl Client {
     /// twice (host tensor and device copy) and nothing is copied.
     ///
     /// # Safety
-    /// `data` must stay allocated until the returned buffer is dropped, and must not change
-    /// while an execute that takes the buffer runs.
+    /// `data` must stay allocated until the returned buffer is dropped (dropping it waits until
+    /// the plugin has let go of `data`, e.g. finished a copy), and must not change while an
+    /// execute that takes the buffer runs.
     pub unsafe fn buffer_over_host(
         &self,
         data: &[u8],
@@ -226,10 +234,8 @@ impl Client {
         device: &Device,
     ) -> Result<Buffer> {
         let semantics = PJRT_HostBufferSemantics_PJRT_HostBufferSemantics_kImmutableZeroCopy;
-        // The done event fires when the plugin lets go of `data`: at once after a copy, else
-        // when the buffer is destroyed, which the caller's guarantee covers; it is not awaited.
-        let (buffer, done) = self.buffer_of_host(data, spec, device, semantics)?;
-        drop(event::Event::adopt(&self.inner.plugin, done));
+        let (mut buffer, done) = self.buffer_of_host(data, spec, device, semantics)?;
+        buffer.host_done = done;
         Ok(buffer)
     }
 
