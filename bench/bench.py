@@ -14,7 +14,8 @@ warm first call: one more process of ours on the cache the cold one filled (the 
 issue #5; Dynamo still traces); precompiled: two more under Dynamo's `caching_precompile`, the
 first saving its frames, the second loading them (no tracing where Dynamo can reattach them; see
 python/tpu_dynamo/precompile.py). Backend overhead: our call / the bare PJRT execute of the same
-executables with device-resident inputs (`Executable.bench_execute`).
+executables with device-resident inputs (`Executable.bench_execute`); "in our callable": the part
+of a call spent inside our executables, the rest being Dynamo's (and AOTAutograd's wrapper's).
 Writes the table between the markers of bench/RESULTS.md (CPU f32; other runs write
 bench/RESULTS-<device>-<dtype>.md) and the ratio chart beside it.
 """
@@ -43,7 +44,7 @@ from models import COLD, MODELS, NEW_TOKENS, Case, build  # noqa: E402
 HERE = Path(__file__).parent
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 WARMUP = 5
-TIMES = ("eager_ms", "inductor_ms", "tpu_ms", "raw_ms")
+TIMES = ("eager_ms", "inductor_ms", "tpu_ms", "inside_ms", "raw_ms")
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 
@@ -118,6 +119,34 @@ def _executables_obtained() -> int:
     return s["compiles"] + s["disk_hits"] + s["memory_hits"]
 
 
+def inside_ms(fn: Callable[[], Any], calls: int) -> float:
+    """Median per call of `fn` of the time spent inside our executables (`Executable.__call__`):
+    the call less what Dynamo (guards, frame, the model's output objects) and any AOTAutograd
+    wrapper spend around them. A separate pass, so the timed calls carry no instrumentation."""
+    from tpu_dynamo.executable import Executable
+
+    call = Executable.__call__
+    spent = [0.0]
+
+    def timed(self: Executable, args: list[Any]) -> Any:
+        start = time.perf_counter()
+        try:
+            return call(self, args)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    Executable.__call__ = timed  # type: ignore[method-assign]
+    try:
+        times = []
+        for _ in range(calls):
+            spent[0] = 0.0
+            fn()
+            times.append(spent[0])
+    finally:
+        Executable.__call__ = call  # type: ignore[method-assign]
+    return statistics.median(times) * 1e3
+
+
 def steady(name: str, device: str, dtype: torch.dtype, calls: int) -> dict[str, Any]:
     import tpu_dynamo
 
@@ -152,6 +181,7 @@ def steady(name: str, device: str, dtype: torch.dtype, calls: int) -> dict[str, 
             row["mismatch"] = int((out != reference).sum())
         else:
             row["max_abs_diff"] = float((out - reference).abs().max())
+            row["inside_ms"] = inside_ms(tpu_fn, calls)
             raw = [statistics.median(exe.bench_execute(args, calls)) for exe, args in _recorded_executions(tpu_fn)]
             row["raw_ms"] = sum(raw) * 1e3
     return row
@@ -220,12 +250,12 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def table(rows: list[dict[str, Any]], colds: dict[tuple[str, str], float]) -> str:
     head = ("| model | eager ms | Inductor ms | tpu ms | tpu/Inductor | tpu/eager | raw execute ms "
-            "| overhead (tpu/raw) | cold Inductor s | cold tpu s | cold tpu/Inductor | warm first call tpu s "
+            "| overhead (tpu/raw) | in our callable ms | callable/raw | cold Inductor s | cold tpu s | cold tpu/Inductor | warm first call tpu s "
             "| warm/cold | warm first call, precompiled s | precompiled/cold | max abs diff | recompiles |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | error: {r['error']} |" + " |" * 15)
+            lines.append(f"| {r['model']} | error: {r['error']} |" + " |" * 17)
             continue
         ci, ct = colds.get((r["model"], "inductor")), colds.get((r["model"], "tpu"))
         warm, pre = colds.get((r["model"], "tpu-warm")), colds.get((r["model"], "tpu-precompiled"))
@@ -236,7 +266,8 @@ def table(rows: list[dict[str, Any]], colds: dict[tuple[str, str], float]) -> st
             f"| {r['model']}{unit} | {_fmt(r['eager_ms'] / per)} | {_fmt(r['inductor_ms'] / per)} "
             f"| {_fmt(r['tpu_ms'] / per)} | {_fmt(_ratio(r['tpu_ms'], r['inductor_ms']))} "
             f"| {_fmt(_ratio(r['tpu_ms'], r['eager_ms']))} | {_fmt(r.get('raw_ms'), 3)} "
-            f"| {_fmt(_ratio(r['tpu_ms'], r.get('raw_ms')))} | {_fmt(ci, 1)} | {_fmt(ct, 2)} "
+            f"| {_fmt(_ratio(r['tpu_ms'], r.get('raw_ms')))} | {_fmt(r.get('inside_ms'), 3)} "
+            f"| {_fmt(_ratio(r.get('inside_ms'), r.get('raw_ms')))} | {_fmt(ci, 1)} | {_fmt(ct, 2)} "
             f"| {_fmt(_ratio(ct, ci))} | {_fmt(warm, 2)} | {_fmt(_ratio(warm, ct))} | {_fmt(pre, 2)} "
             f"| {_fmt(_ratio(pre, colds.get((r['model'], 'tpu-precompile'))))} | {check} "
             f"| {r['recompiles']} |"

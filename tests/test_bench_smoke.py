@@ -27,4 +27,14 @@ def test_steady_state_calls_reuse_the_executable_and_match_eager(name):
             torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
         (executable, args), = bench._recorded_executions(call)
         seconds = executable.bench_execute(args, 3)
+        whole, inside = bench.median_ms(call, 3, lambda: None), bench.inside_ms(call, 3)
     assert len(seconds) == 3 and all(s > 0 for s in seconds)
+    assert 0 < inside < whole, "the time inside our executables is part of the call"
+
+
+def test_the_table_has_a_cell_for_every_column():
+    row = {"model": "m", "decode": False, "eager_ms": 2.0, "inductor_ms": 1.0, "tpu_ms": 1.5, "inside_ms": 1.2,
+           "raw_ms": 1.0, "max_abs_diff": 1e-7, "recompiles": 0}
+    colds = {("m", k): 1.0 for k in ("inductor", "tpu", "tpu-warm", "tpu-precompile", "tpu-precompiled")}
+    lines = bench.table([row, {"model": "n", "error": "boom"}], colds).splitlines()
+    assert len({line.count("|") for line in lines}) == 1, lines
