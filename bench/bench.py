@@ -22,6 +22,7 @@ bench/RESULTS-<device>-<dtype>.md) and the ratio chart beside it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -32,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -93,22 +94,29 @@ def _compiled(case: Case, backend: str) -> Callable[[], Any]:
     return _call(case, torch.compile(case.module, backend=backend, fullgraph=True))
 
 
-def _recorded_executions(fn: Callable[[], Any]) -> list[tuple[Any, list[Any]]]:
-    """Every (Executable, inputs) one call of `fn` runs, for timing their bare execute."""
+@contextlib.contextmanager
+def _around_executables(around: Callable[[Callable[..., Any], Any, list[Any]], Any]) -> Iterator[None]:
+    """Routes every `Executable.__call__(self, args)` through `around(call, self, args)`."""
     from tpu_dynamo.executable import Executable
 
-    seen: list[tuple[Any, list[Any]]] = []
     call = Executable.__call__
+    Executable.__call__ = lambda self, args: around(call, self, args)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Executable.__call__ = call  # type: ignore[method-assign]
 
-    def recording(self: Executable, args: list[Any]) -> Any:
+
+def _recorded_executions(fn: Callable[[], Any]) -> list[tuple[Any, list[Any]]]:
+    """Every (Executable, inputs) one call of `fn` runs, for timing their bare execute."""
+    seen: list[tuple[Any, list[Any]]] = []
+
+    def recording(call: Callable[..., Any], self: Any, args: list[Any]) -> Any:
         seen.append((self, list(args)))
         return call(self, args)
 
-    Executable.__call__ = recording  # type: ignore[method-assign]
-    try:
+    with _around_executables(recording):
         fn()
-    finally:
-        Executable.__call__ = call  # type: ignore[method-assign]
     return seen
 
 
@@ -123,27 +131,21 @@ def inside_ms(fn: Callable[[], Any], calls: int) -> float:
     """Median per call of `fn` of the time spent inside our executables (`Executable.__call__`):
     the call less what Dynamo (guards, frame, the model's output objects) and any AOTAutograd
     wrapper spend around them. A separate pass, so the timed calls carry no instrumentation."""
-    from tpu_dynamo.executable import Executable
-
-    call = Executable.__call__
     spent = [0.0]
 
-    def timed(self: Executable, args: list[Any]) -> Any:
+    def timed(call: Callable[..., Any], self: Any, args: list[Any]) -> Any:
         start = time.perf_counter()
         try:
             return call(self, args)
         finally:
             spent[0] += time.perf_counter() - start
 
-    Executable.__call__ = timed  # type: ignore[method-assign]
-    try:
-        times = []
+    times = []
+    with _around_executables(timed):
         for _ in range(calls):
             spent[0] = 0.0
             fn()
             times.append(spent[0])
-    finally:
-        Executable.__call__ = call  # type: ignore[method-assign]
     return statistics.median(times) * 1e3
 
 
