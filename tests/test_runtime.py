@@ -330,3 +330,23 @@ def test_cpu_plugin_keeps_freed_memory_in_the_heap(tuning, mapped):
     env = {**os.environ, "TPU_DYNAMO_MALLOC_TUNING": tuning}
     out = subprocess.run([sys.executable, "-c", MALLINFO_PROBE], env=env, capture_output=True, text=True, check=True)
     assert int(out.stdout.split()[-1]) == mapped
+
+
+FLAGS_PROBE = """
+import torch, tpu_dynamo
+try:
+    torch.compile(lambda x: x * 2, backend="tpu")(torch.randn(3))
+except Exception as e:
+    print("raised:", e)
+print("alive")
+"""
+
+
+def test_an_unknown_xla_flag_raises_instead_of_killing_the_process():
+    """XLA aborts on an XLA_FLAGS flag its build does not know; the user gets an exception naming
+    the flag and keeps the process."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_cpu_enable_fast_math=false --xla_no_such_flag=1"}
+    out = subprocess.run([sys.executable, "-c", FLAGS_PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "Unknown flag in XLA_FLAGS: --xla_no_such_flag=1" in out.stdout and "would abort the process" in out.stdout
+    assert out.stdout.rstrip().endswith("alive")

@@ -78,6 +78,15 @@ impl ClientOptions {
     }
 }
 
+/// `PJRT_Client_Create` with `options`; the caller owns the client.
+pub(crate) fn create_raw(plugin: &Plugin, options: &[PJRT_NamedValue]) -> Result<*mut PJRT_Client> {
+    let mut args = Grown::<PJRT_Client_Create_Args>::new();
+    args.args.create_options = options.as_ptr();
+    args.args.num_options = options.len();
+    call!(plugin, PJRT_Client_Create, args.as_mut_ptr())?;
+    Ok(args.args.client)
+}
+
 /// Shared state of a client: everything created from it (devices, buffers, executables) holds
 /// an `Arc` to it, so the `PJRT_Client` is destroyed only after all of them.
 pub(crate) struct ClientInner {
@@ -120,15 +129,14 @@ impl fmt::Debug for Client {
 }
 
 impl Client {
+    /// Fails, instead of letting the plugin abort the process, on `XLA_FLAGS` it does not
+    /// accept (see `env_flags`).
     pub fn new(plugin: Arc<Plugin>, options: &ClientOptions) -> Result<Client> {
-        let values = options.named_values();
-        let mut args = Grown::<PJRT_Client_Create_Args>::new();
-        args.args.create_options = values.as_ptr();
-        args.args.num_options = values.len();
-        call!(&plugin, PJRT_Client_Create, args.as_mut_ptr())?;
+        crate::env_flags::check(&plugin)?;
+        let raw = create_raw(&plugin, &options.named_values())?;
         let mut inner = ClientInner {
             plugin,
-            raw: args.args.client,
+            raw,
             devices: vec![],
         };
         inner.devices = inner.query_devices()?;

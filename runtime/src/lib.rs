@@ -12,6 +12,7 @@ mod buffer;
 mod client;
 mod compat;
 pub mod discover;
+mod env_flags;
 mod error;
 mod event;
 mod executable;
