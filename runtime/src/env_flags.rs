@@ -1,8 +1,8 @@
 //! Compiler flags from the environment that would kill the process.
 //!
 //! XLA reads `XLA_FLAGS` when a plugin creates its first client and, on a flag its build does
-//! not know (misspelt, or removed since the flag was written down), logs a fatal error and
-//! aborts: a Python session would end with no exception to catch. So before the first client of
+//! not know (misspelt, or removed since the flag was written down) or a value it cannot parse,
+//! logs a fatal error and aborts: a Python session would end with no exception to catch. So before the first client of
 //! a plugin under a non-empty `XLA_FLAGS`, a forked child creates one; when the child dies
 //! blaming `XLA_FLAGS`, that message becomes an error here instead. The verdict is kept per
 //! (plugin, flags), so a process pays the probe (a fork and one client, ~0.1 s) once, and
@@ -44,16 +44,29 @@ pub(crate) fn check(plugin: &Plugin) -> Result<()> {
         None => Ok(()),
         Some(line) => Err(Error::invalid(format!(
             "the PJRT plugin {} rejects {VARIABLE}={flags:?} and would abort the process: {line}; \
-             remove or correct that flag (a flag's name must exist in the plugin's XLA version)",
+             fix or remove the flag (its name and value must be ones this plugin's XLA knows)",
             plugin.path().display()
         ))),
     }
 }
 
-/// The line of a dead child's output that names the flags, without absl's log prefix.
+/// What a dead child logged about the flags (absl error and fatal lines, without their prefix):
+/// an unknown name is itself the fatal line, a bad value an error line before a generic fatal
+/// one. `None` when nothing blames the flags (it died of something else).
 fn complaint_in(output: &str) -> Option<String> {
-    let line = output.lines().find(|l| l.contains(VARIABLE))?;
-    Some(line.split_once("] ").map_or(line, |(_, message)| message).trim().to_string())
+    let logged = |severity: char| -> Vec<&str> {
+        output
+            .lines()
+            .filter(|l| l.starts_with(severity) && l[1..].starts_with(|c: char| c.is_ascii_digit()))
+            .filter_map(|l| l.split_once("] ").map(|(_, message)| message.trim()))
+            .collect()
+    };
+    let (errors, fatal) = (logged('E'), logged('F'));
+    let blames_flags = |m: &&str| m.contains(VARIABLE) || m.contains("Flag parsing failed");
+    if !fatal.iter().any(blames_flags) {
+        return None;
+    }
+    Some(if errors.is_empty() { fatal } else { errors }.join("; "))
 }
 
 /// What a forked child that created a client wrote before it died, or `None` when it lived (or
@@ -132,11 +145,24 @@ mod tests {
     use super::complaint_in;
 
     #[test]
-    fn the_complaint_is_the_flags_line_without_the_log_prefix() {
-        let output = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n\
-                      F0000 00:00:1796164348.609930   26518 parse_flags_from_env.cc:234] Unknown flag in XLA_FLAGS: --xla_bogus=1\n\
-                      *** Check failure stack trace: ***\n";
-        assert_eq!(complaint_in(output).as_deref(), Some("Unknown flag in XLA_FLAGS: --xla_bogus=1"));
+    fn the_complaint_is_what_the_plugin_logged_about_the_flags() {
+        let banner = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n";
+        let unknown = format!(
+            "{banner}F0000 00:00:1796164348.609930   26518 parse_flags_from_env.cc:234] Unknown flag in XLA_FLAGS: --xla_bogus=1\n\
+             *** Check failure stack trace: ***\n"
+        );
+        assert_eq!(complaint_in(&unknown).as_deref(), Some("Unknown flag in XLA_FLAGS: --xla_bogus=1"));
+        let bad_value = format!(
+            "{banner}E0000 00:00:1796164718.464210   29327 command_line_flags.cc:93] Couldn't interpret value notabool for flag xla_cpu_enable_fast_math.\n\
+             F0000 00:00:1796164718.464296   29327 parse_flags_from_env.cc:220] Check failed: tsl::Flags::Parse(&env_argv->argc, env_argv->argv.data(), flag_list) Flag parsing failed.\n\
+             usage: --xla_cpu_enable_fast_math=notabool\n\
+             \t--xla_flags_reset=false\tbool\tWhether to reset XLA_FLAGS next time to parse.\n"
+        );
+        assert_eq!(
+            complaint_in(&bad_value).as_deref(),
+            Some("Couldn't interpret value notabool for flag xla_cpu_enable_fast_math.")
+        );
         assert_eq!(complaint_in("Segmentation fault\n"), None);
+        assert_eq!(complaint_in("F0000 00:00:1.0 1 cuda.cc:1] no CUDA device\n"), None);
     }
 }
