@@ -107,7 +107,7 @@ def _around_executables(around: Callable[[Callable[..., Any], Any, list[Any]], A
         Executable.__call__ = call  # type: ignore[method-assign]
 
 
-def _recorded_executions(fn: Callable[[], Any]) -> list[tuple[Any, list[Any]]]:
+def recorded_executions(fn: Callable[[], Any]) -> list[tuple[Any, list[Any]]]:
     """Every (Executable, inputs) one call of `fn` runs, for timing their bare execute."""
     seen: list[tuple[Any, list[Any]]] = []
 
@@ -184,7 +184,7 @@ def steady(name: str, device: str, dtype: torch.dtype, calls: int) -> dict[str, 
         else:
             row["max_abs_diff"] = float((out - reference).abs().max())
             row["inside_ms"] = inside_ms(tpu_fn, calls)
-            raw = [statistics.median(exe.bench_execute(args, calls)) for exe, args in _recorded_executions(tpu_fn)]
+            raw = [statistics.median(exe.bench_execute(args, calls)) for exe, args in recorded_executions(tpu_fn)]
             row["raw_ms"] = sum(raw) * 1e3
     return row
 

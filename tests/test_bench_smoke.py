@@ -25,7 +25,7 @@ def test_steady_state_calls_reuse_the_executable_and_match_eager(name):
         assert tpu_dynamo.stats()["compiles"] == compiles
         for out in outs:
             torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
-        (executable, args), = bench._recorded_executions(call)
+        (executable, args), = bench.recorded_executions(call)
         seconds = executable.bench_execute(args, 3)
         whole, inside = bench.median_ms(call, 3, lambda: None), bench.inside_ms(call, 3)
     assert len(seconds) == 3 and all(s > 0 for s in seconds)
@@ -38,3 +38,13 @@ def test_the_table_has_a_cell_for_every_column():
     colds = {("m", k): 1.0 for k in ("inductor", "tpu", "tpu-warm", "tpu-precompile", "tpu-precompiled")}
     lines = bench.table([row, {"model": "n", "error": "boom"}], colds).splitlines()
     assert len({line.count("|") for line in lines}) == 1, lines
+
+
+def test_the_op_table_times_each_op_both_ways(capsys):
+    import ops
+
+    with torch.no_grad():
+        ops.run_ops(3)
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()[2:]]
+    assert len(rows) == len(ops.gpt2_ops())
+    assert all(float(eager) > 0 and float(ours) > 0 for _, eager, ours, _ in rows), rows
