@@ -30,11 +30,17 @@ static REGISTRY: LazyLock<WeakMap<usize, Shared>> = LazyLock::new(WeakMap::new);
 impl Shared {
     /// Registers `buffer` for host tensors to view; gives it back if the host cannot address it.
     pub fn new(buffer: Buffer, spec: TensorSpec) -> Result<Arc<Shared>, Buffer> {
-        let Some(address) = buffer.host_address() else { return Err(buffer) };
-        let address = address.as_ptr() as usize;
+        match buffer.host_address(&spec) {
+            Some(address) => Ok(Shared::at(buffer, address.as_ptr() as usize, spec)),
+            None => Err(buffer),
+        }
+    }
+
+    /// Registers `buffer`, whose dense host bytes the caller found at `address`.
+    pub fn at(buffer: Buffer, address: usize, spec: TensorSpec) -> Arc<Shared> {
         let shared = Arc::new(Shared { buffer: Mutex::new(buffer), address, spec });
         REGISTRY.insert(address, &shared);
-        Ok(shared)
+        shared
     }
 
     /// The live buffer a host tensor at `address` views, if its type is `spec`.

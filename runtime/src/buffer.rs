@@ -135,8 +135,10 @@ impl Buffer {
     /// Where the buffer's dense row-major bytes live when the host can address them (a computed
     /// CPU buffer in the default layout, not empty): a host tensor may then use that memory as
     /// its own storage, for as long as it keeps this buffer (or the buffer it is donated to) alive.
-    pub fn host_address(&self) -> Option<NonNull<u8>> {
-        let len = self.spec().ok()?.byte_size().ok()?;
+    /// `spec` is the type the caller knows the buffer to have (asking the plugin costs a few calls
+    /// per buffer on every execute); a wrong one gives `None`, as the plugin's size must match.
+    pub fn host_address(&self, spec: &TensorSpec) -> Option<NonNull<u8>> {
+        let len = spec.byte_size().ok()?;
         self.dense_host_bytes(len).map(|bytes| NonNull::from(bytes).cast())
     }
 

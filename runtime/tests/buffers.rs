@@ -93,10 +93,11 @@ fn a_buffer_over_host_memory_uses_it_in_place_where_aligned() {
     let buffer = unsafe { client.buffer_over_host(bytes, &spec, dev) }.unwrap();
     assert_eq!(download(&buffer), values);
     assert_eq!(
-        buffer.host_address().map(|a| a.as_ptr() as usize),
+        buffer.host_address(&spec).map(|a| a.as_ptr() as usize),
         Some(bytes.as_ptr() as usize),
         "the CPU plugin copied instead of using the host memory"
     );
+    assert_eq!(buffer.host_address(&f32_spec(&[16])), None, "a type of another size is not this buffer's");
     // Misaligned memory is copied, so the buffer is still right.
     let unaligned = &bytes[4..4 + 255 * 64 * 4];
     let copied = unsafe { client.buffer_over_host(unaligned, &f32_spec(&[255, 64]), dev) }.unwrap();
