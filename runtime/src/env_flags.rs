@@ -2,12 +2,12 @@
 //!
 //! XLA reads `XLA_FLAGS` when a plugin creates its first client and, on a flag its build does
 //! not know (misspelt, or removed since the flag was written down) or a value it cannot parse,
-//! logs a fatal error and aborts: a Python session would end with no exception to catch. So before the first client of
-//! a plugin under a non-empty `XLA_FLAGS`, a forked child creates one; when the child dies
-//! blaming `XLA_FLAGS`, that message becomes an error here instead. The verdict is kept per
-//! (plugin, flags), so a process pays the probe (a fork and one client, ~0.1 s) once, and
-//! nothing when `XLA_FLAGS` is unset. libtpu is not probed: its client owns the chips and takes
-//! seconds to start.
+//! logs a fatal error and aborts: a Python session would end with no exception to catch. So
+//! before the first client of a plugin under a non-empty `XLA_FLAGS`, a forked child creates
+//! one; when the child dies blaming `XLA_FLAGS`, its complaint becomes an error here instead.
+//! The verdict is kept per (plugin, flags), so a process pays the probe (a fork and one client,
+//! ~20 ms on the CPU plugin) once, and nothing when `XLA_FLAGS` is unset. libtpu is not probed:
+//! its client owns the chips and takes seconds to start.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
