@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-import tpu_dynamo  # noqa: E402,F401  (registers the backend)
 from bench import recorded_executions  # noqa: E402
 from models import build  # noqa: E402
 
