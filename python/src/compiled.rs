@@ -466,7 +466,7 @@ impl CompiledGraph {
                 } else {
                     t.client.buffer_from_host(bytes, spec, &t.device)?
                 };
-                if slot.is_some() && buf.host_address(spec).map(|a| a.as_ptr() as usize) == Some(ptr) {
+                if slot.is_some() && buf.host_address(spec) == Some(ptr) {
                     STATS.uploads_in_place.fetch_add(1, Relaxed);
                 }
                 let buf = Arc::new(buf);
@@ -532,7 +532,7 @@ impl CompiledGraph {
         for &(i, o) in &self.aliases {
             let Some(out) = results[o].take() else { continue };
             if let Held::Viewed(shared, guard) = &mut held[i] {
-                if out.host_address(&self.entry.inputs[i]).map(|a| a.as_ptr() as usize) == Some(shared.address()) {
+                if out.host_address(&self.entry.inputs[i]) == Some(shared.address()) {
                     **guard = out;
                     STATS.updates_in_place.fetch_add(1, Relaxed);
                     continue;
@@ -567,7 +567,7 @@ impl CompiledGraph {
                 if ptr != 0 || nbytes == 0 || result.is_none() {
                     return None;
                 }
-                let address = result.as_ref().and_then(|r| r.host_address(spec)).map(|a| a.as_ptr() as usize);
+                let address = result.as_ref().and_then(|r| r.host_address(spec));
                 if let Some(address) = address.filter(|a| !seen.contains(a)) {
                     seen.push(address);
                     return Some(Memory::Shared(Shared::at(result.take()?, address, spec.clone())));

@@ -31,7 +31,7 @@ impl Shared {
     /// Registers `buffer` for host tensors to view; gives it back if the host cannot address it.
     pub fn new(buffer: Buffer, spec: TensorSpec) -> Result<Arc<Shared>, Buffer> {
         match buffer.host_address(&spec) {
-            Some(address) => Ok(Shared::at(buffer, address.as_ptr() as usize, spec)),
+            Some(address) => Ok(Shared::at(buffer, address, spec)),
             None => Err(buffer),
         }
     }

@@ -7,7 +7,6 @@ use crate::plugin::call;
 use crate::tensor::{DType, TensorSpec};
 use pjrt_sys::*;
 use std::fmt;
-use std::ptr::NonNull;
 use std::sync::Arc;
 
 /// An array on a device. Destroyed (device memory freed) on drop.
@@ -137,9 +136,9 @@ impl Buffer {
     /// its own storage, for as long as it keeps this buffer (or the buffer it is donated to) alive.
     /// `spec` is the type the caller knows the buffer to have (asking the plugin costs a few calls
     /// per buffer on every execute); a wrong one gives `None`, as the plugin's size must match.
-    pub fn host_address(&self, spec: &TensorSpec) -> Option<NonNull<u8>> {
+    pub fn host_address(&self, spec: &TensorSpec) -> Option<usize> {
         let len = spec.byte_size().ok()?;
-        self.dense_host_bytes(len).map(|bytes| NonNull::from(bytes).cast())
+        self.dense_host_bytes(len).map(|bytes| bytes.as_ptr() as usize)
     }
 
     /// The buffer's own memory when it can be read like the dense row-major host copy of

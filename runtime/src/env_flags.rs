@@ -11,7 +11,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::{LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::client::create_raw;
@@ -25,7 +25,7 @@ const PROBE_LIMIT: Duration = Duration::from_secs(20);
 
 /// (plugin path, flags) -> the child's complaint, if it died of them.
 type Verdicts = HashMap<(PathBuf, String), Option<String>>;
-static VERDICTS: Mutex<Option<Verdicts>> = Mutex::new(None);
+static VERDICTS: LazyLock<Mutex<Verdicts>> = LazyLock::new(Mutex::default);
 
 /// `Err` when `plugin` would abort the process on the `XLA_FLAGS` set now.
 pub(crate) fn check(plugin: &Plugin) -> Result<()> {
@@ -36,7 +36,6 @@ pub(crate) fn check(plugin: &Plugin) -> Result<()> {
     }
     let mut verdicts = VERDICTS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let complaint = verdicts
-        .get_or_insert_with(HashMap::new)
         .entry((plugin.path().to_path_buf(), flags.clone()))
         .or_insert_with(|| probe(plugin).and_then(|output| complaint_in(&output)))
         .clone();

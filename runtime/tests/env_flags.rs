@@ -1,5 +1,6 @@
-//! Flags in `XLA_FLAGS` that the plugin does not know, or values it cannot parse: an error, not an aborted process. Its own
-//! test binary (one process), since it sets the variable every client of the process reads.
+//! Flags in `XLA_FLAGS` that the plugin does not know, or values it cannot parse: an error, not an
+//! aborted process. Its own test binary (one process), since it sets the variable every client of
+//! the process reads.
 
 mod common;
 
