@@ -11,14 +11,20 @@ Stored are the graphs the backend already calls without AOTAutograd's runtime wr
 (`direct.wrapper_free`): nothing of AOTAutograd is needed to call them again. For any other
 graph no artifact is recorded, so Dynamo stores no entry for its frame and traces it as before.
 Nor for a frame Dynamo could not load again (`_reloadable`).
+
+Importing this module repairs two bugs of torch 2.15's packages that made every decorated model
+forward (transformers' and diffusers' are) fail to load (`_repair_dynamo_packages`).
 """
 from __future__ import annotations
 
 import dataclasses
 import pickle
+import sys
+import types
 from typing import Any
 
 import torch
+from torch._dynamo import codegen, package
 from torch._dynamo.precompile_context import BackendCacheArtifact, PrecompileContext
 from torch._dynamo.symbolic_convert import InstructionTranslator
 
@@ -37,16 +43,60 @@ def record(backend_id: str | None, converted: Converted) -> None:
 
 
 def _reloadable() -> bool:
-    """Whether Dynamo can reattach the frame being compiled in a later process. It installs the
-    saved graph into the module named by the function's `__module__`, while the frame's code
-    reads the globals it was defined with; a wrapper made with `functools.wraps` in another module
-    (transformers' `deprecate_kwarg` and `can_return_tuple`, diffusers' decorators wrap model
-    forwards so) has the wrapped function's `__module__`, and its saved frame fails to load with
-    a `NameError` (also with backend="inductor"). Such a frame is traced again instead."""
+    """Whether Dynamo can reattach the frame being compiled in a later process. Unrepaired, it
+    installs the saved graph into the module named by the function's `__module__` while the
+    frame's code reads the globals it was defined with, and a wrapper made with `functools.wraps`
+    in another module has the wrapped function's `__module__`: its saved frame would fail to load
+    with a `NameError`, so it is traced again instead."""
+    if _REPAIRED:
+        return True
     tx = InstructionTranslator.current_tx()
     fn = getattr(getattr(tx, "package", None), "_innermost_fn", None)
     scope = getattr(fn, "__globals__", {}).get("__name__")
     return fn is None or scope is None or fn.__module__ == scope
+
+
+def _repair_dynamo_packages() -> bool:
+    """Makes a saved frame of a decorated function loadable (torch 2.15; also for Inductor's).
+
+    1. `CompilePackage` records the compiled function under its `__module__`, and a new process
+       installs the frame's graphs and guards' globals into that module. A `functools.wraps`
+       wrapper defined elsewhere (transformers' `can_return_tuple`, diffusers' decorators) copies
+       the wrapped function's `__module__`, but its code reads its own module's globals: the
+       module named by `__globals__["__name__"]`, which resume functions already use.
+    2. Dynamo reaches a module the frame's globals do not name (`collections`, to rebuild a
+       model's `OrderedDict` output) through a global installed under the module object's id,
+       which the package does not save: the loaded bytecode then fails on that name. Recorded
+       now as one of the package's import aliases, which a loading process binds again.
+
+    Returns False, leaving torch as it is, where these internals are not the ones repaired."""
+    add_function = getattr(package.CompilePackage, "_add_function", None)
+    load_module = getattr(codegen.PyCodegen, "create_load_python_module", None)
+    if add_function is None or load_module is None or not hasattr(package.CompilePackage, "add_import_source"):
+        return False
+
+    def _add_function(self: Any, python_code: types.CodeType, python_module: str, *args: Any, **kwargs: Any) -> None:
+        fn = self._innermost_fn
+        scope = getattr(fn, "__globals__", {}).get("__name__")
+        if fn is not None and python_code is fn.__code__ and isinstance(scope, str) and scope in sys.modules:
+            python_module = scope
+        add_function(self, python_code, python_module, *args, **kwargs)
+
+    def create_load_python_module(self: Any, mod: Any) -> Any:
+        instruction = load_module(self, mod)
+        pkg = getattr(self.tx, "package", None)
+        installed = str(instruction.argval).startswith("___module_")
+        if installed and pkg is not None and pkg.current_entry is not None and (
+                isinstance(mod, types.ModuleType) and sys.modules.get(mod.__name__) is mod):
+            pkg.add_import_source(instruction.argval, mod.__name__)
+        return instruction
+
+    package.CompilePackage._add_function = _add_function
+    codegen.PyCodegen.create_load_python_module = create_load_python_module
+    return True
+
+
+_REPAIRED = _repair_dynamo_packages()
 
 
 @dataclasses.dataclass
