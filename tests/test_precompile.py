@@ -153,7 +153,7 @@ MODEL = textwrap.dedent(
 @pytest.mark.parametrize("name", ["llama-b1", "sd3"])
 def test_a_model_forward_loads_without_tracing(tmp_path, name):
     """Transformers' and diffusers' decorated forwards, whole: the second process's first call
-    is a guard check and a load (bench/RESULTS.md: 0.06-0.11x the cold first call)."""
+    is a guard check and a load (bench/RESULTS.md, run M: 0.08-0.12x the cold first call)."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "torch"), "TPU_DYNAMO_CACHE_DIR": str(tmp_path / "tpu")}
     bench_dir = str(Path(__file__).parents[1] / "bench")
     first = _run_args(["save", name, bench_dir], env, MODEL)

@@ -72,11 +72,12 @@ def _repair_dynamo_packages() -> bool:
     Returns False, leaving torch as it is, where these internals are not the ones repaired."""
     add_function = getattr(package.CompilePackage, "_add_function", None)
     load_module = getattr(codegen.PyCodegen, "create_load_python_module", None)
-    if add_function is None or load_module is None or not hasattr(package.CompilePackage, "add_import_source"):
+    if add_function is None or load_module is None or not all(
+            hasattr(package.CompilePackage, name) for name in ("add_import_source", "current_entry")):
         return False
 
     def _add_function(self: Any, python_code: types.CodeType, python_module: str, *args: Any, **kwargs: Any) -> None:
-        fn = self._innermost_fn
+        fn = getattr(self, "_innermost_fn", None)
         scope = getattr(fn, "__globals__", {}).get("__name__")
         if fn is not None and python_code is fn.__code__ and isinstance(scope, str) and scope in sys.modules:
             python_module = scope
@@ -85,9 +86,8 @@ def _repair_dynamo_packages() -> bool:
     def create_load_python_module(self: Any, mod: Any) -> Any:
         instruction = load_module(self, mod)
         pkg = getattr(self.tx, "package", None)
-        installed = str(instruction.argval).startswith("___module_")
-        if installed and pkg is not None and pkg.current_entry is not None and (
-                isinstance(mod, types.ModuleType) and sys.modules.get(mod.__name__) is mod):
+        if (pkg is not None and pkg.current_entry is not None and str(instruction.argval).startswith("___module_")
+                and isinstance(mod, types.ModuleType) and sys.modules.get(mod.__name__) is mod):
             pkg.add_import_source(instruction.argval, mod.__name__)
         return instruction
 
