@@ -61,10 +61,14 @@ def warm_up(fn: Callable[[], Any]) -> None:
     gc.collect()
 
 
-def median_ms(fn: Callable[[], Any], calls: int, sync: Callable[[], None]) -> float:
-    """Median of `calls` timed calls of `fn` (warmed up by the caller)."""
+def median_ms(
+    fn: Callable[[], Any], calls: int, sync: Callable[[], None], before: Callable[[], Any] = lambda: None
+) -> float:
+    """Median of `calls` timed calls of `fn` (warmed up by the caller), each after an untimed
+    `before()`."""
     times = []
     for _ in range(calls):
+        before()
         sync()
         start = time.perf_counter()
         fn()

@@ -12,7 +12,6 @@ worker threads have parked and the vCPU has idled.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -23,20 +22,14 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench import recorded_executions  # noqa: E402
+from bench import median_ms, recorded_executions  # noqa: E402
 from models import build  # noqa: E402
 
 
 def median_us(f: Callable[[], Any], calls: int, before: Callable[[], Any] = lambda: None) -> float:
     for _ in range(10):
         f()
-    times = []
-    for _ in range(calls):
-        before()
-        start = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    return median_ms(f, calls, lambda: None, before) * 1e3
 
 
 def gpt2_ops() -> dict[str, tuple[Callable[..., Any], tuple[torch.Tensor, ...]]]:
