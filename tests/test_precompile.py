@@ -43,6 +43,7 @@ SCRIPT = textwrap.dedent(
         "steps": steps,
         "graphs_traced": counters["stats"]["unique_graphs"],
         "compiles": stats["compiles"],
+        "warm_ups": stats["warm_ups"],
         "dynamo_cache": dict(counters["dynamo_cache"]),
     }))
     """
@@ -71,6 +72,9 @@ def test_second_process_loads_precompiled_frames_without_tracing_or_compiling(tm
     for r in (first, second):
         assert r["diff"] <= 1e-6
         assert r["steps"] == 1  # the in-graph buffer update lands without AOTAutograd's wrapper
+        # The executable ran once on zeros while Dynamo built the frame (its zeros for the
+        # updated buffer were its own: `steps` saw one update).
+        assert r["warm_ups"] == 1
 
 
 # A forward wrapped by a decorator from another module (as transformers' `can_return_tuple` and

@@ -1,5 +1,6 @@
 """End to end through backend="tpu": numerics, caching, resident parameters, errors."""
 import gc
+import json
 import logging
 import os
 import re
@@ -253,6 +254,70 @@ def test_in_place_update_bumps_the_version_once_without_the_wrapper():
         torch.testing.assert_close(buf, want)
         torch.testing.assert_close(total, want.sum())
         torch.testing.assert_close(step(buf), (want + 1).sum())
+
+
+def test_a_compiled_graph_runs_once_on_zeros_before_its_first_call():
+    """The first execute pays XLA's one-time setup, so the backend runs it on zeros in the
+    background while Dynamo finishes the frame (python/src/warm_up.rs); the input the graph
+    updates in place gets zeros of its own, so the user's tensor sees only the real update."""
+    buf, w = torch.randn(64), torch.randn(64)
+    step = compile_tpu(lambda b, x: (b.mul_(x).add_(w).tanh(), b.sum()))
+    with torch.no_grad():
+        want_buf = buf * 0.5 + w
+        out, total = step(buf, torch.full((64,), 0.5))
+    torch.testing.assert_close(buf, want_buf)
+    torch.testing.assert_close(out, want_buf.tanh())
+    torch.testing.assert_close(total, want_buf.sum())
+    s = tpu_dynamo.stats()
+    assert (s["warm_ups"], s["executions"]) == (1, 1) and s["warm_up_seconds"] > 0
+    torch._dynamo.reset()
+    with torch.no_grad():  # the same executable again: it has run, no second warm-up
+        compile_tpu(lambda b, x: (b.mul_(x).add_(w).tanh(), b.sum()))(buf, torch.ones(64))
+    assert tpu_dynamo.stats()["warm_ups"] == 1
+
+
+def test_a_graph_loaded_in_the_background_raises_what_compile_raises(monkeypatch):
+    graphs = []
+    compile_now = _native.compile
+    monkeypatch.setattr(_native, "compile", lambda j, **kw: graphs.append(j) or compile_now(j, **kw))
+    with torch.no_grad():
+        compile_tpu(ScaleShift(8))(torch.randn(2, 8))
+    (graph,) = graphs
+    loaded = _native.compile_in_background(graph).result()
+    assert loaded.memory_hit and loaded.graph_hash == _native.graph_hash(graph)
+    ir = json.loads(graph)
+    ir["graph"]["nodes"][0]["op"] = "aten.no_such_op.default"
+    loading = _native.compile_in_background(json.dumps(ir))
+    with pytest.raises(tpu_dynamo.LowerError, match="aten.no_such_op.default"):
+        loading.result()
+    with pytest.raises(ValueError, match="failed before"):
+        loading.result()
+    with pytest.raises(ValueError, match="malformed graph IR JSON"):
+        _native.compile_in_background("{")
+
+
+EXIT_PROBE = """
+import atexit, json, sys
+# Registered before tpu_dynamo's own handler, so it runs after it.
+atexit.register(lambda: print("warm-ups at exit:", sys.modules["tpu_dynamo"].stats()["warm_ups"]))
+import torch, tpu_dynamo
+from tpu_dynamo import _native
+graphs = []
+compile_now = _native.compile
+_native.compile = lambda j, **kw: graphs.append(j) or compile_now(j, **kw)
+m = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
+with torch.no_grad():
+    torch.compile(m, backend="tpu")(torch.randn(256, 512))
+tpu_dynamo.reset_stats()  # forgets the executable in memory: the next one comes from disk
+_native.compile(graphs[0]).warm_up()
+"""
+
+
+def test_a_process_exits_after_its_warm_ups():
+    """The process waits for a warm-up in flight instead of tearing the plugin down under it."""
+    out = subprocess.run([sys.executable, "-c", EXIT_PROBE], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["warm-ups", "at", "exit:", "1"]
 
 
 def test_identical_graphs_share_an_executable():

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 use std::time::Instant;
 
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 use tpu_dynamo_cache::{
@@ -23,6 +23,7 @@ use crate::host_view::{self, Memory, Shared};
 use crate::counters::{add_time, STATS};
 use crate::persist::{disk_cache, log_warnings};
 use crate::resident;
+use crate::warm_up::{self, FirstRun};
 
 /// Bumped when anything that shapes an executable changes without changing the IR bytes.
 const CACHE_VERSION: &str = concat!("tpu_dynamo ", env!("CARGO_PKG_VERSION"), " cache v1");
@@ -34,6 +35,7 @@ struct Entry {
     stablehlo: Option<Arc<str>>,
     inputs: Vec<TensorSpec>,
     outputs: Vec<TensorSpec>,
+    first_run: FirstRun,
 }
 
 impl Entry {
@@ -51,7 +53,7 @@ impl Entry {
                 outputs.len()
             )));
         }
-        Ok(Entry { exe, stablehlo, inputs, outputs })
+        Ok(Entry { exe, stablehlo, inputs, outputs, first_run: FirstRun::default() })
     }
 }
 
@@ -308,24 +310,30 @@ pub fn compile(py: Python<'_>, graph_json: &str, need_stablehlo: bool) -> PyResu
 
 /// `compile` for an already parsed graph (a symbolic graph's specialization skips the JSON).
 pub fn compile_graph(py: Python<'_>, json: &GraphWithSources, need_stablehlo: bool) -> PyResult<CompiledGraph> {
-    let canonical = json.graph.canonical_bytes();
-    let graph_hash = blake3::hash(&canonical).to_hex().to_string();
-    let target = target().map_err(runtime_err)?;
     let mut warnings = vec![];
-    let found = py.detach(|| {
-        let (entry, source) = find_or_build(&target, json, &canonical, &mut warnings)?;
-        let stablehlo = match &entry.stablehlo {
-            None if need_stablehlo => Some(lower_graph(json)?.text.into()),
-            text => text.clone(),
-        };
-        Ok((entry, source, stablehlo))
-    });
+    let compiled = py.detach(|| obtain(json, need_stablehlo, &mut warnings));
     log_warnings(py, &warnings)?;
-    let (entry, source, stablehlo) = found.map_err(|f| match f {
+    compiled.map_err(raise)
+}
+
+fn raise(failure: Failure) -> PyErr {
+    match failure {
         Failure::Lower(e) => lower_err(e),
         Failure::Panic(msg) => LowerError::new_err(format!("tpu_dynamo: internal compiler error (panic): {msg}")),
         Failure::Runtime(e) => runtime_err(e),
-    })?;
+    }
+}
+
+/// `compile_graph` without the GIL; what the log should say goes to `warnings`.
+fn obtain(json: &GraphWithSources, need_stablehlo: bool, warnings: &mut Vec<String>) -> Result<CompiledGraph, Failure> {
+    let canonical = json.graph.canonical_bytes();
+    let graph_hash = blake3::hash(&canonical).to_hex().to_string();
+    let target = target().map_err(Failure::Runtime)?;
+    let (entry, source) = find_or_build(&target, json, &canonical, warnings)?;
+    let stablehlo = match &entry.stablehlo {
+        None if need_stablehlo => Some(lower_graph(json)?.text.into()),
+        text => text.clone(),
+    };
     if source == Source::Memory {
         STATS.memory_hits.fetch_add(1, Relaxed);
     }
@@ -341,6 +349,51 @@ pub fn compile_graph(py: Python<'_>, json: &GraphWithSources, need_stablehlo: bo
         memory_hit: source == Source::Memory,
         disk_hit: source == Source::Disk,
     })
+}
+
+/// What the loading thread of `compile_in_background` ends with.
+type Obtained = (Result<CompiledGraph, Failure>, Vec<String>);
+
+/// `compile`, and the first execute on zeros (`warm_up`), on a thread of its own: for a graph
+/// whose first call is preceded by other work, as a precompiled frame's by Dynamo building its
+/// guards. The graph's JSON is checked now; anything else goes wrong at `result()`.
+#[pyfunction]
+pub fn compile_in_background(graph_json: &str) -> PyResult<Loading> {
+    let json = crate::parse(graph_json)?;
+    let thread = std::thread::Builder::new()
+        .name("tpu_dynamo load".into())
+        .spawn(move || {
+            let mut warnings = vec![];
+            let compiled = obtain(&json, false, &mut warnings);
+            if let Ok(graph) = &compiled {
+                graph.warm_up();
+                graph.entry.first_run.wait();
+            }
+            (compiled, warnings)
+        })
+        .map_err(|e| PyRuntimeError::new_err(format!("tpu_dynamo: cannot start a thread to load a graph: {e}")))?;
+    Ok(Loading { thread: Mutex::new(Some(thread)) })
+}
+
+/// A graph being obtained by `compile_in_background`.
+#[pyclass(frozen, module = "tpu_dynamo._native")]
+pub struct Loading {
+    thread: Mutex<Option<std::thread::JoinHandle<Obtained>>>,
+}
+
+#[pymethods]
+impl Loading {
+    /// Waits for the graph; raises what `compile` would have raised. Once only: the graph is
+    /// moved out.
+    fn result(&self, py: Python<'_>) -> PyResult<CompiledGraph> {
+        let thread = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let thread = thread.ok_or_else(|| PyValueError::new_err("tpu_dynamo: loading this graph failed before (see the first error)"))?;
+        let (compiled, warnings) = py
+            .detach(|| thread.join())
+            .unwrap_or_else(|_| (Err(Failure::Panic("in the thread loading a graph".into())), vec![]));
+        log_warnings(py, &warnings)?;
+        compiled.map_err(raise)
+    }
 }
 
 /// A byte slice over caller-owned memory; a null pointer is fine for zero bytes.
@@ -641,6 +694,7 @@ impl CompiledGraph {
         let mut unpinned = vec![];
         let ran = py.detach(|| -> Result<_, RtError> {
             let start = Instant::now();
+            self.entry.first_run.wait();
             let args = self.input_buffers(&inputs, &mut unpinned)?;
             let mut held: Vec<Held> = args.iter().map(Arg::hold).collect();
             let refs: Vec<&Buffer> = held.iter().map(Held::buffer).collect();
@@ -680,6 +734,20 @@ impl CompiledGraph {
         Ok((repoint, handed))
     }
 
+    /// Starts the executable's first execute on zeros in the background (see `warm_up.rs`),
+    /// unless it has run already or the plugin computes on a device. For an executable obtained
+    /// ahead of its first call, with other work to do in between.
+    fn warm_up(&self) {
+        if !self.target.host_memory {
+            return;
+        }
+        let (entry, target) = (self.entry.clone(), self.target.clone());
+        let donated: Vec<usize> = self.aliases.iter().map(|&(i, _)| i).collect();
+        self.entry.first_run.start(move || {
+            let _ = warm_up::run_on_zeros(&target, &entry.exe, &entry.inputs, &donated);
+        });
+    }
+
     /// Whether results come back as memory handed over (`run`'s `(0, nbytes)` outputs) rather than
     /// copied into host tensors the caller allocates: when the plugin computes in host memory, the
     /// result buffer itself becomes the tensor's storage, with no copy and no allocation.
@@ -705,6 +773,7 @@ impl CompiledGraph {
         }
         let mut unpinned = vec![];
         let timed = py.detach(|| -> Result<Vec<f64>, RtError> {
+            self.entry.first_run.wait();
             let args = self.input_buffers(&inputs, &mut unpinned)?;
             let held: Vec<Held> = args.iter().map(Arg::hold).collect();
             let args: Vec<&Buffer> = held.iter().map(Held::buffer).collect();

@@ -43,6 +43,9 @@ pub struct Stats {
     /// Concrete graphs made from a symbolic one, and the time that took (compiles excluded).
     pub specializations: AtomicU64,
     pub specialize_nanos: AtomicU64,
+    /// First executes run on zeros in the background (`warm_up.rs`), and the time they took.
+    pub warm_ups: AtomicU64,
+    pub warm_up_nanos: AtomicU64,
 }
 
 pub static STATS: Stats = Stats {
@@ -71,6 +74,8 @@ pub static STATS: Stats = Stats {
     view_hits: AtomicU64::new(0),
     updates_in_place: AtomicU64::new(0),
     updates_copied: AtomicU64::new(0),
+    warm_ups: AtomicU64::new(0),
+    warm_up_nanos: AtomicU64::new(0),
 };
 
 pub fn add_time(counter: &AtomicU64, d: Duration) {
@@ -78,7 +83,7 @@ pub fn add_time(counter: &AtomicU64, d: Duration) {
 }
 
 impl Stats {
-    fn all(&self) -> [(&'static str, &AtomicU64); 25] {
+    fn all(&self) -> [(&'static str, &AtomicU64); 27] {
         [
             ("compiles", &self.compiles),
             ("memory_hits", &self.memory_hits),
@@ -105,6 +110,8 @@ impl Stats {
             ("symbolic_graphs", &self.symbolic_graphs),
             ("specializations", &self.specializations),
             ("specialize_seconds", &self.specialize_nanos),
+            ("warm_ups", &self.warm_ups),
+            ("warm_up_seconds", &self.warm_up_nanos),
         ]
     }
 

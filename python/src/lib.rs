@@ -7,6 +7,7 @@ mod host_view;
 mod persist;
 mod resident;
 mod symbolic;
+mod warm_up;
 mod weak_map;
 
 use pyo3::exceptions::PyValueError;
@@ -84,11 +85,14 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<compiled::CompiledGraph>()?;
     m.add_class::<symbolic::SymbolicGraph>()?;
     m.add_function(wrap_pyfunction!(compiled::compile, m)?)?;
+    m.add_class::<compiled::Loading>()?;
+    m.add_function(wrap_pyfunction!(compiled::compile_in_background, m)?)?;
     m.add_function(wrap_pyfunction!(canonical_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(graph_hash, m)?)?;
     m.add_function(wrap_pyfunction!(stats, m)?)?;
     m.add_function(wrap_pyfunction!(reset_stats, m)?)?;
     m.add_function(wrap_pyfunction!(device_info, m)?)?;
+    m.add_function(wrap_pyfunction!(warm_up::finish_warm_ups, m)?)?;
     m.add_function(wrap_pyfunction!(supported_ops, m)?)?;
     m.add("MLIR_VERSION", tpu_dynamo_compiler::MLIR_VERSION)?;
     m.add("COMPILER_SOURCE_HASH", tpu_dynamo_compiler::SOURCE_HASH)?;

@@ -13,6 +13,8 @@ _os.environ.setdefault(
     _os.pathsep.join(dict.fromkeys([*_site.getsitepackages(), *filter(None, _sys.path)])),
 )
 
+import atexit as _atexit  # noqa: E402
+
 from ._native import (  # noqa: E402
     LowerError,
     PjrtError,
@@ -25,6 +27,10 @@ from ._native import (  # noqa: E402
     reset_stats,
     stats,
 )
+from ._native import finish_warm_ups as _finish_warm_ups  # noqa: E402
+
+# A process must not tear the plugin down under a warm-up's execute (see CompiledGraph.warm_up).
+_atexit.register(_finish_warm_ups)
 
 __all__ = [
     "LowerError",

@@ -47,6 +47,9 @@ class CompiledGraph:
         call it only through `tpu_dynamo.executable.Executable`."""
     def bench_execute(self, tensors: list[Any], inputs: Sequence[tuple[int, int, int]], n: int) -> list[float]:
         """Seconds per bare PJRT execute, `n` times, inputs uploaded once (as for `run`)."""
+    def warm_up(self) -> None:
+        """Starts the first execute, on zeros, in the background where the plugin computes in
+        host memory (the first execute pays XLA's one-time setup); the first `run` waits for it."""
 
 MLIR_VERSION: str
 """The LLVM/MLIR release the compiler links."""
@@ -54,6 +57,17 @@ COMPILER_SOURCE_HASH: str
 """blake3 of the lowering rules' sources; part of every executable's cache key."""
 
 def compile(graph_json: str, need_stablehlo: bool = False) -> CompiledGraph: ...
+def compile_in_background(graph_json: str) -> Loading:
+    """compile() and a first execute on zeros (warm_up) on a thread of its own."""
+
+class Loading:
+    """A graph being obtained by compile_in_background()."""
+
+    def result(self) -> CompiledGraph:
+        """Waits for it; raises what compile() would have raised. Once only."""
+
+def finish_warm_ups() -> None:
+    """Waits until no warm-up runs (called at exit)."""
 def canonical_bytes(graph_json: str) -> bytes: ...
 def graph_hash(graph_json: str) -> str: ...
 def stats() -> dict[str, int | float]: ...

@@ -126,6 +126,8 @@ def _aot_compile(
         if symbolic:
             return PerShape(aten_gm, kinds, opts, bumps)
         executable = compile_graph(aten_gm, kinds, opts, bumps)
+        # Dynamo builds the frame's guards and code before the first call: time for a warm-up.
+        executable.native.warm_up()
         if direct.wrapper_free(aten_gm, len(args)):
             unwrapped.append(executable)
             # Set by Dynamo only under `caching_precompile`.

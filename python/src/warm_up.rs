@@ -1,0 +1,129 @@
+//! An executable's first execute in a process pays XLA's one-time setup of its kernels (the
+//! bench's UNet: 160-200 ms against 30 ms in steady state), whatever the inputs. An executable
+//! obtained before its first call (a Dynamo graph compiled or loaded from disk, a precompiled
+//! frame's graph loaded) therefore runs once on zeros on a thread of its own, while Dynamo
+//! finishes the frame (guards, bytecode) on the calling one; its first call waits for that run.
+//!
+//! Only where the plugin computes in host memory: there every input of the warm-up is a view of
+//! one zeroed block. On a device the zeros would be a second copy of all the inputs (a model's
+//! weights) in device memory.
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Condvar, Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use pyo3::prelude::*;
+use tpu_dynamo_runtime::{Buffer, Error as RtError, Executable, TensorSpec};
+
+use crate::counters::{add_time, STATS};
+use crate::device::Target;
+
+/// Whether an executable has had its first execute, and the warm-up running it, if any.
+#[derive(Default)]
+pub struct FirstRun {
+    done: AtomicBool,
+    warming: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl FirstRun {
+    /// Before an execute: waits for a warm-up in flight. Once done, one atomic load.
+    pub fn wait(&self) {
+        if self.done.load(Ordering::Acquire) {
+            return;
+        }
+        let warming = self.warming.lock().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(handle) = warming {
+            // A panic in the warm-up cost nothing but the warm-up: the call runs as if cold.
+            let _ = handle.join();
+        }
+        self.done.store(true, Ordering::Release);
+    }
+
+    /// Starts `run` (the warm-up execute) on a thread of its own unless the executable has run
+    /// or is warming up already.
+    pub fn start(&self, run: impl FnOnce() + Send + 'static) {
+        let mut warming = self.warming.lock().unwrap_or_else(PoisonError::into_inner);
+        if self.done.load(Ordering::Acquire) || warming.is_some() {
+            return;
+        }
+        *IN_FLIGHT.0.lock().unwrap_or_else(PoisonError::into_inner) += 1;
+        let spawned = std::thread::Builder::new().name("tpu_dynamo warm-up".into()).spawn(move || {
+            let _finished = Finished;
+            run();
+        });
+        match spawned {
+            Ok(handle) => *warming = Some(handle),
+            // No thread to spare: the first call pays the setup itself.
+            Err(_) => Finished::done(),
+        }
+    }
+}
+
+/// Warm-ups in flight, so that the process can wait for them before the plugin is torn down.
+static IN_FLIGHT: (Mutex<usize>, Condvar) = (Mutex::new(0), Condvar::new());
+
+/// Counts a warm-up thread out however it ends.
+struct Finished;
+
+impl Finished {
+    fn done() {
+        let (count, all_done) = &IN_FLIGHT;
+        *count.lock().unwrap_or_else(PoisonError::into_inner) -= 1;
+        all_done.notify_all();
+    }
+}
+
+impl Drop for Finished {
+    fn drop(&mut self) {
+        Finished::done();
+    }
+}
+
+/// Waits until no warm-up runs (registered with `atexit`: a process must not exit, tearing the
+/// plugin down, under an execute in flight).
+#[pyfunction]
+pub fn finish_warm_ups(py: Python<'_>) {
+    py.detach(|| {
+        let (count, all_done) = &IN_FLIGHT;
+        let guard = count.lock().unwrap_or_else(PoisonError::into_inner);
+        drop(all_done.wait_while(guard, |n| *n > 0).unwrap_or_else(PoisonError::into_inner));
+    });
+}
+
+/// A zeroed block aligned as the CPU plugins need for taking host memory in place.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Zeros([u8; 64]);
+
+/// One execute of `exe` on zeros; `donated`: inputs the execute consumes (each gets a copy of
+/// its own, the others view one shared block). Errors are the first call's to report.
+pub fn run_on_zeros(target: &Target, exe: &Executable, inputs: &[TensorSpec], donated: &[usize]) -> Result<(), RtError> {
+    let start = Instant::now();
+    let sizes = inputs.iter().map(TensorSpec::byte_size).collect::<Result<Vec<_>, _>>()?;
+    let largest = sizes.iter().copied().max().unwrap_or(0);
+    let block = vec![Zeros([0; 64]); largest.div_ceil(64)];
+    // SAFETY: `block` owns at least `largest` initialized bytes and outlives `buffers`.
+    let zeros = unsafe { std::slice::from_raw_parts(block.as_ptr().cast::<u8>(), largest) };
+    let buffers = inputs
+        .iter()
+        .zip(&sizes)
+        .enumerate()
+        .map(|(i, (spec, &size))| {
+            let data = &zeros[..size];
+            if donated.contains(&i) {
+                target.client.buffer_from_host(data, spec, &target.device)
+            } else {
+                // SAFETY: `block` is neither freed nor written before `buffers` are dropped.
+                unsafe { target.client.buffer_over_host(data, spec, &target.device) }
+            }
+        })
+        .collect::<Result<Vec<Buffer>, _>>()?;
+    let args: Vec<&Buffer> = buffers.iter().collect();
+    let ran = exe.execute(&args).map(drop);
+    drop(args);
+    drop(buffers);
+    drop(block);
+    STATS.warm_ups.fetch_add(1, Ordering::Relaxed);
+    add_time(&STATS.warm_up_nanos, start.elapsed());
+    ran
+}
