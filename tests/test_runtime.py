@@ -310,11 +310,13 @@ with torch.no_grad():
     torch.compile(m, backend="tpu")(torch.randn(256, 512))
 tpu_dynamo.reset_stats()  # forgets the executable in memory: the next one comes from disk
 _native.compile(graphs[0]).warm_up()
+loading = _native.compile_in_background(graphs[0])  # never waited for
 """
 
 
-def test_a_process_exits_after_its_warm_ups():
-    """The process waits for a warm-up in flight instead of tearing the plugin down under it."""
+def test_a_process_exits_after_its_background_work():
+    """The process waits for a warm-up or a load in flight instead of tearing the plugin down
+    under it."""
     out = subprocess.run([sys.executable, "-c", EXIT_PROBE], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["warm-ups", "at", "exit:", "1"]

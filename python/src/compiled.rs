@@ -360,18 +360,16 @@ type Obtained = (Result<CompiledGraph, Failure>, Vec<String>);
 #[pyfunction]
 pub fn compile_in_background(graph_json: &str) -> PyResult<Loading> {
     let json = crate::parse(graph_json)?;
-    let thread = std::thread::Builder::new()
-        .name("tpu_dynamo load".into())
-        .spawn(move || {
-            let mut warnings = vec![];
-            let compiled = obtain(&json, false, &mut warnings);
-            if let Ok(graph) = &compiled {
-                graph.warm_up();
-                graph.entry.first_run.wait();
-            }
-            (compiled, warnings)
-        })
-        .map_err(|e| PyRuntimeError::new_err(format!("tpu_dynamo: cannot start a thread to load a graph: {e}")))?;
+    let thread = warm_up::spawn("tpu_dynamo load", move || {
+        let mut warnings = vec![];
+        let compiled = obtain(&json, false, &mut warnings);
+        if let Ok(graph) = &compiled {
+            graph.warm_up();
+            graph.entry.first_run.wait();
+        }
+        (compiled, warnings)
+    })
+    .map_err(|e| PyRuntimeError::new_err(format!("tpu_dynamo: cannot start a thread to load a graph: {e}")))?;
     Ok(Loading { thread: Mutex::new(Some(thread)) })
 }
 

@@ -92,7 +92,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(stats, m)?)?;
     m.add_function(wrap_pyfunction!(reset_stats, m)?)?;
     m.add_function(wrap_pyfunction!(device_info, m)?)?;
-    m.add_function(wrap_pyfunction!(warm_up::finish_warm_ups, m)?)?;
+    m.add_function(wrap_pyfunction!(warm_up::finish_background_work, m)?)?;
     m.add_function(wrap_pyfunction!(supported_ops, m)?)?;
     m.add("MLIR_VERSION", tpu_dynamo_compiler::MLIR_VERSION)?;
     m.add("COMPILER_SOURCE_HASH", tpu_dynamo_compiler::SOURCE_HASH)?;

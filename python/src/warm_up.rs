@@ -40,29 +40,34 @@ impl FirstRun {
     }
 
     /// Starts `run` (the warm-up execute) on a thread of its own unless the executable has run
-    /// or is warming up already.
+    /// or is warming up already. Without a thread to spare the first call pays the setup itself.
     pub fn start(&self, run: impl FnOnce() + Send + 'static) {
         let mut warming = self.warming.lock().unwrap_or_else(PoisonError::into_inner);
         if self.done.load(Ordering::Acquire) || warming.is_some() {
             return;
         }
-        *IN_FLIGHT.0.lock().unwrap_or_else(PoisonError::into_inner) += 1;
-        let spawned = std::thread::Builder::new().name("tpu_dynamo warm-up".into()).spawn(move || {
-            let _finished = Finished;
-            run();
-        });
-        match spawned {
-            Ok(handle) => *warming = Some(handle),
-            // No thread to spare: the first call pays the setup itself.
-            Err(_) => Finished::done(),
-        }
+        *warming = spawn("tpu_dynamo warm-up", run).ok();
     }
 }
 
-/// Warm-ups in flight, so that the process can wait for them before the plugin is torn down.
+/// Runs `work` on a thread of its own, counted until it ends, so that the process can wait for
+/// it before the plugin is torn down (`finish_background_work`).
+pub fn spawn<T: Send + 'static>(name: &str, work: impl FnOnce() -> T + Send + 'static) -> std::io::Result<JoinHandle<T>> {
+    *IN_FLIGHT.0.lock().unwrap_or_else(PoisonError::into_inner) += 1;
+    let spawned = std::thread::Builder::new().name(name.into()).spawn(move || {
+        let _finished = Finished;
+        work()
+    });
+    if spawned.is_err() {
+        Finished::done();
+    }
+    spawned
+}
+
+/// Threads of `spawn` still running.
 static IN_FLIGHT: (Mutex<usize>, Condvar) = (Mutex::new(0), Condvar::new());
 
-/// Counts a warm-up thread out however it ends.
+/// Counts a thread of `spawn` out however it ends.
 struct Finished;
 
 impl Finished {
@@ -79,10 +84,10 @@ impl Drop for Finished {
     }
 }
 
-/// Waits until no warm-up runs (registered with `atexit`: a process must not exit, tearing the
-/// plugin down, under an execute in flight).
+/// Waits until no warm-up or background load runs (registered with `atexit`: a process must not
+/// exit, tearing the plugin down, under an execute or a load in flight).
 #[pyfunction]
-pub fn finish_warm_ups(py: Python<'_>) {
+pub fn finish_background_work(py: Python<'_>) {
     py.detach(|| {
         let (count, all_done) = &IN_FLIGHT;
         let guard = count.lock().unwrap_or_else(PoisonError::into_inner);

@@ -27,10 +27,10 @@ from ._native import (  # noqa: E402
     reset_stats,
     stats,
 )
-from ._native import finish_warm_ups as _finish_warm_ups  # noqa: E402
+from ._native import finish_background_work as _finish_background_work  # noqa: E402
 
-# A process must not tear the plugin down under a warm-up's execute (see CompiledGraph.warm_up).
-_atexit.register(_finish_warm_ups)
+# A process must not tear the plugin down under a warm-up's execute or a background load.
+_atexit.register(_finish_background_work)
 
 __all__ = [
     "LowerError",

@@ -66,8 +66,9 @@ class Loading:
     def result(self) -> CompiledGraph:
         """Waits for it; raises what compile() would have raised. Once only."""
 
-def finish_warm_ups() -> None:
-    """Waits until no warm-up runs (called at exit)."""
+def finish_background_work() -> None:
+    """Waits until no warm-up or background load runs (called at exit)."""
+
 def canonical_bytes(graph_json: str) -> bytes: ...
 def graph_hash(graph_json: str) -> str: ...
 def stats() -> dict[str, int | float]: ...

@@ -52,7 +52,6 @@ def decompositions() -> dict[Any, Callable[..., Any]]:
     return table
 
 
-
 def _dynamo_kind(node: torch.fx.Node, value: Any) -> InputKind:
     """Parameter/buffer/constant for the module state Dynamo lifted to inputs, else user.
 

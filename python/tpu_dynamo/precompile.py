@@ -4,8 +4,9 @@ With `torch._dynamo.config.caching_precompile = True` (or `TORCH_CACHING_PRECOMP
 keeps each compiled frame (bytecode and guards), and `torch.compiler.save_cache_artifacts()`
 writes it to Dynamo's disk cache together with one artifact per backend call. A later process
 with the same setting loads the frame when the function is compiled and calls the artifacts
-instead of tracing. Ours is the converted graph: loading it finds the executable in our disk
-cache, so the first call only checks guards, loads and runs.
+instead of tracing. Ours is the converted graph: its executable is found in our disk cache, on
+another thread while Dynamo builds the frame's guards (`Loading`), so the first call only checks
+guards and runs.
 
 Stored are the graphs the backend already calls without AOTAutograd's runtime wrapper
 (`direct.wrapper_free`): nothing of AOTAutograd is needed to call them again. For any other
