@@ -5,6 +5,7 @@
 //! into the concrete graph for one call's shapes; `padding` proves when a symbolic graph may run
 //! on padded inputs (buckets).
 
+pub mod cost;
 pub mod ir;
 pub mod lower;
 pub mod padding;

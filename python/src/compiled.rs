@@ -14,7 +14,7 @@ use tpu_dynamo_cache::{
     DiskCache, Entry as DiskEntry, Key, KeyBuilder, Lookup, MemoryStore, Mode, PluginIdentity, PutError, TensorSig,
 };
 use tpu_dynamo_compiler::ir::{GraphWithSources, TensorType};
-use tpu_dynamo_compiler::{lower, LowerError as CompilerLowerError, Lowered, MLIR_VERSION, SOURCE_HASH};
+use tpu_dynamo_compiler::{cost, lower, LowerError as CompilerLowerError, Lowered, MLIR_VERSION, SOURCE_HASH};
 use tpu_dynamo_runtime::{Buffer, CompileOptions, DType, Error as RtError, Executable, Program, ProgramCode, TensorSpec};
 
 use crate::device::{target, Target};
@@ -293,6 +293,9 @@ pub struct CompiledGraph {
     stablehlo: Option<Arc<str>>,
     #[pyo3(get)]
     graph_hash: String,
+    /// One execute's arithmetic, roughly (`tpu_dynamo_compiler::cost`).
+    #[pyo3(get)]
+    flops: f64,
     #[pyo3(get)]
     memory_hit: bool,
     #[pyo3(get)]
@@ -346,6 +349,7 @@ fn obtain(json: &GraphWithSources, need_stablehlo: bool, warnings: &mut Vec<Stri
         aliases,
         stablehlo,
         graph_hash,
+        flops: cost::flops(&json.graph),
         memory_hit: source == Source::Memory,
         disk_hit: source == Source::Disk,
     })
@@ -733,10 +737,11 @@ impl CompiledGraph {
     }
 
     /// Starts the executable's first execute on zeros in the background (see `warm_up.rs`),
-    /// unless it has run already or the plugin computes on a device. For an executable obtained
-    /// ahead of its first call, with other work to do in between.
+    /// unless it has run already, the plugin computes on a device or an execute costs too much
+    /// to hide. For an executable obtained ahead of its first call, with other work to do in
+    /// between.
     fn warm_up(&self) {
-        if !self.target.host_memory {
+        if !self.target.host_memory || !warm_up::affordable(self.flops, &self.entry.inputs) {
             return;
         }
         let (entry, target) = (self.entry.clone(), self.target.clone());

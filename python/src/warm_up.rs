@@ -6,7 +6,8 @@
 //!
 //! Only where the plugin computes in host memory: there every input of the warm-up is a view of
 //! one zeroed block. On a device the zeros would be a second copy of all the inputs (a model's
-//! weights) in device memory.
+//! weights) in device memory. And only for an execute cheap enough to hide behind Dynamo's work
+//! (`affordable`): a big model's would delay its first call by most of an execute.
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
@@ -93,6 +94,17 @@ pub fn finish_background_work(py: Python<'_>) {
         let guard = count.lock().unwrap_or_else(PoisonError::into_inner);
         drop(all_done.wait_while(guard, |n| *n > 0).unwrap_or_else(PoisonError::into_inner));
     });
+}
+
+/// Whether one execute of a graph doing `flops` (`tpu_dynamo_compiler::cost`) on `inputs` is
+/// likely to take less than Dynamo's work between the backend's return and the first call (a
+/// few tenths of a second): at most ~10 GFLOP (0.2-0.3 s on the 2-vCPU bench machine, which
+/// runs the bench's UNet, 1.1 GFLOP, in 30 ms) and at most 1 GiB of inputs to read.
+pub fn affordable(flops: f64, inputs: &[TensorSpec]) -> bool {
+    const MAX_FLOPS: f64 = 1e10;
+    const MAX_INPUT_BYTES: usize = 1 << 30;
+    let bytes: usize = inputs.iter().map(|s| s.byte_size().unwrap_or(usize::MAX)).fold(0, usize::saturating_add);
+    flops <= MAX_FLOPS && bytes <= MAX_INPUT_BYTES
 }
 
 /// A zeroed block aligned as the CPU plugins need for taking host memory in place.

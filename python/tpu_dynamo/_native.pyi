@@ -23,6 +23,10 @@ class CompiledGraph:
     @property
     def disk_hit(self) -> bool: ...
     @property
+    def flops(self) -> float:
+        """One execute's arithmetic, roughly: two per multiply-add of matrix products,
+        convolutions and attention, one per output element of other ops."""
+    @property
     def stablehlo(self) -> str | None:
         """None after a disk cache hit unless compile() was called with need_stablehlo=True."""
     @property
@@ -49,7 +53,8 @@ class CompiledGraph:
         """Seconds per bare PJRT execute, `n` times, inputs uploaded once (as for `run`)."""
     def warm_up(self) -> None:
         """Starts the first execute, on zeros, in the background where the plugin computes in
-        host memory (the first execute pays XLA's one-time setup); the first `run` waits for it."""
+        host memory and the execute is cheap enough to hide (the first execute pays XLA's
+        one-time setup); the first `run` waits for it."""
 
 MLIR_VERSION: str
 """The LLVM/MLIR release the compiler links."""
