@@ -8,6 +8,8 @@
 //! one zeroed block. On a device the zeros would be a second copy of all the inputs (a model's
 //! weights) in device memory. And only for an execute cheap enough to hide behind Dynamo's work
 //! (`affordable`): a big model's would delay its first call by most of an execute.
+use std::alloc::Layout;
+use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
@@ -107,10 +109,35 @@ pub fn affordable(flops: f64, inputs: &[TensorSpec]) -> bool {
     flops <= MAX_FLOPS && bytes <= MAX_INPUT_BYTES
 }
 
-/// A zeroed block aligned as the CPU plugins need for taking host memory in place.
-#[derive(Clone, Copy)]
-#[repr(C, align(64))]
-struct Zeros([u8; 64]);
+/// Zeroed host memory aligned as the CPU plugins need for taking it in place. From the
+/// allocator's zeroing path (`calloc`), so that memory fresh from the system is not written:
+/// reading it maps the kernel's zero page, and a model's largest weight costs no resident copy.
+struct ZeroBlock {
+    ptr: NonNull<u8>,
+    layout: Layout,
+}
+
+impl ZeroBlock {
+    fn new(len: usize) -> Option<ZeroBlock> {
+        let layout = Layout::from_size_align(len.max(1), 64).ok()?;
+        // SAFETY: the layout's size is not zero.
+        let ptr = NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) })?;
+        Some(ZeroBlock { ptr, layout })
+    }
+
+    fn bytes(&self, len: usize) -> &[u8] {
+        assert!(len <= self.layout.size());
+        // SAFETY: `ptr` holds `layout.size()` zeroed bytes for as long as `self` lives.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), len) }
+    }
+}
+
+impl Drop for ZeroBlock {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
 
 /// One execute of `exe` on zeros; `donated`: inputs the execute consumes (each gets a copy of
 /// its own, the others view one shared block). Errors are the first call's to report.
@@ -118,15 +145,14 @@ pub fn run_on_zeros(target: &Target, exe: &Executable, inputs: &[TensorSpec], do
     let start = Instant::now();
     let sizes = inputs.iter().map(TensorSpec::byte_size).collect::<Result<Vec<_>, _>>()?;
     let largest = sizes.iter().copied().max().unwrap_or(0);
-    let block = vec![Zeros([0; 64]); largest.div_ceil(64)];
-    // SAFETY: `block` owns at least `largest` initialized bytes and outlives `buffers`.
-    let zeros = unsafe { std::slice::from_raw_parts(block.as_ptr().cast::<u8>(), largest) };
+    let block = ZeroBlock::new(largest)
+        .ok_or_else(|| RtError::InvalidArgument(format!("cannot allocate {largest} zero bytes for a warm-up")))?;
     let buffers = inputs
         .iter()
         .zip(&sizes)
         .enumerate()
         .map(|(i, (spec, &size))| {
-            let data = &zeros[..size];
+            let data = block.bytes(size);
             if donated.contains(&i) {
                 target.client.buffer_from_host(data, spec, &target.device)
             } else {
