@@ -276,27 +276,35 @@ def test_a_compiled_graph_runs_once_on_zeros_before_its_first_call():
     assert tpu_dynamo.stats()["warm_ups"] == 1
 
 
-def test_an_execute_too_dear_to_hide_gets_no_warm_up(monkeypatch):
+@pytest.fixture
+def compiled(monkeypatch):
+    """`(graph JSON, CompiledGraph)` of every `_native.compile` call the test makes."""
+    calls = []
+    compile_now = _native.compile
+
+    def recording(graph_json, **kwargs):
+        calls.append((graph_json, compile_now(graph_json, **kwargs)))
+        return calls[-1][1]
+
+    monkeypatch.setattr(_native, "compile", recording)
+    return calls
+
+
+def test_an_execute_too_dear_to_hide_gets_no_warm_up(compiled):
     """A big model's warm-up would delay its first call by most of an execute; the backend
     estimates one execute's arithmetic from the graph and skips it above ~10 GFLOP."""
-    graphs = []
-    compile_now = _native.compile
-    monkeypatch.setattr(_native, "compile", lambda j, **kw: graphs.append(compile_now(j, **kw)) or graphs[-1])
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2560)
     with torch.no_grad():
         for x, y in ((a, b), (a[:64], b[:, :64])):
             torch.testing.assert_close(compile_tpu(torch.mm, dynamic=False)(x, y), x @ y, atol=1e-3, rtol=1e-4)
-    assert [g.flops for g in graphs] == [2 * 2048 * 2048 * 2560, 2 * 64 * 2048 * 64]
+    assert [g.flops for _, g in compiled] == [2 * 2048 * 2048 * 2560, 2 * 64 * 2048 * 64]
     assert tpu_dynamo.stats()["warm_ups"] == 1  # the small product's only
 
 
-def test_a_graph_loaded_in_the_background_raises_what_compile_raises(monkeypatch):
-    graphs = []
-    compile_now = _native.compile
-    monkeypatch.setattr(_native, "compile", lambda j, **kw: graphs.append(j) or compile_now(j, **kw))
+def test_a_graph_loaded_in_the_background_raises_what_compile_raises(compiled):
     with torch.no_grad():
         compile_tpu(ScaleShift(8))(torch.randn(2, 8))
-    (graph,) = graphs
+    ((graph, _),) = compiled
     loaded = _native.compile_in_background(graph).result()
     assert loaded.memory_hit and loaded.graph_hash == _native.graph_hash(graph)
     ir = json.loads(graph)

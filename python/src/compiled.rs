@@ -368,8 +368,10 @@ pub fn compile_in_background(graph_json: &str) -> PyResult<Loading> {
         let mut warnings = vec![];
         let compiled = obtain(&json, false, &mut warnings);
         if let Ok(graph) = &compiled {
-            graph.warm_up();
-            graph.entry.first_run.wait();
+            // Already off the calling thread: the warm-up runs here.
+            if let Some(job) = graph.warm_up_job() {
+                graph.entry.first_run.run_here(job);
+            }
         }
         (compiled, warnings)
     })
@@ -470,6 +472,19 @@ impl Held<'_> {
 }
 
 impl CompiledGraph {
+    /// The executable's first execute on zeros, where the plugin computes in host memory and
+    /// an execute is cheap enough to hide (`warm_up::affordable`).
+    fn warm_up_job(&self) -> Option<impl FnOnce() + Send + 'static> {
+        if !self.target.host_memory || !warm_up::affordable(self.flops, &self.entry.inputs) {
+            return None;
+        }
+        let (entry, target) = (self.entry.clone(), self.target.clone());
+        let donated: Vec<usize> = self.aliases.iter().map(|&(i, _)| i).collect();
+        Some(move || {
+            let _ = warm_up::run_on_zeros(&target, &entry.exe, &entry.inputs, &donated);
+        })
+    }
+
     /// The device buffer for input `i`: the resident one if `(ptr, version)` still matches
     /// (checked first: parameters are most inputs), the one the host tensor views, the copy
     /// another graph made of the same version, else a fresh upload (kept when `version >= 0`).
@@ -741,14 +756,9 @@ impl CompiledGraph {
     /// to hide. For an executable obtained ahead of its first call, with other work to do in
     /// between.
     fn warm_up(&self) {
-        if !self.target.host_memory || !warm_up::affordable(self.flops, &self.entry.inputs) {
-            return;
+        if let Some(job) = self.warm_up_job() {
+            self.entry.first_run.start(job);
         }
-        let (entry, target) = (self.entry.clone(), self.target.clone());
-        let donated: Vec<usize> = self.aliases.iter().map(|&(i, _)| i).collect();
-        self.entry.first_run.start(move || {
-            let _ = warm_up::run_on_zeros(&target, &entry.exe, &entry.inputs, &donated);
-        });
     }
 
     /// Whether results come back as memory handed over (`run`'s `(0, nbytes)` outputs) rather than

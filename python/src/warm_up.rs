@@ -51,6 +51,18 @@ impl FirstRun {
         }
         *warming = spawn("tpu_dynamo warm-up", run).ok();
     }
+
+    /// `start` on the calling thread, for one that is a background thread already: runs `run`
+    /// unless the executable has run or is warming up (then waits for that). A first call
+    /// meanwhile waits for the lock, i.e. for the warm-up.
+    pub fn run_here(&self, run: impl FnOnce()) {
+        let warming = self.warming.lock().unwrap_or_else(PoisonError::into_inner);
+        if !self.done.load(Ordering::Acquire) && warming.is_none() {
+            run();
+        }
+        drop(warming);
+        self.wait();
+    }
 }
 
 /// Runs `work` on a thread of its own, counted until it ends, so that the process can wait for

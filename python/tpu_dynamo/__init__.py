@@ -24,10 +24,10 @@ from ._native import (  # noqa: E402
     cache_info,
     cache_list,
     device_info,
+    finish_background_work as _finish_background_work,
     reset_stats,
     stats,
 )
-from ._native import finish_background_work as _finish_background_work  # noqa: E402
 
 # A process must not tear the plugin down under a warm-up's execute or a background load.
 _atexit.register(_finish_background_work)
