@@ -1126,6 +1126,49 @@ pub fn keep_dims_shape(shape: &[i64], dims: &[usize]) -> Vec<i64> {
         .collect()
 }
 
+/// A dot operand `x` as the value it was transposed from, with `x`'s batch and contracting dims
+/// renamed to that value's dims, when `x = transpose(m, perm)` keeps `x`'s free dims in `m`'s
+/// order (so the result is unchanged). XLA:CPU otherwise materializes the transpose: for
+/// `x @ W.T`, every Linear layer, that was a copy of the weight on every call.
+fn fold_transpose<'a>(x: &Val<'a>, batch: &[i64], contract: &[i64]) -> (Val<'a>, Vec<i64>, Vec<i64>) {
+    let unchanged = || (x.clone(), batch.to_vec(), contract.to_vec());
+    let Some((m, perm)) = transpose_source(x) else { return unchanged() };
+    let rename = |dims: &[i64]| dims.iter().map(|&d| perm[d as usize]).collect::<Vec<_>>();
+    let free = (0..x.rank() as i64)
+        .filter(|d| !batch.contains(d) && !contract.contains(d))
+        .map(|d| perm[d as usize])
+        .collect::<Vec<_>>();
+    if free.windows(2).any(|w| w[0] > w[1]) {
+        return unchanged();
+    }
+    (m, rename(batch), rename(contract))
+}
+
+/// `(m, perm)` when `x` was built as `stablehlo.transpose(m)` with `permutation = perm`.
+fn transpose_source<'a>(x: &Val<'a>) -> Option<(Val<'a>, Vec<i64>)> {
+    let op = OperationResult::try_from(x.v).ok()?.owner();
+    if op.name().as_string_ref().as_str().ok()? != "stablehlo.transpose" {
+        return None;
+    }
+    // Printed as `array<i64: 1, 0>`.
+    let text = op.attribute("permutation").ok()?.to_string();
+    let perm = text
+        .split_once(':')?
+        .1
+        .trim_end_matches('>')
+        .split(',')
+        .map(|p| p.trim().parse::<i64>().ok().filter(|&p| (p as usize) < x.rank()))
+        .collect::<Option<Vec<_>>>()?;
+    if perm.len() != x.rank() {
+        return None;
+    }
+    let mut shape = vec![0; perm.len()];
+    for (i, &p) in perm.iter().enumerate() {
+        shape[p as usize] = x.shape()[i];
+    }
+    Some((Val { v: op.operand(0).ok()?, ty: TensorType::new(x.dtype(), shape) }, perm))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1177,47 +1220,4 @@ mod tests {
         assert_eq!(tensor_str(&TensorType::new(Bool, vec![])), "tensor<i1>");
         assert_eq!(i64_array(&[]), "array<i64>");
     }
-}
-
-/// A dot operand `x` as the value it was transposed from, with `x`'s batch and contracting dims
-/// renamed to that value's dims, when `x = transpose(m, perm)` keeps `x`'s free dims in `m`'s
-/// order (so the result is unchanged). XLA:CPU otherwise materializes the transpose: for
-/// `x @ W.T`, every Linear layer, that was a copy of the weight on every call.
-fn fold_transpose<'a>(x: &Val<'a>, batch: &[i64], contract: &[i64]) -> (Val<'a>, Vec<i64>, Vec<i64>) {
-    let unchanged = || (x.clone(), batch.to_vec(), contract.to_vec());
-    let Some((m, perm)) = transpose_source(x) else { return unchanged() };
-    let rename = |dims: &[i64]| dims.iter().map(|&d| perm[d as usize]).collect::<Vec<_>>();
-    let free = (0..x.rank() as i64)
-        .filter(|d| !batch.contains(d) && !contract.contains(d))
-        .map(|d| perm[d as usize])
-        .collect::<Vec<_>>();
-    if free.windows(2).any(|w| w[0] > w[1]) {
-        return unchanged();
-    }
-    (m, rename(batch), rename(contract))
-}
-
-/// `(m, perm)` when `x` was built as `stablehlo.transpose(m)` with `permutation = perm`.
-fn transpose_source<'a>(x: &Val<'a>) -> Option<(Val<'a>, Vec<i64>)> {
-    let op = OperationResult::try_from(x.v).ok()?.owner();
-    if op.name().as_string_ref().as_str().ok()? != "stablehlo.transpose" {
-        return None;
-    }
-    // Printed as `array<i64: 1, 0>`.
-    let text = op.attribute("permutation").ok()?.to_string();
-    let perm = text
-        .split_once(':')?
-        .1
-        .trim_end_matches('>')
-        .split(',')
-        .map(|p| p.trim().parse::<i64>().ok().filter(|&p| (p as usize) < x.rank()))
-        .collect::<Option<Vec<_>>>()?;
-    if perm.len() != x.rank() {
-        return None;
-    }
-    let mut shape = vec![0; perm.len()];
-    for (i, &p) in perm.iter().enumerate() {
-        shape[p as usize] = x.shape()[i];
-    }
-    Some((Val { v: op.operand(0).ok()?, ty: TensorType::new(x.dtype(), shape) }, perm))
 }

@@ -159,11 +159,7 @@ fn asymptotic<'a>(
         &b.div(&o.c(5.0)?, x)?,
         &b.div(&polevl(b, w, qp)?, &polevl(b, w, qq)?)?,
     )?;
-    let phase = if order == 0 {
-        0.785398163397448309615660845819875721
-    } else {
-        2.356194490192344928846982537459627163
-    };
+    let phase = if order == 0 { std::f64::consts::FRAC_PI_4 } else { 3.0 * std::f64::consts::FRAC_PI_4 };
     let shifted = b.add_scalar(x, -phase)?;
     let (s, c) = (b.unary("sine", &shifted)?, b.unary("cosine", &shifted)?);
     let sum = if second_kind {
@@ -223,7 +219,7 @@ fn j1<'a>(b: &Builder<'a>, x: &Val<'a>) -> R<Val<'a>> {
     b.select(&o.cmp_f(x, 0.0, "LT")?, &b.unary("negate", &y)?, &y)
 }
 
-const TWO_OVER_PI: f64 = 0.636619772367581343075535053490057448;
+const TWO_OVER_PI: f64 = std::f64::consts::FRAC_2_PI;
 
 /// y0/y1 below 5 are -inf at 0 and NaN for negative x.
 fn y_domain<'a>(o: &Ops<'_, 'a>, x: &Val<'a>, y: &Val<'a>) -> R<Val<'a>> {
