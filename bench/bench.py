@@ -1,9 +1,11 @@
 """`make bench`: eager vs Inductor vs backend="tpu" on identical inputs, one process per model.
 
-    python bench/bench.py                              # every model, CPU, float32
+    python bench/bench.py                              # the tiny-config models, CPU, float32
     python bench/bench.py --models gpt2-b1 micro       # a subset
     python bench/bench.py --device cuda --dtype bf16   # eager and Inductor on CUDA; ours through the
         # PJRT plugin TPU_DYNAMO_PJRT_PLUGIN names, fed CPU tensors (host->device->host included)
+    python bench/bench.py --models gpt2-124m-b1 smollm-135m-b1 --calls 20 --label full-size
+        # real models' sizes (random weights): bench/RESULTS-full-size.md
 
 Steady state: after warm-up, the median of `--calls` calls per backend, torch threads fixed, in
 `--processes` processes per model (every model in turn, then again); each backend's lowest
@@ -42,7 +44,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from models import COLD, MODELS, NEW_TOKENS, Case, build  # noqa: E402
+from models import COLD, FULL_SIZE, MODELS, NEW_TOKENS, Case, build  # noqa: E402
 
 HERE = Path(__file__).parent
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
@@ -353,7 +355,9 @@ def header(args: argparse.Namespace) -> str:
 
 
 def write_results(args: argparse.Namespace, rows: list[dict[str, Any]], colds: dict[tuple[str, str], float]) -> None:
-    suffix = "" if (args.device, args.dtype) == ("cpu", "f32") else f"-{args.device}-{args.dtype}"
+    suffix = (
+        f"-{args.label}" if args.label else "" if (args.device, args.dtype) == ("cpu", "f32") else f"-{args.device}-{args.dtype}"
+    )
     md, png = HERE / f"RESULTS{suffix}.md", HERE / f"ratios{suffix}.png"
     body = f"{BEGIN}\n{header(args)}\n\n{table(rows, colds)}\n\n![ratios]({png.name})\n{END}"
     text = md.read_text() if md.exists() else "# Measurements\n"
@@ -370,13 +374,17 @@ def write_results(args: argparse.Namespace, rows: list[dict[str, Any]], colds: d
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--models", nargs="*", default=[m for m in MODELS if m not in FULL_SIZE], choices=list(MODELS))
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="f32", choices=list(DTYPES))
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--processes", type=int, default=2, help="steady-state processes per model")
     p.add_argument("--no-cold", action="store_true", help="skip the cold first-call processes")
+    p.add_argument(
+        "--label", help="write RESULTS-LABEL.md, ratios-LABEL.png, results-LABEL.json (default: DEVICE-DTYPE, "
+        "none for cpu f32)"
+    )
     p.add_argument("--one", metavar="MODEL", help=argparse.SUPPRESS)
     p.add_argument("--cold", nargs=2, metavar=("BACKEND", "MODEL"), help=argparse.SUPPRESS)
     p.add_argument("--precompile", action="store_true", help=argparse.SUPPRESS)

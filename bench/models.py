@@ -30,6 +30,26 @@ def _gpt2(batch: int) -> Case:
     return Case(model, (torch.randint(0, config.vocab_size, (batch, SEQ)),))
 
 
+def _gpt2_124m() -> Case:
+    """GPT-2 small's architecture (124 M parameters: transformers' GPT2Config defaults)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config()
+    return Case(GPT2LMHeadModel(config), (torch.randint(0, config.vocab_size, (1, SEQ)),))
+
+
+def _smollm_135m() -> Case:
+    """A Llama of SmolLM-135M's configuration (135 M parameters, grouped-query attention)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+    )
+    return Case(LlamaForCausalLM(config), (torch.randint(0, config.vocab_size, (1, SEQ)),))
+
+
 def _llama_model() -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -138,10 +158,16 @@ MODELS: dict[str, Callable[[], Case]] = {
     "flux": _flux,
     "unet": _unet,
     "micro": _micro,
+    "gpt2-124m-b1": _gpt2_124m,
+    "smollm-135m-b1": _smollm_135m,
 }
 
+# Real models' sizes, random weights: not in a default run (each call takes ~0.3 s here); run them
+# with `--models gpt2-124m-b1 smollm-135m-b1 --label full-size`.
+FULL_SIZE = ["gpt2-124m-b1", "smollm-135m-b1"]
+
 # Cold first calls are timed once per model (not per batch size): each Inductor one takes ~15 s.
-COLD = ["gpt2-b1", "llama-b1", "sd3", "flux", "unet", "micro"]
+COLD = ["gpt2-b1", "llama-b1", "sd3", "flux", "unet", "micro", *FULL_SIZE]
 
 
 def build(name: str, device: str, dtype: torch.dtype) -> Case:

@@ -40,6 +40,17 @@ def test_the_table_has_a_cell_for_every_column():
     assert len({line.count("|") for line in lines}) == 1, lines
 
 
+def test_warm_first_calls_are_divided_by_our_cold_first_call():
+    row = {"model": "m", "decode": False, "eager_ms": 2.0, "inductor_ms": 1.0, "tpu_ms": 1.5, "inside_ms": 1.2,
+           "raw_ms": 1.0, "max_abs_diff": 1e-7, "recompiles": 0}
+    # The precompile-saving process runs on the executables the cold one stored: a warm call.
+    colds = {("m", "inductor"): 20.0, ("m", "tpu"): 4.0, ("m", "tpu-warm"): 2.0, ("m", "tpu-precompile"): 2.5,
+             ("m", "tpu-precompiled"): 0.2}
+    head, _, line = bench.table([row], colds).splitlines()
+    cells = dict(zip((c.strip() for c in head.split("|")), (c.strip() for c in line.split("|"))))
+    assert (cells["warm/cold"], cells["precompiled/cold"]) == ("0.50", "0.05"), cells
+
+
 def test_the_op_table_times_each_op_both_ways(capsys):
     import ops
 
