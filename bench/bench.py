@@ -21,7 +21,8 @@ Backend overhead: our call / the bare PJRT execute of the same executables with 
 inputs (`Executable.bench_execute`); "in our callable": the part of a call spent inside our
 executables, the rest being Dynamo's (and AOTAutograd's wrapper's).
 Writes the table between the markers of bench/RESULTS.md (CPU f32; other runs write
-bench/RESULTS-<device>-<dtype>.md) and the ratio chart beside it.
+bench/RESULTS-<device>-<dtype>.md, or bench/RESULTS-<label>.md with `--label`) and the ratio chart
+beside it.
 """
 from __future__ import annotations
 
@@ -355,9 +356,12 @@ def header(args: argparse.Namespace) -> str:
 
 
 def write_results(args: argparse.Namespace, rows: list[dict[str, Any]], colds: dict[tuple[str, str], float]) -> None:
-    suffix = (
-        f"-{args.label}" if args.label else "" if (args.device, args.dtype) == ("cpu", "f32") else f"-{args.device}-{args.dtype}"
-    )
+    if args.label:
+        suffix = f"-{args.label}"
+    elif (args.device, args.dtype) == ("cpu", "f32"):
+        suffix = ""
+    else:
+        suffix = f"-{args.device}-{args.dtype}"
     md, png = HERE / f"RESULTS{suffix}.md", HERE / f"ratios{suffix}.png"
     body = f"{BEGIN}\n{header(args)}\n\n{table(rows, colds)}\n\n![ratios]({png.name})\n{END}"
     text = md.read_text() if md.exists() else "# Measurements\n"
