@@ -81,6 +81,21 @@ def test_sizes_that_keep_changing_are_reported_once(caplog):
     assert 'cache_implementation="static"' in message and "bucket_size" in message
 
 
+def test_the_report_suggests_buckets_only_where_padding_is_safe(caplog):
+    """A graph that concatenates along its varying size (a decode step's K/V cache) cannot run
+    padded: the report says why instead of suggesting buckets."""
+    from tpu_dynamo.symbolic import SIZES_BEFORE_WARNING
+
+    f = torch.compile(lambda x: torch.cat([x, x.new_ones(1)]) * 2, backend="tpu", dynamic=True)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="tpu_dynamo"):
+        for n in range(2, SIZES_BEFORE_WARNING + 2):
+            x = torch.randn(n)
+            torch.testing.assert_close(f(x), torch.cat([x, x.new_ones(1)]) * 2)
+    (message,) = [r.getMessage() for r in caplog.records if "input sizes so far" in r.getMessage()]
+    assert "cannot help this graph" in message and "aten.cat" in message, message
+    assert "bucket_size" not in message
+
+
 def test_unrepresentable_size_falls_back_to_python_per_shape(caplog):
     def f(x):
         return x * (x.shape[1] / 3)  # a SymFloat: the IR has integer sizes only

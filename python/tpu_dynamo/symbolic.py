@@ -120,19 +120,31 @@ class PerShape:
 
     def _warn_sizes_keep_changing(self) -> None:
         """Each new size is an XLA compile; a workload whose sizes never repeat (a dynamic-cache
-        decode: every step a new length) compiles on every call."""
-        pad = (
-            "padding them to buckets was refused for this graph (the INFO log says why)"
-            if self.options.buckets is not None
-            else 'or pad them to buckets (options={"bucket_size": 128})'
-        )
+        decode: every step a new length) compiles on every call. Buckets are suggested only
+        where they would be used, since this graph's padding plan is known here."""
+        if self.options.buckets is not None:
+            pad = "; padding them to buckets was refused for this graph (the INFO log says why)"
+        elif (why := self._why_not_paddable()) is not None:
+            pad = f"; padding them to buckets cannot help this graph: {why}"
+        else:
+            pad = ', or pad them to buckets (options={"bucket_size": 128})'
         debug.log.warning(
             "%s: compiled for %d input sizes so far (%.1f s compiling or loading them); every new "
             "size is another executable, so sizes that keep changing (e.g. generate() with the "
             "default dynamic cache, where each step is a new length) keep compiling. Fix the sizes "
-            '(cache_implementation="static" for LLM decode), %s',
+            '(cache_implementation="static" for LLM decode)%s',
             self.name, len(self.compiled), self.compile_seconds, pad,
         )
+
+    def _why_not_paddable(self) -> str | None:
+        """Why this graph cannot run padded to buckets, or None when it can."""
+        if self.symbolic is None:
+            return "its sizes are not expressible in the symbolic IR (see the INFO log)"
+        try:
+            self.symbolic.padding_plan()
+        except ValueError as e:
+            return str(e)
+        return None
 
     def _compile(self, args: list[Any]) -> Executable | _Padded:
         if self.plan is not None:
