@@ -121,7 +121,7 @@ class PerShape:
     def _warn_sizes_keep_changing(self) -> None:
         """Each new size is an XLA compile; a workload whose sizes never repeat (a dynamic-cache
         decode: every step a new length) compiles on every call. Buckets are suggested only
-        where they would be used, since this graph's padding plan is known here."""
+        where this graph's padding plan holds."""
         if self.options.buckets is not None:
             pad = "; padding them to buckets was refused for this graph (the INFO log says why)"
         elif (why := self._why_not_paddable()) is not None:
