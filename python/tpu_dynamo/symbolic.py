@@ -97,14 +97,11 @@ class PerShape:
             self.symbolic = None
         self.plan = None
         if options.buckets is not None:
-            if self.symbolic is None:
-                debug.log.info("%s: buckets: compiling exact shapes (graph specialized in Python)", name)
+            self.plan, why = self._padding_plan()
+            if self.plan is not None:
+                debug.log.info("%s: buckets: padding symbolic sizes to multiples of %d", name, options.buckets.size)
             else:
-                try:
-                    self.plan = self.symbolic.padding_plan()
-                    debug.log.info("%s: buckets: padding symbolic sizes to multiples of %d", name, options.buckets.size)
-                except ValueError as e:
-                    debug.log.info("%s: buckets: compiling exact shapes, padding is not proven safe: %s", name, e)
+                debug.log.info("%s: buckets: compiling exact shapes, padding is not proven safe: %s", name, why)
 
     def __call__(self, args: list[Any]) -> tuple[torch.Tensor | None, ...]:
         signature = tuple(args[i].shape if isinstance(args[i], torch.Tensor) else args[i] for i in self.varying)
@@ -124,7 +121,7 @@ class PerShape:
         where this graph's padding plan holds."""
         if self.options.buckets is not None:
             pad = "; padding them to buckets was refused for this graph (the INFO log says why)"
-        elif (why := self._why_not_paddable()) is not None:
+        elif (why := self._padding_plan()[1]) is not None:
             pad = f"; padding them to buckets cannot help this graph: {why}"
         else:
             pad = ', or pad them to buckets (options={"bucket_size": 128})'
@@ -136,15 +133,14 @@ class PerShape:
             self.name, len(self.compiled), self.compile_seconds, pad,
         )
 
-    def _why_not_paddable(self) -> str | None:
-        """Why this graph cannot run padded to buckets, or None when it can."""
+    def _padding_plan(self) -> tuple[Any, str | None]:
+        """How to run this graph padded to buckets, or None and why it cannot be."""
         if self.symbolic is None:
-            return "its sizes are not expressible in the symbolic IR (see the INFO log)"
+            return None, "the graph is specialized in Python (the INFO log says why)"
         try:
-            self.symbolic.padding_plan()
+            return self.symbolic.padding_plan(), None
         except ValueError as e:
-            return str(e)
-        return None
+            return None, str(e)
 
     def _compile(self, args: list[Any]) -> Executable | _Padded:
         if self.plan is not None:
