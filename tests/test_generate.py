@@ -222,3 +222,54 @@ def test_buckets_fall_back_to_exact_shapes_with_the_reason(caplog):
     assert "compiling exact shapes, padding is not proven safe" in caplog.text
     assert "aten._softmax.default (node 7) normalizes over a padded dimension" in caplog.text
     assert tpu_dynamo.stats()["compiles"] == 2
+
+def test_buckets_serve_every_step_of_a_dynamic_cache_decode(caplog):
+    """generate() with the default dynamic cache: each step's K/V is one longer. Padded to a
+    bucket, the step appends at the true length and attention hides the padding (both read the
+    length at run time), so one executable serves every length in a bucket."""
+    model = tiny("llama")
+    expected = generate(model, IDS, 20, output_logits=True, return_dict_in_generate=True)
+    model.forward = compile_tpu(model.forward, options={"bucket_size": 16})
+    with caplog.at_level("INFO", logger="tpu_dynamo"):
+        got = generate(model, IDS, 20, output_logits=True, return_dict_in_generate=True)
+    assert torch.equal(got.sequences, expected.sequences)
+    for g, w in zip(got.logits, expected.logits):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    # The prompt (7 tokens) and the first step (8) as Dynamo's static graphs; then the step
+    # graph for lengths 8-16 in the bucket of 16 and 17-25 in that of 32.
+    assert tpu_dynamo.stats()["compiles"] == 4
+    assert "sizes [25, 25, 25, 25] run padded to [32, 32, 32, 32]" in caplog.text
+
+
+def test_buckets_pad_a_causal_prefill():
+    """Causal attention with queries and keys padded alike: the padded keys come after every
+    true query, so the causal mask already hides them."""
+    model = tiny("qwen3")
+    run = compile_tpu(model, dynamic=True, options={"bucket_size": 16})
+    with torch.no_grad():
+        for s in (3, 5, 8, 13):
+            ids = torch.randint(1, 128, (1, s), generator=torch.Generator().manual_seed(s))
+            torch.testing.assert_close(run(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+    assert tpu_dynamo.stats()["compiles"] == 1
+
+
+def test_padded_keys_are_hidden_even_where_padding_turns_non_finite():
+    """Attention over keys padded to a bucket, whose padding becomes -inf keys and inf values
+    (log and reciprocal of the zero padding): masked out, not multiplied by a zero weight."""
+
+    def f(q, k, v, new):
+        k = torch.cat([k, new], 2).log()
+        v = 1 / torch.cat([v, new], 2)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v), k, v
+
+    run = compile_tpu(f, options={"bucket_size": 8})
+    for s in (3, 5, 6, 7):
+        q = torch.randn(1, 2, 1, 4)
+        k, v = torch.rand(1, 2, s, 4) + 0.5, torch.rand(1, 2, s, 4) + 0.5
+        new = torch.rand(1, 2, 1, 4) + 0.5
+        for t in (k, v):
+            torch._dynamo.mark_dynamic(t, 2)
+        for g, w in zip(run(q, k, v, new), f(q, k, v, new)):
+            assert g.shape == w.shape
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert tpu_dynamo.stats()["compiles"] == 1

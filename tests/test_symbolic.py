@@ -82,15 +82,15 @@ def test_sizes_that_keep_changing_are_reported_once(caplog):
 
 
 def test_the_report_suggests_buckets_only_where_padding_is_safe(caplog):
-    """A graph that concatenates along its varying size (a decode step's K/V cache) cannot run
-    padded: the report says why instead of suggesting buckets."""
+    """A graph that prepends along its varying size cannot run padded (the padding would sit
+    inside the result): the report says why instead of suggesting buckets."""
     from tpu_dynamo.symbolic import SIZES_BEFORE_WARNING
 
-    f = torch.compile(lambda x: torch.cat([x, x.new_ones(1)]) * 2, backend="tpu", dynamic=True)
+    f = torch.compile(lambda x: torch.cat([x.new_ones(1), x]) * 2, backend="tpu", dynamic=True)
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="tpu_dynamo"):
         for n in range(2, SIZES_BEFORE_WARNING + 2):
             x = torch.randn(n)
-            torch.testing.assert_close(f(x), torch.cat([x, x.new_ones(1)]) * 2)
+            torch.testing.assert_close(f(x), torch.cat([x.new_ones(1), x]) * 2)
     (message,) = [r.getMessage() for r in caplog.records if "input sizes so far" in r.getMessage()]
     assert "cannot help this graph" in message and "aten.cat" in message, message
     assert "bucket_size" not in message

@@ -7,13 +7,21 @@
 //! padded symbol S, the position along S being one digit of the index. An op keeps the proof if
 //! positions below n along S depend only on positions below n: elementwise ops, reductions and
 //! contractions over static dimensions, reshapes that keep the S digit whole, prefix slices,
-//! cumulative ops, gathers from unpadded tables. Anything else refuses, naming the op:
-//! attention contracting over a padded key dimension, a scatter at padded indices, a size used
-//! as a value, an in-place update of a padded input. The caller then compiles exact shapes.
+//! cumulative ops, gathers from unpadded tables, causal attention whose queries and keys are
+//! padded alike. Anything else refuses, naming the op: a reduction over padded positions, a
+//! scatter at padded indices, a size used as a value, an in-place update of a padded input. The
+//! caller then compiles exact shapes.
+//!
+//! Two ops keep the proof only if the executable reads a symbol's true size at run time (an
+//! extra 0-d input per such symbol; see [`PaddingPlan::runtime`]): a `cat` that appends to a
+//! padded dimension (a dynamic cache's `past ++ new` along the sequence) writes the new entries
+//! at the true size instead of after the padding, and attention over padded keys hides the keys
+//! at or past their true count. A cat's result is *grown*: `S + k` long, its first `s + k`
+//! positions exact. That is what lets one executable serve every step of a dynamic-cache decode.
 
 use std::collections::HashMap;
 
-use crate::ir::{Arg, Node, SymExpr, SymSlot, SymbolicGraph, TensorType};
+use crate::ir::{Arg, DType, Graph, GraphWithSources, Input, InputKind, Node, SymExpr, SymSlot, SymbolicGraph, TensorType};
 use crate::lower::is_pointwise;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -21,16 +29,26 @@ enum Dim {
     Static(i64),
     /// Size `outer * S * inner`, S the padded size of symbol `sym`.
     Padded { sym: u32, outer: i64, inner: i64 },
+    /// Size `S + by`, exact at the first `s + by` positions (s the true size of `sym`).
+    Grown { sym: u32, by: i64 },
 }
 
-use Dim::{Padded, Static};
+use Dim::{Grown, Padded, Static};
 
 impl Dim {
     fn bare(sym: u32) -> Dim {
         Padded { sym, outer: 1, inner: 1 }
     }
     fn is_padded(self) -> bool {
-        matches!(self, Padded { .. })
+        !matches!(self, Static(_))
+    }
+    /// The symbol and the count of exact positions beyond its true size, if padded plainly or grown.
+    fn valid(self) -> Option<(u32, i64)> {
+        match self {
+            Padded { sym, outer: 1, inner: 1 } => Some((sym, 0)),
+            Grown { sym, by } => Some((sym, by)),
+            _ => None,
+        }
     }
 }
 
@@ -39,13 +57,31 @@ impl Dim {
 pub struct PaddingPlan {
     /// Per graph input: its padded `(dimension, symbol)` pairs.
     pub inputs: Vec<Vec<(u32, u32)>>,
-    /// Per graph output: the `(dimension, symbol)` pairs to cut back to the true size.
-    pub outputs: Vec<Vec<(u32, u32)>>,
+    /// Per graph output: `(dimension, symbol, by)` to cut back to the symbol's true size + `by`.
+    pub outputs: Vec<Vec<(u32, u32, i64)>>,
     /// Per integer scalar input: the symbol it carries (then passed padded too), if any.
     pub scalars: Vec<Option<u32>>,
     /// `(symbol, limit)`: the padded size may not exceed `limit` (a prefix slice of a static
     /// dimension that long).
     pub limits: Vec<(u32, i64)>,
+    /// The symbols whose true sizes the executable reads at run time, one 0-d i64 input each
+    /// (inserted by [`SymbolicGraph::specialize_padded`]), in this order.
+    pub runtime: Vec<u32>,
+    /// The nodes that read them, and how.
+    pub rewrites: Vec<Rewrite>,
+    /// Symbol pairs the plan assumes equal (keys and values of one cache); a call where they
+    /// differ runs exact shapes.
+    pub equal: Vec<(u32, u32)>,
+}
+
+/// A node that runs differently on padded inputs, reading a true size at run time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rewrite {
+    /// A `cat` whose first part is padded along the cat dimension: the other parts are written
+    /// at the first part's true size.
+    AppendAt { node: u32, sym: u32 },
+    /// Attention whose keys are padded: keys at or past the true size + `by` are hidden.
+    HideKeys { node: u32, sym: u32, by: i64 },
 }
 
 type R<T> = Result<T, String>;
@@ -54,6 +90,8 @@ type R<T> = Result<T, String>;
 #[derive(Clone, Debug, PartialEq)]
 enum Recorded {
     Scaled { sym: u32, by: i64 },
+    /// `s_k + by`.
+    Shifted { sym: u32, by: i64 },
     Other(SymExpr),
 }
 
@@ -63,6 +101,12 @@ fn recorded(e: &SymExpr) -> Recorded {
         SymExpr::Mul(xs) => match xs.as_slice() {
             [SymExpr::Const(m), SymExpr::Sym(k)] | [SymExpr::Sym(k), SymExpr::Const(m)] if *m > 0 => {
                 Recorded::Scaled { sym: *k, by: *m }
+            }
+            _ => Recorded::Other(e.clone()),
+        },
+        SymExpr::Add(xs) => match xs.as_slice() {
+            [SymExpr::Const(c), SymExpr::Sym(k)] | [SymExpr::Sym(k), SymExpr::Const(c)] if *c > 0 => {
+                Recorded::Shifted { sym: *k, by: *c }
             }
             _ => Recorded::Other(e.clone()),
         },
@@ -79,6 +123,8 @@ struct Walk<'a> {
     dims: Vec<Vec<Dim>>,
     recorded: HashMap<(u32, u32), Recorded>,
     limits: Vec<(u32, i64)>,
+    equal: Vec<(u32, u32)>,
+    rewrites: Vec<Rewrite>,
 }
 
 /// Positional argument `i`, else keyword `name`.
@@ -134,6 +180,7 @@ impl<'a> Walk<'a> {
             .map(|d| match self.recorded.get(&(value, d)) {
                 None => Ok(Static(ty.shape[d as usize])),
                 Some(Recorded::Scaled { sym, by }) => Ok(Padded { sym: *sym, outer: *by, inner: 1 }),
+                Some(Recorded::Shifted { sym, by }) => Ok(Grown { sym: *sym, by: *by }),
                 Some(Recorded::Other(e)) => Err(format!("dimension {d} has size {e:?}, not a multiple of one size")),
             })
             .collect()
@@ -161,7 +208,7 @@ impl<'a> Walk<'a> {
     }
 
     /// Output dimensions of `node`, one list per output; `Err` names why padding is unsafe.
-    fn rule(&mut self, node: &Node, first: u32, syms: &ArgSyms) -> R<Vec<Vec<Dim>>> {
+    fn rule(&mut self, j: u32, node: &Node, first: u32, syms: &ArgSyms) -> R<Vec<Vec<Dim>>> {
         let op = node.op.as_str();
         let n_out = node.outputs.len();
         let out_rank = |o: usize| node.outputs[o].rank();
@@ -280,10 +327,27 @@ impl<'a> Walk<'a> {
                 let rank = out_rank(0);
                 let d = norm(int_list(arg(node, 1, "dim")).map_or(0, |v| v[0]), rank)?;
                 let mut out = self.broadcast_except(&parts, rank, d)?;
-                if parts.iter().any(|p| p.len() == rank && p[d].is_padded()) {
-                    return Err("concatenates along a padded dimension".into());
+                // Empty parts (a dynamic cache's first update) add nothing.
+                let parts: Vec<&[Dim]> = parts.into_iter().filter(|p| p.len() == rank && p[d] != Static(0)).collect();
+                let appended = |p: &&[Dim]| if let Static(k) = p[d] { Some(k) } else { None };
+                match parts.split_first() {
+                    Some((only, [])) => out[d] = only[d],
+                    // Appending to a padded dimension: the rest go at the first part's true size.
+                    Some((head, rest)) if head[d].is_padded() => {
+                        let by = rest.iter().map(appended).sum::<Option<i64>>();
+                        match (head[d], by) {
+                            (Padded { sym, outer: 1, inner: 1 }, Some(by)) => {
+                                self.rewrites.push(Rewrite::AppendAt { node: j, sym });
+                                out[d] = Grown { sym, by };
+                            }
+                            _ => return Err("concatenates along a padded dimension other than by appending to one padded part".into()),
+                        }
+                    }
+                    _ if parts.iter().any(|p| p[d].is_padded()) => {
+                        return Err("concatenates along a padded dimension other than by appending to one padded part".into())
+                    }
+                    _ => out[d] = Static(node.outputs[0].shape[d]),
                 }
-                out[d] = Static(node.outputs[0].shape[d]);
                 Ok(vec![out])
             }
             "aten.split_with_sizes.default" | "aten.split.Tensor" | "aten.unbind.int" => {
@@ -374,6 +438,40 @@ impl<'a> Walk<'a> {
                 }
                 Ok(vec![out])
             }
+            // Each query row attends to the keys alone, so padded queries are harmless. Padded
+            // keys are too where the causal mask hides them from every true query (queries and
+            // keys padded alike); otherwise they are hidden at run time past their true count.
+            "aten._scaled_dot_product_flash_attention_for_cpu.default" => {
+                let (q, k, v) = (x()?.to_vec(), self.value(arg(node, 1, "key"))?.to_vec(), self.value(arg(node, 2, "value"))?.to_vec());
+                if q.len() != 4 || k.len() != 4 || v.len() != 4 {
+                    return Err("query, key and value must be 4-d".into());
+                }
+                if [q[0], q[1], q[3], k[0], k[1], k[3], v[0], v[1], v[3]].iter().any(|d| d.is_padded()) {
+                    return Err("pads a batch, head or feature dimension of attention".into());
+                }
+                if k[2] != v[2] {
+                    // A dynamic cache's keys and values: separate symbols, equal at every call.
+                    match (k[2].valid(), v[2].valid()) {
+                        (Some((a, by)), Some((b, by_v))) if by == by_v => self.equal.push((a, b)),
+                        _ => return Err("keys and values are padded differently".into()),
+                    }
+                }
+                let mask = match arg(node, 5, "attn_mask") {
+                    None | Some(Arg::None) => None,
+                    m => Some(self.value(m)?),
+                };
+                if let Some(m) = mask {
+                    let rank = m.len();
+                    let padded_rows_only = m.iter().enumerate().all(|(i, d)| !d.is_padded() || (i + 2 == rank && *d == q[2]));
+                    if k[2].is_padded() || !padded_rows_only {
+                        return Err("pads the keys of a masked attention".into());
+                    }
+                } else if k[2].is_padded() && !(flag(node, 4, "is_causal") && k[2] == q[2]) {
+                    let (sym, by) = k[2].valid().ok_or("pads the keys by a multiple of a size")?;
+                    self.rewrites.push(Rewrite::HideKeys { node: j, sym, by });
+                }
+                Ok(vec![vec![q[0], q[1], q[2], v[3]], q[..3].to_vec()])
+            }
             // Row gathers from a table with no padded dimension: each output position reads the
             // table at its own index.
             "aten.embedding.default" => {
@@ -408,6 +506,14 @@ impl<'a> Walk<'a> {
     /// dimensions after it); with several, the dimensions from the first padded one on are kept.
     fn reshape(&self, x: &[Dim], first: u32) -> R<Vec<Dim>> {
         let mut out = self.recorded_dims(first)?;
+        let has_grown = |ds: &[Dim]| ds.iter().any(|d| matches!(d, Grown { .. }));
+        if has_grown(x) || has_grown(&out) {
+            // A grown dimension survives only with it and every dimension after it unchanged.
+            fn tail(ds: &[Dim]) -> &[Dim] {
+                &ds[ds.iter().position(|d| d.is_padded()).unwrap_or(ds.len())..]
+            }
+            return if tail(x) == tail(&out) { Ok(out) } else { Err("reshape moves a grown padded dimension".into()) };
+        }
         let padded = |ds: &[Dim]| ds.iter().enumerate().filter(|(_, d)| d.is_padded()).map(|(i, _)| i).collect::<Vec<_>>();
         let (pi, po) = (padded(x), padded(&out));
         let after = |ds: &[Dim], i: usize| ds[i + 1..].iter().map(|d| if let Static(v) = d { *v } else { 0 }).product::<i64>();
@@ -459,12 +565,12 @@ impl SymbolicGraph {
                 }
             }
         }
-        let mut walk = Walk { types: g.value_types(), dims: vec![], recorded: recorded_sizes, limits: vec![] };
+        let mut walk = Walk { types: g.value_types(), dims: vec![], recorded: recorded_sizes, limits: vec![], equal: vec![], rewrites: vec![] };
         let mut plan = PaddingPlan::default();
         for v in 0..n_in {
             let dims = walk.recorded_dims(v).map_err(|e| format!("input {v}: {e}"))?;
-            if dims.iter().any(|d| matches!(d, Padded { outer, .. } if *outer != 1)) {
-                return Err(format!("input {v} has a dimension of a multiple of a symbolic size"));
+            if dims.iter().any(|d| d.is_padded() && !matches!(d, Padded { outer: 1, inner: 1, .. })) {
+                return Err(format!("input {v} has a dimension that is not a bare symbolic size"));
             }
             plan.inputs.push(
                 dims.iter()
@@ -478,9 +584,13 @@ impl SymbolicGraph {
         if padded.is_empty() {
             return Err("no input dimension is symbolic".into());
         }
+        let mut sized = vec![];
+        self.sizes.iter().for_each(|s| s.expr.symbols(&mut sized));
         for e in &self.scalars {
             plan.scalars.push(match e {
                 SymExpr::Sym(k) if padded.contains(k) => Some(*k),
+                // A number no size depends on (an integer Dynamo made dynamic, unused here).
+                SymExpr::Sym(k) if !sized.contains(k) => None,
                 SymExpr::Const(_) => None,
                 e => return Err(format!("a scalar input is the size {e:?}")),
             });
@@ -489,7 +599,7 @@ impl SymbolicGraph {
         let no_syms = ArgSyms::new();
         for (j, node) in g.nodes.iter().enumerate() {
             let syms = arg_syms.get(&(j as u32)).unwrap_or(&no_syms);
-            let outs = walk.rule(node, first, syms).map_err(|e| format!("{} (node {j}) {e}", node.op))?;
+            let outs = walk.rule(j as u32, node, first, syms).map_err(|e| format!("{} (node {j}) {e}", node.op))?;
             for (o, dims) in outs.into_iter().enumerate() {
                 let value = first + o as u32;
                 let want = walk.recorded_dims(value).map_err(|e| format!("{} (node {j}): {e}", node.op))?;
@@ -512,23 +622,91 @@ impl SymbolicGraph {
         for (o, &v) in g.outputs.iter().enumerate() {
             let mut cut = vec![];
             for (d, dim) in walk.dims[v as usize].iter().enumerate() {
-                match *dim {
-                    Static(_) => {}
-                    Padded { sym, outer: 1, inner: 1 } => cut.push((d as u32, sym)),
-                    _ => return Err(format!("output {o} has a dimension of a multiple of a padded size")),
+                match dim.valid() {
+                    Some((sym, by)) => cut.push((d as u32, sym, by)),
+                    None if dim.is_padded() => {
+                        return Err(format!("output {o} has a dimension of a multiple of a padded size"))
+                    }
+                    None => {}
                 }
             }
             plan.outputs.push(cut);
         }
         plan.limits = walk.limits;
+        for r in &walk.rewrites {
+            let (Rewrite::AppendAt { sym, .. } | Rewrite::HideKeys { sym, .. }) = *r;
+            if !plan.runtime.contains(&sym) {
+                plan.runtime.push(sym);
+            }
+        }
+        plan.rewrites = walk.rewrites;
+        plan.equal = walk.equal;
         Ok(plan)
+    }
+}
+
+/// Keyword arguments the rewrites add: read only by our own lowerings of `cat` and attention.
+pub const APPEND_AT: &str = "tpu_append_at";
+pub const KEYS_VALID: &str = "tpu_keys_valid";
+pub const KEYS_VALID_PLUS: &str = "tpu_keys_valid_plus";
+
+/// Makes room for `count` new inputs before input `at`: every later value moves up.
+fn insert_inputs(g: &mut Graph, at: u32, new: impl ExactSizeIterator<Item = Input>) {
+    let count = new.len() as u32;
+    fn shift(a: &mut Arg, at: u32, count: u32) {
+        match a {
+            Arg::Value(v) if *v >= at => *v += count,
+            Arg::List(xs) => xs.iter_mut().for_each(|x| shift(x, at, count)),
+            _ => {}
+        }
+    }
+    for node in &mut g.nodes {
+        node.args.iter_mut().chain(node.kwargs.iter_mut().map(|(_, a)| a)).for_each(|a| shift(a, at, count));
+    }
+    g.outputs.iter_mut().filter(|v| **v >= at).for_each(|v| *v += count);
+    g.aliases.iter_mut().filter(|a| a.input >= at).for_each(|a| a.input += count);
+    g.inputs.splice(at as usize..at as usize, new);
+}
+
+fn add_kwarg(node: &mut Node, name: &str, value: Arg) {
+    let at = node.kwargs.partition_point(|(k, _)| k.as_str() < name);
+    node.kwargs.insert(at, (name.to_string(), value));
+}
+
+impl SymbolicGraph {
+    /// The concrete graph for inputs padded per `plan` to these shapes: `specialize`'s, plus one
+    /// 0-d i64 input per `plan.runtime` symbol (its true size), inserted before input `at`, and
+    /// the `cat`s and attentions of `plan.rewrites` told to read them.
+    pub fn specialize_padded(&self, plan: &PaddingPlan, shapes: &[Vec<i64>], scalars: &[i64], at: u32) -> R<GraphWithSources> {
+        let mut out = self.specialize(shapes, scalars).map_err(|e| e.to_string())?;
+        let g = &mut out.graph;
+        if at as usize > g.inputs.len() {
+            return Err(format!("cannot insert inputs at {at}: the graph has {} inputs", g.inputs.len()));
+        }
+        let length = Input { ty: TensorType::new(DType::I64, vec![]), kind: InputKind::User };
+        insert_inputs(g, at, std::iter::repeat_n(length, plan.runtime.len()));
+        let length_of = |sym: u32| {
+            let i = plan.runtime.iter().position(|&s| s == sym).expect("every rewritten symbol is a runtime one");
+            Arg::Value(at + i as u32)
+        };
+        for r in &plan.rewrites {
+            match *r {
+                Rewrite::AppendAt { node, sym } => add_kwarg(&mut g.nodes[node as usize], APPEND_AT, length_of(sym)),
+                Rewrite::HideKeys { node, sym, by } => {
+                    let node = &mut g.nodes[node as usize];
+                    add_kwarg(node, KEYS_VALID, length_of(sym));
+                    add_kwarg(node, KEYS_VALID_PLUS, Arg::Int(by));
+                }
+            }
+        }
+        Ok(out)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ir::{Alias, DType, Graph, GraphWithSources, Input, InputKind, SymSize};
+    use crate::ir::{Alias, SymSize};
 
     const S: SymExpr = SymExpr::Sym(0);
 
@@ -585,7 +763,7 @@ mod tests {
         let g = linear(vec![2, 0, 3], vec![(dim(4, 1), S), (size_arg(2, 1, vec![1]), S)]);
         let plan = g.padding_plan().unwrap();
         assert_eq!(plan.inputs, vec![vec![(1, 0)], vec![]]);
-        assert_eq!(plan.outputs, vec![vec![(1, 0)]]);
+        assert_eq!(plan.outputs, vec![vec![(1, 0, 0)]]);
     }
 
     #[test]
@@ -624,7 +802,75 @@ mod tests {
         );
         let plan = g.padding_plan().unwrap();
         assert_eq!(plan.limits, vec![(0, 10)]);
-        assert_eq!(plan.outputs, vec![vec![(0, 0)]]);
+        assert_eq!(plan.outputs, vec![vec![(0, 0, 0)]]);
+    }
+
+    const SDPA: &str = "aten._scaled_dot_product_flash_attention_for_cpu.default";
+
+    /// A decode step: `cat([past, new], 2)` as keys and values of attention for one query;
+    /// past `[1, 2, s, 4]` (input 0), new and q `[1, 2, 1, 4]`; outputs the grown cache and
+    /// the attention.
+    fn decode_step(causal: bool) -> SymbolicGraph {
+        let mut g = graph(
+            vec![vec![1, 2, 0, 4], vec![1, 2, 1, 4], vec![1, 2, 1, 4]],
+            vec![
+                ("aten.cat.default", vec![Arg::List(vec![Arg::Value(0), Arg::Value(1)]), Arg::Int(2)], vec![1, 2, 0, 4]),
+                (SDPA, vec![Arg::Value(2), Arg::Value(3), Arg::Value(3), Arg::Float(crate::ir::FloatBits(0)), Arg::Bool(causal)], vec![1, 2, 1, 4]),
+            ],
+            vec![(dim(0, 2), S), (dim(3, 2), SymExpr::Add(vec![S, SymExpr::Const(1)]))],
+        );
+        let nodes = &mut g.graph.graph.nodes;
+        nodes[1].outputs.push(TensorType::new(DType::F32, vec![1, 2, 1]));
+        g.graph.graph.outputs = vec![3, 4];
+        g
+    }
+
+    #[test]
+    fn appending_to_a_padded_cache_reads_the_true_length_at_run_time() {
+        let g = decode_step(false);
+        let plan = g.padding_plan().unwrap();
+        assert_eq!(plan.outputs, vec![vec![(2, 0, 1)], vec![]]);
+        assert_eq!(plan.runtime, vec![0]);
+        assert_eq!(plan.rewrites, vec![Rewrite::AppendAt { node: 0, sym: 0 }, Rewrite::HideKeys { node: 1, sym: 0, by: 1 }]);
+        // The length goes in before input 1: later values move up by one.
+        let c = g.specialize_padded(&plan, &[vec![1, 2, 8, 4], vec![1, 2, 1, 4], vec![1, 2, 1, 4]], &[], 1).unwrap().graph;
+        assert_eq!(c.inputs[1].ty, TensorType::new(DType::I64, vec![]));
+        assert_eq!(c.nodes[0].args[0], Arg::List(vec![Arg::Value(0), Arg::Value(2)]));
+        assert_eq!(c.nodes[0].kwargs, vec![(APPEND_AT.to_string(), Arg::Value(1))]);
+        assert_eq!(c.nodes[0].outputs[0].shape, vec![1, 2, 9, 4]);
+        assert_eq!(c.nodes[1].args[..3], [Arg::Value(3), Arg::Value(4), Arg::Value(4)]);
+        assert_eq!(
+            c.nodes[1].kwargs,
+            vec![(KEYS_VALID.to_string(), Arg::Value(1)), (KEYS_VALID_PLUS.to_string(), Arg::Int(1))]
+        );
+        assert_eq!(c.outputs, vec![4, 5]);
+    }
+
+    #[test]
+    fn causal_attention_over_queries_and_keys_padded_alike_needs_no_mask() {
+        // q = k = v = x: [1, 2, s, 4].
+        let attention = |causal| {
+            let mut g = graph(
+                vec![vec![1, 2, 0, 4]],
+                vec![(SDPA, vec![Arg::Value(0), Arg::Value(0), Arg::Value(0), Arg::Float(crate::ir::FloatBits(0)), Arg::Bool(causal)], vec![1, 2, 0, 4])],
+                vec![(dim(0, 2), S), (dim(1, 2), S), (dim(2, 2), S)],
+            );
+            g.graph.graph.nodes[0].outputs.push(TensorType::new(DType::F32, vec![1, 2, 0]));
+            g.graph.graph.outputs = vec![1];
+            g.padding_plan().map(|p| p.rewrites)
+        };
+        assert_eq!(attention(true), Ok(vec![]));
+        assert_eq!(attention(false), Ok(vec![Rewrite::HideKeys { node: 0, sym: 0, by: 0 }]));
+    }
+
+    #[test]
+    fn prepending_to_a_padded_dimension_is_refused() {
+        let g = graph(
+            vec![vec![1], vec![0]],
+            vec![("aten.cat.default", vec![Arg::List(vec![Arg::Value(0), Arg::Value(1)])], vec![0])],
+            vec![(dim(1, 0), S), (dim(2, 0), SymExpr::Add(vec![S, SymExpr::Const(1)]))],
+        );
+        assert!(g.padding_plan().unwrap_err().contains("concatenates along a padded dimension"));
     }
 
     #[test]

@@ -84,7 +84,7 @@ impl SymExpr {
     }
 
     /// Every symbol the expression mentions.
-    fn symbols(&self, out: &mut Vec<u32>) {
+    pub(crate) fn symbols(&self, out: &mut Vec<u32>) {
         match self {
             SymExpr::Sym(k) => out.push(*k),
             SymExpr::Const(_) => {}

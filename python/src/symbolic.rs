@@ -36,13 +36,37 @@ impl SymbolicGraph {
         Ok(SymbolicGraph { ir, graph_hash })
     }
 
-    /// How to run on inputs padded along the symbolic dimensions (buckets): per input and per
-    /// output its `(dimension, symbol)` pairs, per scalar its symbol, and `(symbol, limit)`
-    /// caps on the padded size. ValueError saying which op makes padding unsafe otherwise.
+    /// How to run on inputs padded along the symbolic dimensions (buckets): per input its
+    /// `(dimension, symbol)` pairs, per output its `(dimension, symbol, plus)` cuts (to the true
+    /// size + plus), per scalar its symbol, `(symbol, limit)` caps on the padded size, and the
+    /// symbols whose true sizes the executable reads as extra inputs, and the symbol pairs it
+    /// assumes equal (a call where they differ runs exact shapes). ValueError saying which
+    /// op makes padding unsafe otherwise.
     #[allow(clippy::type_complexity)]
-    fn padding_plan(&self) -> PyResult<(Vec<Vec<(u32, u32)>>, Vec<Vec<(u32, u32)>>, Vec<Option<u32>>, Vec<(u32, i64)>)> {
+    fn padding_plan(
+        &self,
+    ) -> PyResult<(Vec<Vec<(u32, u32)>>, Vec<Vec<(u32, u32, i64)>>, Vec<Option<u32>>, Vec<(u32, i64)>, Vec<u32>, Vec<(u32, u32)>)> {
         let p = self.ir.padding_plan().map_err(PyValueError::new_err)?;
-        Ok((p.inputs, p.outputs, p.scalars, p.limits))
+        Ok((p.inputs, p.outputs, p.scalars, p.limits, p.runtime, p.equal))
+    }
+
+    /// `specialize` for inputs padded to these shapes, with the plan's true sizes inserted as
+    /// 0-d i64 inputs before input `at` (in `padding_plan`'s order).
+    #[pyo3(signature = (shapes, scalars, at, need_stablehlo = false))]
+    fn specialize_padded(
+        &self,
+        py: Python<'_>,
+        shapes: Vec<Vec<i64>>,
+        scalars: Vec<i64>,
+        at: u32,
+        need_stablehlo: bool,
+    ) -> PyResult<CompiledGraph> {
+        let start = Instant::now();
+        let plan = self.ir.padding_plan().map_err(PyValueError::new_err)?;
+        let graph = self.ir.specialize_padded(&plan, &shapes, &scalars, at).map_err(value_err)?;
+        STATS.specializations.fetch_add(1, Relaxed);
+        add_time(&STATS.specialize_nanos, start.elapsed());
+        compile_graph(py, &graph, need_stablehlo)
     }
 
     /// The graph for inputs of these shapes (one per graph input) and these integer scalars,

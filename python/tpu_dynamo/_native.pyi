@@ -105,3 +105,22 @@ class SymbolicGraph:
     ) -> CompiledGraph:
         """The graph for inputs of these shapes (one per graph input) and SymInt scalars,
         compiled or found in the memory/disk cache; ValueError if they contradict the graph."""
+    def padding_plan(
+        self,
+    ) -> tuple[
+        list[list[tuple[int, int]]],
+        list[list[tuple[int, int, int]]],
+        list[int | None],
+        list[tuple[int, int]],
+        list[int],
+        list[tuple[int, int]],
+    ]:
+        """How to run on inputs padded to buckets: per input its `(dim, symbol)` pairs, per
+        output its `(dim, symbol, plus)` cuts to the true size + plus, per scalar its symbol,
+        `(symbol, limit)` caps, the symbols whose true sizes are extra inputs, and the symbol
+        pairs the plan assumes equal. ValueError naming the op that makes padding unsafe."""
+    def specialize_padded(
+        self, shapes: Sequence[Sequence[int]], scalars: Sequence[int], at: int, need_stablehlo: bool = False
+    ) -> CompiledGraph:
+        """`specialize` at padded shapes, with one 0-d int64 input per runtime symbol of the
+        plan (its true size) inserted before input `at`."""

@@ -16,8 +16,9 @@ shapes stay exact, and the log says which op prevents padding.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import sympy
 import torch
@@ -70,6 +71,17 @@ def _resolver(bindings: dict[sympy.Symbol, int]):
         return kind(expr)
 
     return resolve
+
+
+class _Plan(NamedTuple):
+    """`_native.SymbolicGraph.padding_plan`'s answer, by name."""
+
+    inputs: list[list[tuple[int, int]]]
+    outputs: list[list[tuple[int, int, int]]]
+    scalars: list[int | None]
+    limits: list[tuple[int, int]]
+    runtime: list[int]
+    equal: list[tuple[int, int]]
 
 
 class PerShape:
@@ -133,18 +145,21 @@ class PerShape:
             self.name, len(self.compiled), self.compile_seconds, pad,
         )
 
-    def _padding_plan(self) -> tuple[Any, str | None]:
+    def _padding_plan(self) -> tuple[_Plan | None, str | None]:
         """How to run this graph padded to buckets, or None and why it cannot be."""
         if self.symbolic is None:
             return None, "the graph is specialized in Python (the INFO log says why)"
         try:
-            return self.symbolic.padding_plan(), None
+            return _Plan(*self.symbolic.padding_plan()), None
         except ValueError as e:
             return None, str(e)
 
     def _compile(self, args: list[Any]) -> Executable | _Padded:
         if self.plan is not None:
-            return self._bucketed(args)
+            true = self._true_sizes(args)
+            if all(true[a] == true[b] for a, b in self.plan.equal):
+                return self._bucketed(args, true)
+            debug.log.info("%s: buckets: sizes the padding assumes equal differ; compiling exact shapes", self.name)
         if self.symbolic is None:
             resolve = _resolver(_bindings(self.placeholders, args))
             return compile_graph(self.gm, self.kinds, self.options, self.caller_bumps, resolve)
@@ -158,42 +173,68 @@ class PerShape:
         native = self.symbolic.specialize(shapes, scalars, need_stablehlo=debug.wanted(self.options))
         return wrap(native, self.gm, self.converted, self.options, self.caller_bumps, start)
 
-    def _bucketed(self, args: list[Any]) -> _Padded:
-        """The call for `args`' sizes: the executable of their buckets, shared by every size in
-        them, with the padding of the inputs and the cut of the outputs."""
+    def _specialize_padded(self, shapes: list[list[int]], scalars: list[int], n_args: int, n_lengths: int) -> Executable:
+        """The padded executable, reading `n_lengths` true sizes as extra inputs: the caller
+        appends them to the `n_args` arguments; in the IR they precede the constants."""
+        start = time.perf_counter()
+        assert self.symbolic is not None
+        c = self.converted
+        at = len(c.tensor_args)
+        native = self.symbolic.specialize_padded(shapes, scalars, at, need_stablehlo=debug.wanted(self.options))
+        with_lengths = dataclasses.replace(
+            c,
+            tensor_args=c.tensor_args + tuple(range(n_args, n_args + n_lengths)),
+            kinds=c.kinds[:at] + (InputKind.USER,) * n_lengths + c.kinds[at:],
+        )
+        return wrap(native, self.gm, with_lengths, self.options, self.caller_bumps, start)
+
+    def _true_sizes(self, args: list[Any]) -> dict[int, int]:
+        """Each padded symbol's size in this call."""
+        assert self.plan is not None
+        tensor_args = self.converted.tensor_args
+        return {sym: args[tensor_args[i]].shape[d] for i, pairs in enumerate(self.plan.inputs) for d, sym in pairs}
+
+    def _bucketed(self, args: list[Any], true: dict[int, int]) -> _Padded:
+        """The call for `args`' sizes (`true`): the executable of their buckets, shared by every
+        size in them, with the padding of the inputs and the cut of the outputs."""
         assert self.plan is not None and self.options.buckets is not None
-        plan_inputs, plan_outputs, plan_scalars, limits = self.plan
+        plan = self.plan
         c = self.converted
         shapes = [list(args[i].shape) for i in c.tensor_args] + [list(t.shape) for t in c.constants]
-        true = {sym: shapes[i][d] for i, pairs in enumerate(plan_inputs) for d, sym in pairs}
         padded = {sym: self.options.buckets.pad(n) for sym, n in true.items()}
-        for sym, limit in limits:
+        for sym, limit in plan.limits:
             padded[sym] = max(true[sym], min(padded[sym], limit))
         pads = []
-        for i, pairs in enumerate(plan_inputs):
+        for i, pairs in enumerate(plan.inputs):
             for d, sym in pairs:
                 if padded[sym] != shapes[i][d]:
                     shapes[i][d] = padded[sym]
                     pads.append((c.tensor_args[i], d, padded[sym]))
-        scalars = [padded[sym] if sym is not None else int(args[i]) for i, sym in zip(c.scalar_args, plan_scalars)]
+        scalars = [padded[sym] if sym is not None else int(args[i]) for i, sym in zip(c.scalar_args, plan.scalars)]
         key = (tuple(map(tuple, shapes)), tuple(scalars))
         exe = self.padded.get(key)
         if exe is None:
-            exe = self.padded[key] = self._specialize(shapes, scalars)
-        scalar_pads = [(i, padded[sym]) for i, sym in zip(c.scalar_args, plan_scalars) if sym is not None]
-        cuts = [[] if o is None else [(d, true[sym]) for d, sym in plan_outputs[o]] for o in c.outputs]
+            exe = self.padded[key] = (
+                self._specialize_padded(shapes, scalars, len(args), len(plan.runtime))
+                if plan.runtime
+                else self._specialize(shapes, scalars)
+            )
+        scalar_pads = [(i, padded[sym]) for i, sym in zip(c.scalar_args, plan.scalars) if sym is not None]
+        cuts = [[] if o is None else [(d, true[sym] + plus) for d, sym, plus in plan.outputs[o]] for o in c.outputs]
+        lengths = [torch.tensor(true[sym], dtype=torch.int64) for sym in plan.runtime]
         debug.log.info(
             "%s: buckets: sizes %s run padded to %s",
             self.name,
             sorted(true.values()),
             sorted(padded.values()),
         )
-        return _Padded(exe, pads, scalar_pads, cuts)
+        return _Padded(exe, pads, scalar_pads, cuts, lengths)
 
 
 class _Padded:
     """A call at sizes below their bucket's: zero-pads the inputs along their symbolic
-    dimensions, runs the bucket's executable, and cuts each output back to the true sizes."""
+    dimensions, runs the bucket's executable (passing the true sizes it reads at run time), and
+    cuts each output back to the true sizes."""
 
     _boxed_call = True
 
@@ -203,8 +244,9 @@ class _Padded:
         pads: list[tuple[int, int, int]],
         scalars: list[tuple[int, int]],
         cuts: list[list[tuple[int, int]]],
+        lengths: list[torch.Tensor],
     ) -> None:
-        self.exe, self.pads, self.scalars, self.cuts = exe, pads, scalars, cuts
+        self.exe, self.pads, self.scalars, self.cuts, self.lengths = exe, pads, scalars, cuts, lengths
 
     def __call__(self, args: list[Any]) -> tuple[torch.Tensor | None, ...]:
         args = list(args)
@@ -215,6 +257,7 @@ class _Padded:
             args[i] = torch.cat([t, t.new_zeros(fill)], d)
         for i, value in self.scalars:
             args[i] = value
+        args.extend(self.lengths)
         outs = self.exe(args)
         return tuple(
             out if out is None or not cut else _cut(out, cut) for out, cut in zip(outs, self.cuts)

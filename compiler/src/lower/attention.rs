@@ -12,6 +12,7 @@ use super::builder::{broadcast_shapes, opmath, Builder, Combiner, Scalar, Val, R
 use super::reduction::{exponentials, zero_rows};
 use super::{NodeCtx, Registry, Res, A};
 use crate::ir::{DType, TensorType};
+use crate::padding::{KEYS_VALID, KEYS_VALID_PLUS};
 
 pub fn register(r: &mut Registry) {
     r.add(
@@ -71,10 +72,18 @@ fn flash_attention_for_cpu(n: NodeCtx<'_>) -> Res<'_> {
         &b.mul_scalar(&b.convert(&q, f)?, scale)?,
         &[batch, kv_heads, group * len_q, dim],
     )?;
-    let (k, v) = (b.convert(&k, f)?, b.convert(&v, f)?);
+    let (k, mut v) = (b.convert(&k, f)?, b.convert(&v, f)?);
+    let visible = keys_visible(&n, len_kv)?;
+    if let Some(visible) = &visible {
+        // Padding may hold anything, and 0 * inf is NaN: hidden values become 0 too.
+        v = b.select(&b.reshape(visible, &[len_kv, 1])?, &v, &b.scalar(Scalar::Float(0.0), f)?)?;
+    }
     let scores = b.dot_general(&q, &k, (&[0, 1], &[0, 1]), (&[3], &[3]), f)?;
     let full = [batch, heads, len_q, len_kv];
-    let scores = b.reshape(&scores, &full)?;
+    let mut scores = b.reshape(&scores, &full)?;
+    if let Some(visible) = &visible {
+        scores = b.select(visible, &scores, &b.scalar(Scalar::Float(f64::NEG_INFINITY), f)?)?;
+    }
     let masked = mask.is_some();
     let bias = bias(b, mask, causal, len_q, len_kv, f)?;
     let scores = match &bias {
@@ -106,6 +115,18 @@ fn flash_attention_for_cpu(n: NodeCtx<'_>) -> Res<'_> {
         b.convert(&out, n.out(0)?.dtype)?,
         b.convert(&lse, n.out(1)?.dtype)?,
     ])
+}
+
+/// `[S]`, true for the keys below the count read at run time, when the graph runs padded to a
+/// bucket and its keys are padded (see `crate::padding`); None otherwise.
+fn keys_visible<'a>(n: &NodeCtx<'a>, len_kv: i64) -> R<Option<Val<'a>>> {
+    let Some(valid) = n.opt_tensor(usize::MAX, KEYS_VALID)? else {
+        return Ok(None);
+    };
+    let b = &n.b;
+    let count = b.add(&valid, &b.scalar(Scalar::Int(n.int_or(usize::MAX, KEYS_VALID_PLUS, 0)?), valid.dtype())?)?;
+    let position = b.iota(&TensorType::new(valid.dtype(), vec![len_kv]), 0)?;
+    Ok(Some(b.compare(&position, &count, "LT")?))
 }
 
 /// What the masks add to the scores, `[L, S]` or the mask's own shape (broadcast to the

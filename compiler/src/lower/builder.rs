@@ -741,6 +741,13 @@ impl<'a> Builder<'a> {
         )
     }
 
+    /// `x` with `update` written at the run-time offsets `starts` (0-d integers, one per
+    /// dimension; clamped so the update fits, as StableHLO defines it).
+    pub fn dynamic_update_slice(&self, x: &Val<'a>, update: &Val<'a>, starts: &[&Val<'a>]) -> R<Val<'a>> {
+        let operands: Vec<&Val<'a>> = [x, update].into_iter().chain(starts.iter().copied()).collect();
+        self.op("stablehlo.dynamic_update_slice", &operands, &[], x.ty.clone())
+    }
+
     pub fn concat(&self, xs: &[&Val<'a>], dim: usize) -> R<Val<'a>> {
         if xs.len() == 1 {
             return Ok(xs[0].clone());

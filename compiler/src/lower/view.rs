@@ -4,6 +4,7 @@
 use super::builder::{norm_dim, norm_dims, Scalar, R};
 use super::{NodeCtx, Registry, Res};
 use crate::ir::DType;
+use crate::padding::APPEND_AT;
 
 pub fn register(r: &mut Registry) {
     r.add(
@@ -238,7 +239,19 @@ fn cat(n: NodeCtx<'_>) -> Res<'_> {
         .iter()
         .map(|x| n.b.convert(x, dtype))
         .collect::<R<Vec<_>>>()?;
-    Ok(vec![n.b.concat(&xs.iter().collect::<Vec<_>>(), dim)?])
+    let whole = n.b.concat(&xs.iter().collect::<Vec<_>>(), dim)?;
+    match n.opt_tensor(usize::MAX, APPEND_AT)? {
+        // Padded (buckets): the first part is exact up to its true size, read at run time; the
+        // rest go there, not after its padding.
+        Some(at) if xs.len() > 1 => {
+            let rest = n.b.concat(&xs[1..].iter().collect::<Vec<_>>(), dim)?;
+            let zero = n.b.scalar(Scalar::Int(0), at.dtype())?;
+            let mut starts = vec![&zero; whole.rank()];
+            starts[dim] = &at;
+            Ok(vec![n.b.dynamic_update_slice(&whole, &rest, &starts)?])
+        }
+        _ => Ok(vec![whole]),
+    }
 }
 
 /// `split_with_sizes`, `split` (equal chunks, last smaller) and `unbind`.
