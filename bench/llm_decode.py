@@ -1,12 +1,13 @@
 """LLM decode (issue #7): greedy `generate` on a tiny random-weight Llama, with a StaticCache
 (one executable for every step) or HF's default dynamic cache (`--cache dynamic`: the cache
-grows, so one executable per length).
+grows, so one executable per length, or per bucket of lengths with `--bucket-size`).
 
-Reports decode tokens/s for eager, Inductor and tpu_dynamo, the process's resident memory
-growth over each backend's generates, plus tpu_dynamo's compiles, host->device uploads per
-decode step, and how each step's updated K/V reached the host tensors (left in place where the
-executable wrote them, or copied back). Run: `python bench/llm_decode.py [--tokens 64]
-[--repeat 3] [--hidden 64 --layers 2 --vocab 256] [--cache static|dynamic]`.
+Reports each backend's first generate (compiles included) and decode tokens/s after it for eager,
+Inductor and tpu_dynamo, the process's resident memory growth over each backend's generates, plus
+tpu_dynamo's compiles, host->device uploads per decode step, and how each step's updated K/V
+reached the host tensors (left in place where the executable wrote them, or copied back). Run:
+`python bench/llm_decode.py [--tokens 64] [--repeat 3] [--hidden 64 --layers 2 --vocab 256]
+[--cache static|dynamic] [--bucket-size 64]`.
 """
 from __future__ import annotations
 
@@ -42,15 +43,16 @@ def resident_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def timed(model, ids: torch.Tensor, tokens: int, repeat: int, cache: str) -> tuple[float, torch.Tensor]:
-    """Median seconds of one generate over `repeat` runs after a warm-up run (which compiles)."""
-    out = generate(model, ids, tokens, cache)
+def timed(model, ids: torch.Tensor, tokens: int, repeat: int, cache: str) -> tuple[float, float, torch.Tensor]:
+    """Seconds of the first generate (which compiles), median seconds of one generate over
+    `repeat` runs after it, and the tokens."""
     times = []
-    for _ in range(repeat):
+    for _ in range(repeat + 1):
         start = time.perf_counter()
         out = generate(model, ids, tokens, cache)
         times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2], out
+    first, rest = times[0], sorted(times[1:])
+    return first, rest[len(rest) // 2], out
 
 
 def main() -> None:
@@ -62,6 +64,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--cache", default="static", choices=["static", "dynamic"])
     parser.add_argument("--backends", default="eager,inductor,tpu")
+    parser.add_argument("--bucket-size", type=int, default=0, help="tpu_dynamo's bucket_size option (0: exact sizes)")
     args = parser.parse_args()
     tpu_dynamo.device_info()  # the plugin's allocator setting holds for every backend (bench.py)
     ids = torch.randint(1, args.vocab, (1, 8), generator=torch.Generator().manual_seed(1))
@@ -70,15 +73,16 @@ def main() -> None:
     for name in names:
         model = tiny_llama(args.hidden, args.layers, args.vocab)
         if name != "eager":
-            model.forward = torch.compile(model.forward, backend=name, fullgraph=True)
+            options = {"bucket_size": args.bucket_size} if name == "tpu" and args.bucket_size else None
+            model.forward = torch.compile(model.forward, backend=name, fullgraph=True, options=options)
         torch._dynamo.reset()
         tpu_dynamo.reset_stats()
         before = resident_bytes()
-        seconds, out = timed(model, ids, args.tokens, args.repeat, args.cache)
+        first, seconds, out = timed(model, ids, args.tokens, args.repeat, args.cache)
         grown = (resident_bytes() - before) / 2**20
         reference = out if reference is None else reference
         line = f"{name:9s} {args.tokens / seconds:8.1f} tokens/s  {seconds / args.tokens * 1e3:6.2f} ms/token"
-        line += f"  resident memory +{grown:.0f} MiB"
+        line += f"  first generate {first:.1f} s  resident memory +{grown:.0f} MiB"
         line += f"  same tokens as {names[0]}: {torch.equal(out, reference)}"
         if name == "tpu":
             s = tpu_dynamo.stats()
