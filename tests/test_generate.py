@@ -230,6 +230,7 @@ def test_buckets_serve_every_step_of_a_dynamic_cache_decode(caplog):
     model = tiny("llama")
     expected = generate(model, IDS, 20, output_logits=True, return_dict_in_generate=True)
     model.forward = compile_tpu(model.forward, options={"bucket_size": 16})
+    torch._dynamo.utils.counters.clear()
     with caplog.at_level("INFO", logger="tpu_dynamo"):
         got = generate(model, IDS, 20, output_logits=True, return_dict_in_generate=True)
     assert torch.equal(got.sequences, expected.sequences)
@@ -239,6 +240,28 @@ def test_buckets_serve_every_step_of_a_dynamic_cache_decode(caplog):
     # graph for lengths 8-16 in the bucket of 16 and 17-25 in that of 32.
     assert tpu_dynamo.stats()["compiles"] == 4
     assert "sizes [25, 25, 25, 25] run padded to [32, 32, 32, 32]" in caplog.text
+    # The cut K/V come back contiguous, as eager's: a strided view would fail Dynamo's stride
+    # guards next step and cost a fourth trace.
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3
+
+
+def test_a_dynamic_cache_decode_pads_to_default_buckets_once_sizes_keep_changing(caplog):
+    """Without bucket options, a step graph whose sizes keep changing compiles exact shapes
+    SIZES_BEFORE_WARNING times, then pads to the default buckets (padding proven safe) instead
+    of compiling on every further step, and says so."""
+    from tpu_dynamo.symbolic import SIZES_BEFORE_WARNING
+
+    model = tiny("llama")
+    expected = generate(model, IDS, 20, output_logits=True, return_dict_in_generate=True)
+    model.forward = compile_tpu(model.forward)
+    with caplog.at_level("WARNING", logger="tpu_dynamo"):
+        got = generate(model, IDS, 20, output_logits=True, return_dict_in_generate=True)
+    assert torch.equal(got.sequences, expected.sequences)
+    for g, w in zip(got.logits, expected.logits):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    # Prompt, first step, the lengths 8-15 exactly, then 16-25 in the bucket of 128.
+    assert tpu_dynamo.stats()["compiles"] == 2 + SIZES_BEFORE_WARNING + 1
+    assert "from now on this graph runs padded to multiples of 128" in caplog.text
 
 
 def test_buckets_pad_a_causal_prefill():

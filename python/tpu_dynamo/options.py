@@ -32,6 +32,10 @@ class Buckets:
         return n if n > self.size * self.count else -(-n // self.size) * self.size
 
 
+DEFAULT_BUCKETS = Buckets(size=_BUCKET_DEFAULTS["bucket_size"], count=_BUCKET_DEFAULTS["num_dynamic_buckets"])
+"""What a symbolic graph pads to, where safe, once its sizes have kept changing (see `symbolic`)."""
+
+
 @dataclass(frozen=True)
 class Options:
     debug_callback: DebugCallback | None = None

@@ -12,7 +12,10 @@ to converting per signature in Python with every size resolved to a literal.
 With TorchTPU's bucket options, sizes are padded up to their bucket where the compiler proves
 that safe for the graph (`_native.SymbolicGraph.padding_plan`): the inputs are zero-padded, one
 executable serves the whole bucket, and the outputs are cut back to the true sizes. Otherwise
-shapes stay exact, and the log says which op prevents padding.
+shapes stay exact, and the log says which op prevents padding. Without them, a graph whose sizes
+keep changing (SIZES_BEFORE_WARNING exact compiles) is padded to the default buckets from then on
+where that is safe, since every further size would be another compile (a dynamic-cache decode
+compiles on every step otherwise); the user is told.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import torch.fx
 from . import _native, debug
 from .convert import InputKind, convert_symbolic
 from .executable import Executable, compile_graph, wrap
-from .options import Options
+from .options import DEFAULT_BUCKETS, Options
 
 # Exact-shape compiles of one symbolic graph after which the user hears that sizes keep changing.
 SIZES_BEFORE_WARNING = 8
@@ -107,7 +110,8 @@ class PerShape:
         except (NotImplementedError, ValueError) as e:
             debug.log.info("%s: specializing per shape in Python: %s", name, e)
             self.symbolic = None
-        self.plan = None
+        self.plan: _Plan | None = None
+        self.buckets = options.buckets
         if options.buckets is not None:
             self.plan, why = self._padding_plan()
             if self.plan is not None:
@@ -124,19 +128,24 @@ class PerShape:
             self.compile_seconds += time.perf_counter() - start
             self.compiled[signature] = exe
             if len(self.compiled) == SIZES_BEFORE_WARNING and self.plan is None:
-                self._warn_sizes_keep_changing()
+                self._sizes_keep_changing()
         return exe(args)
 
-    def _warn_sizes_keep_changing(self) -> None:
+    def _sizes_keep_changing(self) -> None:
         """Each new size is an XLA compile; a workload whose sizes never repeat (a dynamic-cache
-        decode: every step a new length) compiles on every call. Buckets are suggested only
-        where this graph's padding plan holds."""
+        decode: every step a new length) compiles on every call. Where this graph's padding plan
+        holds and the user chose no buckets, later sizes are padded to the default ones; either
+        way the user hears what is happening and what to do."""
         if self.options.buckets is not None:
             pad = "; padding them to buckets was refused for this graph (the INFO log says why)"
-        elif (why := self._padding_plan()[1]) is not None:
-            pad = f"; padding them to buckets cannot help this graph: {why}"
+        elif (plan := self._padding_plan())[0] is not None:
+            self.plan, self.buckets = plan[0], DEFAULT_BUCKETS
+            pad = (
+                f"; from now on this graph runs padded to multiples of {DEFAULT_BUCKETS.size} (proven safe"
+                ' for it; options={"bucket_size": ...} pads from the first call, to buckets of your choice)'
+            )
         else:
-            pad = ', or pad them to buckets (options={"bucket_size": 128})'
+            pad = f"; padding them to buckets cannot help this graph: {plan[1]}"
         debug.log.warning(
             "%s: compiled for %d input sizes so far (%.1f s compiling or loading them); every new "
             "size is another executable, so sizes that keep changing (e.g. generate() with the "
@@ -197,11 +206,11 @@ class PerShape:
     def _bucketed(self, args: list[Any], true: dict[int, int]) -> _Padded:
         """The call for `args`' sizes (`true`): the executable of their buckets, shared by every
         size in them, with the padding of the inputs and the cut of the outputs."""
-        assert self.plan is not None and self.options.buckets is not None
+        assert self.plan is not None and self.buckets is not None
         plan = self.plan
         c = self.converted
         shapes = [list(args[i].shape) for i in c.tensor_args] + [list(t.shape) for t in c.constants]
-        padded = {sym: self.options.buckets.pad(n) for sym, n in true.items()}
+        padded = {sym: self.buckets.pad(n) for sym, n in true.items()}
         for sym, limit in plan.limits:
             padded[sym] = max(true[sym], min(padded[sym], limit))
         pads = []
@@ -265,6 +274,9 @@ class _Padded:
 
 
 def _cut(t: torch.Tensor, cut: list[tuple[int, int]]) -> torch.Tensor:
+    """`t`'s first `n` positions along each dimension `d`, contiguous like the graph's own output:
+    a strided view fed back in (a dynamic cache's K/V next step) would fail Dynamo's stride guards
+    and cost a retrace."""
     for d, n in cut:
         t = t.narrow(d, 0, n)
-    return t
+    return t.contiguous()
