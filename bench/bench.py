@@ -290,7 +290,8 @@ def table(rows: list[dict[str, Any]], colds: dict[tuple[str, str], float]) -> st
         lines.append(
             f"{r['model']}: greedy `generate()` of {NEW_TOKENS} tokens, default dynamic cache: "
             f"eager {tps['eager']:.0f} tokens/s, Inductor {tps['inductor']:.0f}, tpu {tps['tpu']:.0f} "
-            f"({r['graphs']} executables, one per sequence length)."
+            f"({r['graphs']} executables: the prompt, then one per sequence length until the step graph"
+            " pads to buckets after its 8th)."
         )
     return "\n".join(lines)
 
