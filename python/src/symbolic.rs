@@ -50,37 +50,27 @@ impl SymbolicGraph {
         Ok((p.inputs, p.outputs, p.scalars, p.limits, p.runtime, p.equal))
     }
 
-    /// `specialize` for inputs padded to these shapes, with the plan's true sizes inserted as
-    /// 0-d i64 inputs before input `at` (in `padding_plan`'s order).
-    #[pyo3(signature = (shapes, scalars, at, need_stablehlo = false))]
-    fn specialize_padded(
-        &self,
-        py: Python<'_>,
-        shapes: Vec<Vec<i64>>,
-        scalars: Vec<i64>,
-        at: u32,
-        need_stablehlo: bool,
-    ) -> PyResult<CompiledGraph> {
-        let start = Instant::now();
-        let plan = self.ir.padding_plan().map_err(PyValueError::new_err)?;
-        let graph = self.ir.specialize_padded(&plan, &shapes, &scalars, at).map_err(value_err)?;
-        STATS.specializations.fetch_add(1, Relaxed);
-        add_time(&STATS.specialize_nanos, start.elapsed());
-        compile_graph(py, &graph, need_stablehlo)
-    }
-
     /// The graph for inputs of these shapes (one per graph input) and these integer scalars,
-    /// compiled or found in the memory or disk cache (keyed by the concrete graph's bytes).
-    #[pyo3(signature = (shapes, scalars, need_stablehlo = false))]
+    /// compiled or found in the memory or disk cache (keyed by the concrete graph's bytes). With
+    /// `lengths_at`, the shapes are padded per `padding_plan`, whose true sizes become 0-d i64
+    /// inputs inserted before input `lengths_at`.
+    #[pyo3(signature = (shapes, scalars, lengths_at = None, need_stablehlo = false))]
     fn specialize(
         &self,
         py: Python<'_>,
         shapes: Vec<Vec<i64>>,
         scalars: Vec<i64>,
+        lengths_at: Option<u32>,
         need_stablehlo: bool,
     ) -> PyResult<CompiledGraph> {
         let start = Instant::now();
-        let graph = self.ir.specialize(&shapes, &scalars).map_err(value_err)?;
+        let graph = match lengths_at {
+            None => self.ir.specialize(&shapes, &scalars).map_err(value_err)?,
+            Some(at) => {
+                let plan = self.ir.padding_plan().map_err(PyValueError::new_err)?;
+                self.ir.specialize_padded(&plan, &shapes, &scalars, at).map_err(value_err)?
+            }
+        };
         STATS.specializations.fetch_add(1, Relaxed);
         add_time(&STATS.specialize_nanos, start.elapsed());
         compile_graph(py, &graph, need_stablehlo)

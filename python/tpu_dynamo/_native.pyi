@@ -101,10 +101,16 @@ class SymbolicGraph:
     def graph_hash(self) -> str:
         """blake3 of the symbolic IR without source lines; equal across processes."""
     def specialize(
-        self, shapes: Sequence[Sequence[int]], scalars: Sequence[int], need_stablehlo: bool = False
+        self,
+        shapes: Sequence[Sequence[int]],
+        scalars: Sequence[int],
+        lengths_at: int | None = None,
+        need_stablehlo: bool = False,
     ) -> CompiledGraph:
         """The graph for inputs of these shapes (one per graph input) and SymInt scalars,
-        compiled or found in the memory/disk cache; ValueError if they contradict the graph."""
+        compiled or found in the memory/disk cache; ValueError if they contradict the graph.
+        With `lengths_at`, the shapes are padded per `padding_plan`, and one 0-d int64 input
+        per runtime symbol of the plan (its true size) goes in before input `lengths_at`."""
     def padding_plan(
         self,
     ) -> tuple[
@@ -119,8 +125,3 @@ class SymbolicGraph:
         output its `(dim, symbol, plus)` cuts to the true size + plus, per scalar its symbol,
         `(symbol, limit)` caps, the symbols whose true sizes are extra inputs, and the symbol
         pairs the plan assumes equal. ValueError naming the op that makes padding unsafe."""
-    def specialize_padded(
-        self, shapes: Sequence[Sequence[int]], scalars: Sequence[int], at: int, need_stablehlo: bool = False
-    ) -> CompiledGraph:
-        """`specialize` at padded shapes, with one 0-d int64 input per runtime symbol of the
-        plan (its true size) inserted before input `at`."""

@@ -176,26 +176,23 @@ class PerShape:
         shapes = [list(args[i].shape) for i in c.tensor_args] + [list(t.shape) for t in c.constants]
         return self._specialize(shapes, [int(args[i]) for i in c.scalar_args])
 
-    def _specialize(self, shapes: list[list[int]], scalars: list[int]) -> Executable:
-        start = time.perf_counter()
-        assert self.symbolic is not None
-        native = self.symbolic.specialize(shapes, scalars, need_stablehlo=debug.wanted(self.options))
-        return wrap(native, self.gm, self.converted, self.options, self.caller_bumps, start)
-
-    def _specialize_padded(self, shapes: list[list[int]], scalars: list[int], n_args: int, n_lengths: int) -> Executable:
-        """The padded executable, reading `n_lengths` true sizes as extra inputs: the caller
-        appends them to the `n_args` arguments; in the IR they precede the constants."""
+    def _specialize(self, shapes: list[list[int]], scalars: list[int], n_args: int = 0, n_lengths: int = 0) -> Executable:
+        """The executable for these shapes. Padded with `n_lengths` true sizes read at run time,
+        the caller appends those to its `n_args` arguments; in the IR they precede the constants."""
         start = time.perf_counter()
         assert self.symbolic is not None
         c = self.converted
         at = len(c.tensor_args)
-        native = self.symbolic.specialize_padded(shapes, scalars, at, need_stablehlo=debug.wanted(self.options))
-        with_lengths = dataclasses.replace(
-            c,
-            tensor_args=c.tensor_args + tuple(range(n_args, n_args + n_lengths)),
-            kinds=c.kinds[:at] + (InputKind.USER,) * n_lengths + c.kinds[at:],
+        native = self.symbolic.specialize(
+            shapes, scalars, at if n_lengths else None, need_stablehlo=debug.wanted(self.options)
         )
-        return wrap(native, self.gm, with_lengths, self.options, self.caller_bumps, start)
+        if n_lengths:
+            c = dataclasses.replace(
+                c,
+                tensor_args=c.tensor_args + tuple(range(n_args, n_args + n_lengths)),
+                kinds=c.kinds[:at] + (InputKind.USER,) * n_lengths + c.kinds[at:],
+            )
+        return wrap(native, self.gm, c, self.options, self.caller_bumps, start)
 
     def _true_sizes(self, args: list[Any]) -> dict[int, int]:
         """Each padded symbol's size in this call."""
@@ -223,11 +220,7 @@ class PerShape:
         key = (tuple(map(tuple, shapes)), tuple(scalars))
         exe = self.padded.get(key)
         if exe is None:
-            exe = self.padded[key] = (
-                self._specialize_padded(shapes, scalars, len(args), len(plan.runtime))
-                if plan.runtime
-                else self._specialize(shapes, scalars)
-            )
+            exe = self.padded[key] = self._specialize(shapes, scalars, len(args), len(plan.runtime))
         scalar_pads = [(i, padded[sym]) for i, sym in zip(c.scalar_args, plan.scalars) if sym is not None]
         cuts = [[] if o is None else [(d, true[sym] + plus) for d, sym, plus in plan.outputs[o]] for o in c.outputs]
         lengths = [torch.tensor(true[sym], dtype=torch.int64) for sym in plan.runtime]
