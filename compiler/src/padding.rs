@@ -329,19 +329,13 @@ impl<'a> Walk<'a> {
                 let mut out = self.broadcast_except(&parts, rank, d)?;
                 // Empty parts (a dynamic cache's first update) add nothing.
                 let parts: Vec<&[Dim]> = parts.into_iter().filter(|p| p.len() == rank && p[d] != Static(0)).collect();
-                let appended = |p: &&[Dim]| if let Static(k) = p[d] { Some(k) } else { None };
-                match parts.split_first() {
-                    Some((only, [])) => out[d] = only[d],
+                let appended: Option<i64> = parts.iter().skip(1).map(|p| if let Static(k) = p[d] { Some(k) } else { None }).sum();
+                match (parts.as_slice(), appended) {
+                    ([only], _) => out[d] = only[d],
                     // Appending to a padded dimension: the rest go at the first part's true size.
-                    Some((head, rest)) if head[d].is_padded() => {
-                        let by = rest.iter().map(appended).sum::<Option<i64>>();
-                        match (head[d], by) {
-                            (Padded { sym, outer: 1, inner: 1 }, Some(by)) => {
-                                self.rewrites.push(Rewrite::AppendAt { node: j, sym });
-                                out[d] = Grown { sym, by };
-                            }
-                            _ => return Err("concatenates along a padded dimension other than by appending to one padded part".into()),
-                        }
+                    ([head, ..], Some(by)) if let Padded { sym, outer: 1, inner: 1 } = head[d] => {
+                        self.rewrites.push(Rewrite::AppendAt { node: j, sym });
+                        out[d] = Grown { sym, by };
                     }
                     _ if parts.iter().any(|p| p[d].is_padded()) => {
                         return Err("concatenates along a padded dimension other than by appending to one padded part".into())
