@@ -247,8 +247,8 @@ def test_buckets_serve_every_step_of_a_dynamic_cache_decode(caplog):
 
 def test_a_dynamic_cache_decode_pads_to_default_buckets_once_sizes_keep_changing(caplog):
     """Without bucket options, a step graph whose sizes keep changing compiles exact shapes
-    SIZES_BEFORE_WARNING times, then pads to the default buckets (padding proven safe) instead
-    of compiling on every further step, and says so."""
+    SIZES_BEFORE_WARNING times, then pads to powers of two (padding proven safe) instead of
+    compiling on every further step, and says so."""
     from tpu_dynamo.symbolic import SIZES_BEFORE_WARNING
 
     model = tiny("llama")
@@ -259,9 +259,9 @@ def test_a_dynamic_cache_decode_pads_to_default_buckets_once_sizes_keep_changing
     assert torch.equal(got.sequences, expected.sequences)
     for g, w in zip(got.logits, expected.logits):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
-    # Prompt, first step, the lengths 8-15 exactly, then 16-25 in the bucket of 128.
-    assert tpu_dynamo.stats()["compiles"] == 2 + SIZES_BEFORE_WARNING + 1
-    assert "from now on this graph runs padded to multiples of 128" in caplog.text
+    # Prompt, first step, the lengths 8-15 exactly, then 16 and 17-25 padded to 32.
+    assert tpu_dynamo.stats()["compiles"] == 2 + SIZES_BEFORE_WARNING + 2
+    assert "from now on this graph runs with its sizes padded to the next power of two" in caplog.text
 
 
 def test_buckets_pad_a_causal_prefill():

@@ -35,6 +35,12 @@ def test_bucket_options_are_validated_with_torchtpu_defaults():
         parse({"num_dynamic_buckets": 9}, None, None)
 
 
+def test_automatic_buckets_at_most_double_the_size():
+    from tpu_dynamo.options import PowersOfTwo
+
+    assert [PowersOfTwo.pad(n) for n in (1, 2, 3, 9, 16, 17, 1000)] == [1, 2, 4, 16, 16, 32, 1024]
+
+
 def test_unknown_key_through_torch_compile():
     f = torch.compile(lambda x: x + 1, backend="tpu", options={"bogus": 1})
     with pytest.raises(Exception) as excinfo:

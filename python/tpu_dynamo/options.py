@@ -32,8 +32,15 @@ class Buckets:
         return n if n > self.size * self.count else -(-n // self.size) * self.size
 
 
-DEFAULT_BUCKETS = Buckets(size=_BUCKET_DEFAULTS["bucket_size"], count=_BUCKET_DEFAULTS["num_dynamic_buckets"])
-"""What a symbolic graph pads to, where safe, once its sizes have kept changing (see `symbolic`)."""
+@dataclass(frozen=True)
+class PowersOfTwo:
+    """What a symbolic graph pads to, where safe, once its sizes have kept changing and the user
+    chose no buckets (see `symbolic`): at most twice the work of the true size, whatever the
+    dimension (a sequence, a batch), and one executable per doubling."""
+
+    @staticmethod
+    def pad(n: int) -> int:
+        return 1 << max(n - 1, 0).bit_length()
 
 
 @dataclass(frozen=True)

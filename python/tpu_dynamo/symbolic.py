@@ -13,9 +13,9 @@ With TorchTPU's bucket options, sizes are padded up to their bucket where the co
 that safe for the graph (`_native.SymbolicGraph.padding_plan`): the inputs are zero-padded, one
 executable serves the whole bucket, and the outputs are cut back to the true sizes. Otherwise
 shapes stay exact, and the log says which op prevents padding. Without them, a graph whose sizes
-keep changing (SIZES_BEFORE_WARNING exact compiles) is padded to the default buckets from then on
-where that is safe, since every further size would be another compile (a dynamic-cache decode
-compiles on every step otherwise); the user is told.
+keep changing (SIZES_BEFORE_WARNING exact compiles) is padded to powers of two from then on where
+that is safe, since every further size would be another compile (a dynamic-cache decode compiles
+on every step otherwise); the user is told.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import torch.fx
 from . import _native, debug
 from .convert import InputKind, convert_symbolic
 from .executable import Executable, compile_graph, wrap
-from .options import DEFAULT_BUCKETS, Options
+from .options import Buckets, Options, PowersOfTwo
 
 # Exact-shape compiles of one symbolic graph after which the user hears that sizes keep changing.
 SIZES_BEFORE_WARNING = 8
@@ -111,7 +111,7 @@ class PerShape:
             debug.log.info("%s: specializing per shape in Python: %s", name, e)
             self.symbolic = None
         self.plan: _Plan | None = None
-        self.buckets = options.buckets
+        self.buckets: Buckets | PowersOfTwo | None = options.buckets
         if options.buckets is not None:
             self.plan, why = self._padding_plan()
             if self.plan is not None:
@@ -139,9 +139,9 @@ class PerShape:
         if self.options.buckets is not None:
             pad = "; padding them to buckets was refused for this graph (the INFO log says why)"
         elif (plan := self._padding_plan())[0] is not None:
-            self.plan, self.buckets = plan[0], DEFAULT_BUCKETS
+            self.plan, self.buckets = plan[0], PowersOfTwo()
             pad = (
-                f"; from now on this graph runs padded to multiples of {DEFAULT_BUCKETS.size} (proven safe"
+                "; from now on this graph runs with its sizes padded to the next power of two (proven safe"
                 ' for it; options={"bucket_size": ...} pads from the first call, to buckets of your choice)'
             )
         else:
