@@ -134,8 +134,8 @@ class PerShape:
     def _sizes_keep_changing(self) -> None:
         """Each new size is an XLA compile; a workload whose sizes never repeat (a dynamic-cache
         decode: every step a new length) compiles on every call. Where this graph's padding plan
-        holds and the user chose no buckets, later sizes are padded to the default ones; either
-        way the user hears what is happening and what to do."""
+        holds and the user chose no buckets, later sizes are padded to powers of two; either way
+        the user hears what is happening and what to do."""
         if self.options.buckets is not None:
             pad = "; padding them to buckets was refused for this graph (the INFO log says why)"
         elif (plan := self._padding_plan())[0] is not None:
