@@ -136,16 +136,17 @@ class PerShape:
         decode: every step a new length) compiles on every call. Where this graph's padding plan
         holds and the user chose no buckets, later sizes are padded to powers of two; either way
         the user hears what is happening and what to do."""
+        plan, why = self._padding_plan() if self.options.buckets is None else (None, None)
         if self.options.buckets is not None:
             pad = "; padding them to buckets was refused for this graph (the INFO log says why)"
-        elif (plan := self._padding_plan())[0] is not None:
-            self.plan, self.buckets = plan[0], PowersOfTwo()
+        elif plan is not None:
+            self.plan, self.buckets = plan, PowersOfTwo()
             pad = (
                 "; from now on this graph runs with its sizes padded to the next power of two (proven safe"
                 ' for it; options={"bucket_size": ...} pads from the first call, to buckets of your choice)'
             )
         else:
-            pad = f"; padding them to buckets cannot help this graph: {plan[1]}"
+            pad = f"; padding them to buckets cannot help this graph: {why}"
         debug.log.warning(
             "%s: compiled for %d input sizes so far (%.1f s compiling or loading them); every new "
             "size is another executable, so sizes that keep changing (e.g. generate() with the "

@@ -239,18 +239,18 @@ fn cat(n: NodeCtx<'_>) -> Res<'_> {
         .iter()
         .map(|x| n.b.convert(x, dtype))
         .collect::<R<Vec<_>>>()?;
-    let whole = n.b.concat(&xs.iter().collect::<Vec<_>>(), dim)?;
-    match n.opt_tensor(usize::MAX, APPEND_AT)? {
+    match (n.opt_tensor(usize::MAX, APPEND_AT)?, xs.as_slice()) {
         // Padded (buckets): the first part is exact up to its true size, read at run time; the
         // rest go there, not after its padding.
-        Some(at) if xs.len() > 1 => {
-            let rest = n.b.concat(&xs[1..].iter().collect::<Vec<_>>(), dim)?;
+        (Some(at), [head, rest @ ..]) if !rest.is_empty() => {
+            let rest = n.b.concat(&rest.iter().collect::<Vec<_>>(), dim)?;
+            let whole = n.b.concat(&[head, &rest], dim)?;
             let zero = n.b.scalar(Scalar::Int(0), at.dtype())?;
             let mut starts = vec![&zero; whole.rank()];
             starts[dim] = &at;
             Ok(vec![n.b.dynamic_update_slice(&whole, &rest, &starts)?])
         }
-        _ => Ok(vec![whole]),
+        _ => Ok(vec![n.b.concat(&xs.iter().collect::<Vec<_>>(), dim)?]),
     }
 }
 
