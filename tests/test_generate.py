@@ -296,3 +296,46 @@ def test_padded_keys_are_hidden_even_where_padding_turns_non_finite():
             assert g.shape == w.shape
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     assert tpu_dynamo.stats()["compiles"] == 1
+
+
+def test_a_padded_mask_gathered_at_key_positions_hides_its_padding():
+    """A padding mask gathered at the keys' positions (how transformers builds the mask of a
+    batched decode step): its padding reads past the mask's true length and turns into +inf
+    (1 / 0), and batch row 1 hides every true key (0 out, as eager)."""
+
+    def f(q, k, v, new, m, hide):
+        k, v = torch.cat([k, new], 2), torch.cat([v, new], 2)
+        bias = 1 / m[:, None, None, torch.arange(k.shape[2])] - 1 + hide
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias), k
+
+    run = compile_tpu(f, options={"bucket_size": 8})
+    hide = torch.tensor([0.0, float("-inf")]).view(2, 1, 1, 1)
+    for s in (3, 5, 6, 7):
+        q, new = torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4)
+        k, v = torch.randn(2, 2, s, 4), torch.randn(2, 2, s, 4)
+        m = torch.rand(2, s + 1) + 0.5
+        for t, d in ((k, 2), (v, 2), (m, 1)):
+            torch._dynamo.mark_dynamic(t, d)
+        for g, w in zip(run(q, k, v, new, m, hide), f(q, k, v, new, m, hide)):
+            assert g.shape == w.shape
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert tpu_dynamo.stats()["compiles"] == 1
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_buckets_serve_a_batched_decode_with_a_padding_mask(kind):
+    """Left-padded prompts: each step builds its mask from the attention mask and the past
+    length (a size used as a value, read at run time); one executable per bucket."""
+    model = tiny(kind)
+    ids = torch.randint(1, 128, (3, 7), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[2, :5] = 0
+    expected = generate(model, ids, 20, attention_mask=mask, output_logits=True, return_dict_in_generate=True)
+    model.forward = compile_tpu(model.forward, options={"bucket_size": 16})
+    got = generate(model, ids, 20, attention_mask=mask, output_logits=True, return_dict_in_generate=True)
+    assert torch.equal(got.sequences, expected.sequences)
+    for g, w in zip(got.logits, expected.logits):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    # The prompt, the first step's exact shapes, then sizes 8-15, 16 (its mask 17), 17-26.
+    assert tpu_dynamo.stats()["compiles"] == 5

@@ -23,6 +23,7 @@ use std::collections::HashMap;
 
 use crate::ir::{Arg, DType, Graph, GraphWithSources, Input, InputKind, Node, SymExpr, SymSlot, SymbolicGraph, TensorType};
 use crate::lower::is_pointwise;
+use crate::specialize::arg_mut;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Dim {
@@ -72,6 +73,9 @@ pub struct PaddingPlan {
     /// Symbol pairs the plan assumes equal (keys and values of one cache); a call where they
     /// differ runs exact shapes.
     pub equal: Vec<(u32, u32)>,
+    /// `(a, b, plus)`: the plan assumes `a`'s true size is at least `b`'s + `plus` (a gather
+    /// along `a` at positions counted along `b`); a call where it is not runs exact shapes.
+    pub at_least: Vec<(u32, u32, i64)>,
 }
 
 /// A node that runs differently on padded inputs, reading a true size at run time.
@@ -82,6 +86,16 @@ pub enum Rewrite {
     AppendAt { node: u32, sym: u32 },
     /// Attention whose keys are padded: keys at or past the true size + `by` are hidden.
     HideKeys { node: u32, sym: u32, by: i64 },
+    /// A size used as a value by a pointwise op (argument `arg`, positional then keyword): the
+    /// op reads the true size instead of the padded one.
+    TrueSize { node: u32, arg: u32, sym: u32 },
+}
+
+impl Rewrite {
+    fn sym(self) -> u32 {
+        let (Rewrite::AppendAt { sym, .. } | Rewrite::HideKeys { sym, .. } | Rewrite::TrueSize { sym, .. }) = self;
+        sym
+    }
 }
 
 type R<T> = Result<T, String>;
@@ -122,8 +136,15 @@ struct Walk<'a> {
     types: Vec<&'a TensorType>,
     dims: Vec<Vec<Dim>>,
     recorded: HashMap<(u32, u32), Recorded>,
+    /// The symbols padded (every one an input's dimension); any other is passed exactly.
+    padded: Vec<u32>,
+    /// Integer values whose every element is its position along one dimension plus a constant
+    /// (`arange` and what keeps it): `value -> (dimension, offset)`. Lets a gather along a padded
+    /// dimension at such positions be bounded.
+    iota: HashMap<u32, (usize, i64)>,
     limits: Vec<(u32, i64)>,
     equal: Vec<(u32, u32)>,
+    at_least: Vec<(u32, u32, i64)>,
     rewrites: Vec<Rewrite>,
 }
 
@@ -148,6 +169,37 @@ fn norm(d: i64, rank: usize) -> R<usize> {
     let r = rank as i64;
     let d = if d < 0 { d + r } else { d };
     if (0..r.max(1)).contains(&d) { Ok(d as usize) } else { Err(format!("dimension {d} out of range for rank {rank}")) }
+}
+
+/// Whether the op's lowering takes its `self` and `other` as a tensor or a number alike, so a
+/// size used there may become the 0-d tensor of its true size.
+fn reads_tensor_operands(op: &str) -> bool {
+    let Some((name, overload)) = op.strip_prefix("aten.").and_then(|o| o.split_once('.')) else {
+        return false;
+    };
+    matches!(overload, "Tensor" | "Scalar")
+        && matches!(name, "add" | "sub" | "rsub" | "mul" | "div" | "eq" | "ne" | "lt" | "le" | "gt" | "ge")
+}
+
+/// Broadcasting `parts` to `rank` dimensions: a padded dimension comes from parts padded alike.
+fn broadcast(parts: &[&[Dim]], rank: usize) -> R<Vec<Dim>> {
+    let mut out = vec![None::<Dim>; rank];
+    for op in parts {
+        let skip = rank.checked_sub(op.len()).ok_or("an operand has a higher rank than the result")?;
+        for (d, &dim) in op.iter().enumerate() {
+            let slot = &mut out[skip + d];
+            match (dim, *slot) {
+                (Static(1), _) => {}
+                (_, None) | (_, Some(Static(1))) => *slot = Some(dim),
+                (a, Some(b)) if a == b => {}
+                (a, Some(b)) if a.is_padded() || b.is_padded() => {
+                    return Err(format!("operands broadcast {a:?} against {b:?}"))
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(out.into_iter().map(|d| d.unwrap_or(Static(1))).collect())
 }
 
 impl<'a> Walk<'a> {
@@ -188,23 +240,7 @@ impl<'a> Walk<'a> {
 
     /// Pointwise with broadcasting: a padded output dimension comes from operands padded alike.
     fn broadcast(&self, node: &Node, rank: usize) -> R<Vec<Dim>> {
-        let mut out = vec![None::<Dim>; rank];
-        for op in self.operands(node) {
-            let skip = rank.checked_sub(op.len()).ok_or("an operand has a higher rank than the result")?;
-            for (d, &dim) in op.iter().enumerate() {
-                let slot = &mut out[skip + d];
-                match (dim, *slot) {
-                    (Static(1), _) => {}
-                    (_, None) | (_, Some(Static(1))) => *slot = Some(dim),
-                    (a, Some(b)) if a == b => {}
-                    (a, Some(b)) if a.is_padded() || b.is_padded() => {
-                        return Err(format!("operands broadcast {a:?} against {b:?}"))
-                    }
-                    _ => {}
-                }
-            }
-        }
-        Ok(out.into_iter().map(|d| d.unwrap_or(Static(1))).collect())
+        broadcast(&self.operands(node), rank)
     }
 
     /// Output dimensions of `node`, one list per output; `Err` names why padding is unsafe.
@@ -224,8 +260,17 @@ impl<'a> Walk<'a> {
             "aten.slice.Tensor" | "aten.slice_copy.Tensor" => &[3],
             _ => &[],
         };
-        if let Some(((i, _), e)) = syms.iter().find(|((i, _), _)| !size_roles.contains(i)) {
-            return Err(format!("argument {i} is the size {e:?}, used as a value"));
+        let mut values: Vec<_> = syms.iter().filter(|((i, _), _)| !size_roles.contains(i)).collect();
+        values.sort_by_key(|((i, _), _)| *i);
+        for (&(i, path), e) in values {
+            match recorded(e) {
+                // A number no padded size depends on is passed as it is.
+                Recorded::Scaled { sym, by: 1 } if !self.padded.contains(&sym) => {}
+                Recorded::Scaled { sym, by: 1 } if i <= 1 && path.is_empty() && reads_tensor_operands(op) => {
+                    self.rewrites.push(Rewrite::TrueSize { node: j, arg: i, sym })
+                }
+                _ => return Err(format!("argument {i} is the size {e:?}, used as a value")),
+            }
         }
         let x = || self.value(arg(node, 0, "self"));
         let same = |x: &[Dim]| Ok(vec![x.to_vec(); n_out]);
@@ -308,7 +353,7 @@ impl<'a> Walk<'a> {
                     }
                     // The whole of a padded dimension.
                     (Padded { sym, .. }, Some(Recorded::Scaled { sym: s, by: 1 })) if start == 0 && step == 1 && sym == s => {}
-                    (Padded { .. }, None) if start == 0 && step == 1 && self.recorded_dims(first)?[d] == x[d] => {}
+                    (Padded { .. } | Grown { .. }, None) if start == 0 && step == 1 && self.recorded_dims(first)?[d] == x[d] => {}
                     _ => return Err("slices a padded dimension other than as a prefix of the padded size".into()),
                 }
                 Ok(vec![out])
@@ -454,13 +499,19 @@ impl<'a> Walk<'a> {
                     None | Some(Arg::None) => None,
                     m => Some(self.value(m)?),
                 };
+                // A mask padded along the keys holds anything there: its keys are hidden too.
+                let mut mask_pads_keys = false;
                 if let Some(m) = mask {
                     let rank = m.len();
-                    let padded_rows_only = m.iter().enumerate().all(|(i, d)| !d.is_padded() || (i + 2 == rank && *d == q[2]));
-                    if k[2].is_padded() || !padded_rows_only {
-                        return Err("pads the keys of a masked attention".into());
+                    for (i, d) in m.iter().enumerate().filter(|(_, d)| d.is_padded()) {
+                        match rank - i {
+                            2 if *d == q[2] => {}
+                            1 if *d == k[2] => mask_pads_keys = true,
+                            _ => return Err("pads a mask unlike its queries and keys".into()),
+                        }
                     }
-                } else if k[2].is_padded() && !(flag(node, 4, "is_causal") && k[2] == q[2]) {
+                }
+                if k[2].is_padded() && (mask_pads_keys || !(flag(node, 4, "is_causal") && k[2] == q[2])) {
                     let (sym, by) = k[2].valid().ok_or("pads the keys by a multiple of a size")?;
                     self.rewrites.push(Rewrite::HideKeys { node: j, sym, by });
                 }
@@ -476,7 +527,101 @@ impl<'a> Walk<'a> {
                 }
                 Ok(vec![ids.iter().copied().chain(std::iter::once(table[table.len() - 1])).collect()])
             }
+            "aten.index.Tensor" => {
+                let x = x()?.to_vec();
+                let Some(Arg::List(items)) = arg(node, 1, "indices") else { return Err("indices".into()) };
+                let mut indexed = vec![];
+                for (d, item) in items.iter().enumerate() {
+                    match item {
+                        Arg::None => {}
+                        Arg::Value(v) => indexed.push((d, *v)),
+                        _ => return Err("indices".into()),
+                    }
+                }
+                for &(d, v) in &indexed {
+                    if x[d].is_padded() {
+                        self.bound_gather(x[d], v)?;
+                    }
+                }
+                let parts: Vec<&[Dim]> = indexed.iter().map(|&(_, v)| self.dims[v as usize].as_slice()).collect();
+                let rank = parts.iter().map(|p| p.len()).max().unwrap_or(0);
+                let gathered = broadcast(&parts, rank)?;
+                let rest = |ds: std::ops::Range<usize>| ds.filter(|d| !indexed.iter().any(|&(i, _)| i == *d)).map(|d| x[d]);
+                // Adjacent index tensors put their result where they stand, others put it first.
+                let (lo, hi) = (indexed.first().map_or(0, |i| i.0), indexed.last().map_or(0, |i| i.0));
+                let out: Vec<Dim> = if hi + 1 - lo == indexed.len() {
+                    rest(0..lo).chain(gathered).chain(rest(hi + 1..x.len())).collect()
+                } else {
+                    gathered.into_iter().chain(rest(0..x.len())).collect()
+                };
+                Ok(vec![out])
+            }
             _ => Err("has no padding rule".into()),
+        }
+    }
+
+    /// A gather along `along` (a padded dimension) at `index`'s values keeps the proof when they
+    /// count positions along a dimension of `index` padded plainly or grown: at its exact
+    /// positions they stay below the symbol's true size, which the plan then assumes covers the
+    /// gathered dimension (past it, the gather clamps and only padding reads the clamped values).
+    fn bound_gather(&mut self, along: Dim, index: u32) -> R<()> {
+        let refuse = || Err("gathers along a padded dimension at indices not bounded by its true size".to_string());
+        let (Padded { sym: a, outer: 1, inner: 1 }, Some(&(d, offset))) = (along, self.iota.get(&index)) else {
+            return refuse();
+        };
+        match self.dims[index as usize][d].valid() {
+            Some((b, by)) if offset >= 0 => {
+                self.at_least.push((a, b, by + offset));
+                Ok(())
+            }
+            _ => refuse(),
+        }
+    }
+
+    /// Records `value`, the only output of `node`, as positions along one of its dimensions plus
+    /// a constant where the node keeps that (see `iota`).
+    fn track_iota(&mut self, node: &Node, value: u32, syms: &ArgSyms) {
+        let ty = self.types[value as usize];
+        if node.outputs.len() != 1 || !ty.dtype.is_integer() {
+            return;
+        }
+        let constant = |i: u32| match node.args.get(i as usize) {
+            Some(Arg::Int(c)) if !syms.contains_key(&(i, &[][..])) => Some(*c),
+            _ => None,
+        };
+        let of = |i: usize| match node.args.get(i) {
+            Some(Arg::Value(v)) => self.iota.get(v).copied(),
+            _ => None,
+        };
+        let op = node.op.as_str();
+        let iota = match op {
+            "aten.arange.default" => Some((0, 0)),
+            "aten.arange.start" | "aten.arange.start_step" => {
+                let step = if op.ends_with("step") { int_list(arg(node, 2, "step")).map_or(Some(1), |s| Some(s[0])) } else { Some(1) };
+                constant(0).filter(|_| step == Some(1)).map(|start| (0, start))
+            }
+            "aten.add.Tensor" | "aten.add.Scalar" if arg(node, 2, "alpha").is_none() => {
+                of(0).zip(constant(1)).or_else(|| of(1).zip(constant(0))).map(|((d, c), k)| (d, c + k))
+            }
+            "aten.unsqueeze.default" => of(0).zip(int_list(arg(node, 1, "dim"))).and_then(|((d, c), at)| {
+                let at = norm(at[0], ty.rank()).ok()?;
+                Some((if at <= d { d + 1 } else { d }, c))
+            }),
+            "aten.expand.default" => {
+                let grown = ty.rank() - self.types[match node.args.first() { Some(Arg::Value(v)) => *v as usize, _ => return }].rank();
+                of(0).map(|(d, c)| (d + grown, c))
+            }
+            "aten.slice.Tensor" => {
+                let start = int_list(arg(node, 2, "start")).map_or(0, |v| v[0]);
+                let step = int_list(arg(node, 4, "step")).map_or(1, |v| v[0]);
+                of(0).filter(|_| start == 0 && step == 1)
+            }
+            "aten.clone.default" | "aten.alias.default" | "aten.detach.default" | "aten._to_copy.default"
+            | "aten.lift_fresh_copy.default" => of(0),
+            _ => None,
+        };
+        if let Some(iota) = iota {
+            self.iota.insert(value, iota);
         }
     }
 
@@ -559,7 +704,17 @@ impl SymbolicGraph {
                 }
             }
         }
-        let mut walk = Walk { types: g.value_types(), dims: vec![], recorded: recorded_sizes, limits: vec![], equal: vec![], rewrites: vec![] };
+        let mut walk = Walk {
+            types: g.value_types(),
+            dims: vec![],
+            recorded: recorded_sizes,
+            padded: vec![],
+            iota: HashMap::new(),
+            limits: vec![],
+            equal: vec![],
+            at_least: vec![],
+            rewrites: vec![],
+        };
         let mut plan = PaddingPlan::default();
         for v in 0..n_in {
             let dims = walk.recorded_dims(v).map_err(|e| format!("input {v}: {e}"))?;
@@ -578,6 +733,7 @@ impl SymbolicGraph {
         if padded.is_empty() {
             return Err("no input dimension is symbolic".into());
         }
+        walk.padded = padded.clone();
         let mut sized = vec![];
         self.sizes.iter().for_each(|s| s.expr.symbols(&mut sized));
         for e in &self.scalars {
@@ -594,6 +750,7 @@ impl SymbolicGraph {
         for (j, node) in g.nodes.iter().enumerate() {
             let syms = arg_syms.get(&(j as u32)).unwrap_or(&no_syms);
             let outs = walk.rule(j as u32, node, first, syms).map_err(|e| format!("{} (node {j}) {e}", node.op))?;
+            walk.track_iota(node, first, syms);
             for (o, dims) in outs.into_iter().enumerate() {
                 let value = first + o as u32;
                 let want = walk.recorded_dims(value).map_err(|e| format!("{} (node {j}): {e}", node.op))?;
@@ -627,14 +784,14 @@ impl SymbolicGraph {
             plan.outputs.push(cut);
         }
         plan.limits = walk.limits;
-        for r in &walk.rewrites {
-            let (Rewrite::AppendAt { sym, .. } | Rewrite::HideKeys { sym, .. }) = *r;
+        for sym in walk.rewrites.iter().map(|r| r.sym()) {
             if !plan.runtime.contains(&sym) {
                 plan.runtime.push(sym);
             }
         }
         plan.rewrites = walk.rewrites;
         plan.equal = walk.equal;
+        plan.at_least = walk.at_least;
         Ok(plan)
     }
 }
@@ -683,8 +840,17 @@ impl SymbolicGraph {
             let i = plan.runtime.iter().position(|&s| s == sym).expect("every rewritten symbol is a runtime one");
             Arg::Value(at + i as u32)
         };
+        // Sizes as values first: their argument positions count keyword arguments the
+        // other rewrites add.
+        for r in &plan.rewrites {
+            if let Rewrite::TrueSize { node, arg, sym } = *r {
+                let slot = arg_mut(&mut g.nodes[node as usize], arg, &[]).ok_or("a rewritten size argument is missing")?;
+                *slot = length_of(sym);
+            }
+        }
         for r in &plan.rewrites {
             match *r {
+                Rewrite::TrueSize { .. } => {}
                 Rewrite::AppendAt { node, sym } => add_kwarg(&mut g.nodes[node as usize], APPEND_AT, length_of(sym)),
                 Rewrite::HideKeys { node, sym, by } => {
                     let node = &mut g.nodes[node as usize];
@@ -775,12 +941,63 @@ mod tests {
             vec![(dim(0, 1), S)],
         );
         assert!(sum.padding_plan().unwrap_err().contains("reduces over a padded dimension"));
+        let clamp = graph(
+            vec![vec![2, 0]],
+            vec![("aten.clamp.default", vec![Arg::Value(0), Arg::Int(0)], vec![2, 0])],
+            vec![(dim(0, 1), S), (dim(1, 1), S), (size_arg(0, 1, vec![]), S)],
+        );
+        assert!(clamp.padding_plan().unwrap_err().contains("used as a value"));
+    }
+
+    #[test]
+    fn a_size_added_as_a_number_becomes_the_true_size_read_at_run_time() {
         let add = graph(
             vec![vec![2, 0]],
             vec![("aten.add.Scalar", vec![Arg::Value(0), Arg::Int(0)], vec![2, 0])],
             vec![(dim(0, 1), S), (dim(1, 1), S), (size_arg(0, 1, vec![]), S)],
         );
-        assert!(add.padding_plan().unwrap_err().contains("used as a value"));
+        let plan = add.padding_plan().unwrap();
+        assert_eq!(plan.rewrites, vec![Rewrite::TrueSize { node: 0, arg: 1, sym: 0 }]);
+        assert_eq!(plan.runtime, vec![0]);
+        let c = add.specialize_padded(&plan, &[vec![2, 8]], &[], 1).unwrap().graph;
+        assert_eq!(c.nodes[0].args, vec![Arg::Value(0), Arg::Value(1)]);
+    }
+
+    /// `table[:, arange(s + 1) + offset]`: table `[2, t]` (input 0, its own symbol 1), the
+    /// positions of a grown dimension.
+    fn gather_positions(offset: i64) -> SymbolicGraph {
+        let t = SymExpr::Sym(1);
+        let grown = SymExpr::Add(vec![S, SymExpr::Const(1)]);
+        let mut g = graph(
+            vec![vec![2, 0], vec![0]],
+            vec![
+                ("aten.arange.start_step", vec![Arg::Int(0), Arg::Int(0), Arg::Int(1)], vec![0]),
+                ("aten.add.Tensor", vec![Arg::Value(2), Arg::Int(offset)], vec![0]),
+                ("aten.index.Tensor", vec![Arg::Value(0), Arg::List(vec![Arg::None, Arg::Value(3)])], vec![2, 0]),
+            ],
+            vec![
+                (dim(0, 1), t),
+                (dim(1, 0), S),
+                (size_arg(0, 1, vec![]), grown.clone()),
+                (dim(2, 0), grown.clone()),
+                (dim(3, 0), grown.clone()),
+                (dim(4, 1), grown),
+            ],
+        );
+        for v in [2, 3] {
+            g.graph.graph.nodes[v - 2].outputs[0].dtype = DType::I64;
+        }
+        g
+    }
+
+    #[test]
+    fn a_gather_at_counted_positions_assumes_the_table_is_long_enough() {
+        let plan = gather_positions(0).padding_plan().unwrap();
+        assert_eq!(plan.at_least, vec![(1, 0, 1)]);
+        assert_eq!(plan.outputs, vec![vec![(1, 0, 1)]]);
+        assert_eq!(gather_positions(2).padding_plan().unwrap().at_least, vec![(1, 0, 3)]);
+        // Negative positions would wrap to the padding's end.
+        assert!(gather_positions(-1).padding_plan().unwrap_err().contains("not bounded"));
     }
 
     #[test]

@@ -101,7 +101,7 @@ impl SymExpr {
 }
 
 /// The `arg`-th argument of `node` (positional, then keyword values), then down `path`.
-fn arg_mut<'a>(node: &'a mut Node, arg: u32, path: &[u32]) -> Option<&'a mut Arg> {
+pub(crate) fn arg_mut<'a>(node: &'a mut Node, arg: u32, path: &[u32]) -> Option<&'a mut Arg> {
     let top = node
         .args
         .iter_mut()

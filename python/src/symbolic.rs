@@ -39,15 +39,15 @@ impl SymbolicGraph {
     /// How to run on inputs padded along the symbolic dimensions (buckets): per input its
     /// `(dimension, symbol)` pairs, per output its `(dimension, symbol, plus)` cuts (to the true
     /// size + plus), per scalar its symbol, `(symbol, limit)` caps on the padded size, and the
-    /// symbols whose true sizes the executable reads as extra inputs, and the symbol pairs it
-    /// assumes equal (a call where they differ runs exact shapes). ValueError saying which
-    /// op makes padding unsafe otherwise.
+    /// symbols whose true sizes the executable reads as extra inputs, the symbol pairs it
+    /// assumes equal and the `(a, b, plus)` it assumes `a >= b + plus` of (a call where they do
+    /// not hold runs exact shapes). ValueError saying which op makes padding unsafe otherwise.
     #[allow(clippy::type_complexity)]
     fn padding_plan(
         &self,
-    ) -> PyResult<(Vec<Vec<(u32, u32)>>, Vec<Vec<(u32, u32, i64)>>, Vec<Option<u32>>, Vec<(u32, i64)>, Vec<u32>, Vec<(u32, u32)>)> {
+    ) -> PyResult<(Vec<Vec<(u32, u32)>>, Vec<Vec<(u32, u32, i64)>>, Vec<Option<u32>>, Vec<(u32, i64)>, Vec<u32>, Vec<(u32, u32)>, Vec<(u32, u32, i64)>)> {
         let p = self.ir.padding_plan().map_err(PyValueError::new_err)?;
-        Ok((p.inputs, p.outputs, p.scalars, p.limits, p.runtime, p.equal))
+        Ok((p.inputs, p.outputs, p.scalars, p.limits, p.runtime, p.equal, p.at_least))
     }
 
     /// The graph for inputs of these shapes (one per graph input) and these integer scalars,

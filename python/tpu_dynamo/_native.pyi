@@ -120,8 +120,10 @@ class SymbolicGraph:
         list[tuple[int, int]],
         list[int],
         list[tuple[int, int]],
+        list[tuple[int, int, int]],
     ]:
         """How to run on inputs padded to buckets: per input its `(dim, symbol)` pairs, per
         output its `(dim, symbol, plus)` cuts to the true size + plus, per scalar its symbol,
-        `(symbol, limit)` caps, the symbols whose true sizes are extra inputs, and the symbol
-        pairs the plan assumes equal. ValueError naming the op that makes padding unsafe."""
+        `(symbol, limit)` caps, the symbols whose true sizes are extra inputs, the symbol pairs
+        the plan assumes equal and the `(a, b, plus)` it assumes `a >= b + plus` of. ValueError
+        naming the op that makes padding unsafe."""

@@ -85,6 +85,13 @@ class _Plan(NamedTuple):
     limits: list[tuple[int, int]]
     runtime: list[int]
     equal: list[tuple[int, int]]
+    at_least: list[tuple[int, int, int]]
+
+    def holds(self, true: dict[int, int]) -> bool:
+        """Whether the sizes `true` meet what the plan assumes of them."""
+        return all(true[a] == true[b] for a, b in self.equal) and all(
+            true[a] >= true[b] + plus for a, b, plus in self.at_least
+        )
 
 
 class PerShape:
@@ -167,9 +174,9 @@ class PerShape:
     def _compile(self, args: list[Any]) -> Executable | _Padded:
         if self.plan is not None:
             true = self._true_sizes(args)
-            if all(true[a] == true[b] for a, b in self.plan.equal):
+            if self.plan.holds(true):
                 return self._bucketed(args, true)
-            debug.log.info("%s: buckets: sizes the padding assumes equal differ; compiling exact shapes", self.name)
+            debug.log.info("%s: buckets: sizes differ from what the padding assumes; compiling exact shapes", self.name)
         if self.symbolic is None:
             resolve = _resolver(_bindings(self.placeholders, args))
             return compile_graph(self.gm, self.kinds, self.options, self.caller_bumps, resolve)

@@ -85,7 +85,14 @@ fn flash_attention_for_cpu(n: NodeCtx<'_>) -> Res<'_> {
         scores = b.select(visible, &scores, &b.scalar(Scalar::Float(f64::NEG_INFINITY), f)?)?;
     }
     let masked = mask.is_some();
-    let bias = bias(b, mask, causal, len_q, len_kv, f)?;
+    let mut bias = bias(b, mask, causal, len_q, len_kv, f)?;
+    if let (Some(mask), Some(visible)) = (&bias, &visible) {
+        // A mask padded along the keys holds anything there (-inf + inf would be NaN); hidden
+        // keys read as masked, so a row whose true keys are all masked is still found below.
+        let shape = broadcast_shapes(mask.shape(), &[len_kv])?;
+        let neg_inf = b.splat(Scalar::Float(f64::NEG_INFINITY), &TensorType::new(f, shape.clone()))?;
+        bias = Some(b.select(&b.broadcast_to(visible, &shape)?, &b.broadcast_to(mask, &shape)?, &neg_inf)?);
+    }
     let scores = match &bias {
         Some(bias) => b.add(&scores, &b.broadcast_to(bias, &full)?)?,
         None => scores,
