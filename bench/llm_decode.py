@@ -7,7 +7,8 @@ Inductor and tpu_dynamo, the process's resident memory growth over each backend'
 tpu_dynamo's compiles, host->device uploads per decode step, and how each step's updated K/V
 reached the host tensors (left in place where the executable wrote them, or copied back). Run:
 `python bench/llm_decode.py [--tokens 64] [--repeat 3] [--hidden 64 --layers 2 --vocab 256]
-[--cache static|dynamic] [--bucket-size 64]`.
+[--cache static|dynamic] [--bucket-size 64] [--batch 4]`. With `--batch`, the prompts are left-padded
+(row r's first r tokens are padding, masked out by the attention mask), as batched serving pads them.
 """
 from __future__ import annotations
 
@@ -30,10 +31,10 @@ def tiny_llama(hidden: int, layers: int, vocab: int) -> transformers.LlamaForCau
     return transformers.LlamaForCausalLM(config).eval()
 
 
-def generate(model, ids: torch.Tensor, tokens: int, cache: str) -> torch.Tensor:
+def generate(model, ids: torch.Tensor, mask: torch.Tensor, tokens: int, cache: str) -> torch.Tensor:
     with torch.no_grad():
         return model.generate(
-            ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+            ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
             cache_implementation=cache, pad_token_id=0,
         )
 
@@ -43,13 +44,15 @@ def resident_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def timed(model, ids: torch.Tensor, tokens: int, repeat: int, cache: str) -> tuple[float, float, torch.Tensor]:
+def timed(
+    model, ids: torch.Tensor, mask: torch.Tensor, tokens: int, repeat: int, cache: str
+) -> tuple[float, float, torch.Tensor]:
     """Seconds of the first generate (which compiles), median seconds of one generate over
     `repeat` runs after it, and the tokens."""
     times = []
     for _ in range(repeat + 1):
         start = time.perf_counter()
-        out = generate(model, ids, tokens, cache)
+        out = generate(model, ids, mask, tokens, cache)
         times.append(time.perf_counter() - start)
     first, rest = times[0], sorted(times[1:])
     return first, rest[len(rest) // 2], out
@@ -65,9 +68,12 @@ def main() -> None:
     parser.add_argument("--cache", default="static", choices=["static", "dynamic"])
     parser.add_argument("--backends", default="eager,inductor,tpu")
     parser.add_argument("--bucket-size", type=int, default=0, help="tpu_dynamo's bucket_size option (0: exact sizes)")
+    parser.add_argument("--batch", type=int, default=1, help="prompts, left-padded by 0, 1, 2, ... tokens")
     args = parser.parse_args()
     tpu_dynamo.device_info()  # the plugin's allocator setting holds for every backend (bench.py)
-    ids = torch.randint(1, args.vocab, (1, 8), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(1, args.vocab, (args.batch, 8), generator=torch.Generator().manual_seed(1))
+    mask = (torch.arange(8) >= torch.arange(args.batch)[:, None] % 8).long()
+    ids = ids * mask
     names = args.backends.split(",")
     reference = None
     for name in names:
@@ -78,10 +84,10 @@ def main() -> None:
         torch._dynamo.reset()
         tpu_dynamo.reset_stats()
         before = resident_bytes()
-        first, seconds, out = timed(model, ids, args.tokens, args.repeat, args.cache)
+        first, seconds, out = timed(model, ids, mask, args.tokens, args.repeat, args.cache)
         grown = (resident_bytes() - before) / 2**20
         reference = out if reference is None else reference
-        line = f"{name:9s} {args.tokens / seconds:8.1f} tokens/s  {seconds / args.tokens * 1e3:6.2f} ms/token"
+        line = f"{name:9s} {args.batch * args.tokens / seconds:8.1f} tokens/s  {seconds / args.tokens * 1e3:6.2f} ms/{'step' if args.batch > 1 else 'token'}"
         line += f"  first generate {first:.1f} s  resident memory +{grown:.0f} MiB"
         line += f"  same tokens as {names[0]}: {torch.equal(out, reference)}"
         if name == "tpu":

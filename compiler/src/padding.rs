@@ -9,15 +9,20 @@
 //! contractions over static dimensions, reshapes that keep the S digit whole, prefix slices,
 //! cumulative ops, gathers from unpadded tables, causal attention whose queries and keys are
 //! padded alike. Anything else refuses, naming the op: a reduction over padded positions, a
-//! scatter at padded indices, a size used as a value, an in-place update of a padded input. The
-//! caller then compiles exact shapes.
+//! scatter at padded indices, a size used as a value other than by arithmetic or a comparison, an
+//! in-place update of a padded input. The caller then compiles exact shapes.
 //!
-//! Two ops keep the proof only if the executable reads a symbol's true size at run time (an
+//! Some ops keep the proof only if the executable reads a symbol's true size at run time (an
 //! extra 0-d input per such symbol; see [`PaddingPlan::runtime`]): a `cat` that appends to a
 //! padded dimension (a dynamic cache's `past ++ new` along the sequence) writes the new entries
-//! at the true size instead of after the padding, and attention over padded keys hides the keys
-//! at or past their true count. A cat's result is *grown*: `S + k` long, its first `s + k`
-//! positions exact. That is what lets one executable serve every step of a dynamic-cache decode.
+//! at the true size instead of after the padding, attention over padded keys hides the keys
+//! at or past their true count, and a size that arithmetic or a comparison uses as a number
+//! reads the true size. A cat's result is *grown*: `S + k` long, its first `s + k` positions
+//! exact. That is what lets one executable serve every step of a dynamic-cache decode.
+//!
+//! A batched decode's mask also gathers the attention mask (padded along its own symbol) at the
+//! key positions: safe when the gathered positions count along an exact prefix, which the plan
+//! then assumes the table covers ([`PaddingPlan::at_least`], checked per call).
 
 use std::collections::HashMap;
 

@@ -216,6 +216,12 @@ class PerShape:
         c = self.converted
         shapes = [list(args[i].shape) for i in c.tensor_args] + [list(t.shape) for t in c.constants]
         padded = {sym: self.buckets.pad(n) for sym, n in true.items()}
+        # A size that is another's plus a constant (a batched decode's attention mask, one
+        # longer than its cache) keeps that offset padded, so a bucket's boundary does not
+        # split one bucket's calls over two executables.
+        for a, b, plus in plan.at_least:
+            if true[a] == true[b] + plus:
+                padded[a] = padded[b] + plus
         for sym, limit in plan.limits:
             padded[sym] = max(true[sym], min(padded[sym], limit))
         pads = []
