@@ -7,8 +7,10 @@ Inductor and tpu_dynamo, the process's resident memory growth over each backend'
 tpu_dynamo's compiles, host->device uploads per decode step, and how each step's updated K/V
 reached the host tensors (left in place where the executable wrote them, or copied back). Run:
 `python bench/llm_decode.py [--tokens 64] [--repeat 3] [--hidden 64 --layers 2 --vocab 256]
-[--cache static|dynamic] [--bucket-size 64] [--batch 4]`. With `--batch`, the prompts are left-padded
-(row r's first r tokens are padding, masked out by the attention mask), as batched serving pads them.
+[--cache static|dynamic] [--bucket-size 64] [--batch 4] [--prompt 8] [--model smollm-135m]`. With
+`--batch`, the prompts are left-padded as batched serving pads them (row r's first r·prompt/(2·batch)
+tokens are padding, masked out by the attention mask). `--model smollm-135m` decodes a Llama of
+SmolLM-135M's configuration (bench/models.py) instead of the tiny one.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch
 import transformers
 
 import tpu_dynamo
+from models import build
 
 
 def tiny_llama(hidden: int, layers: int, vocab: int) -> transformers.LlamaForCausalLM:
@@ -68,16 +71,26 @@ def main() -> None:
     parser.add_argument("--cache", default="static", choices=["static", "dynamic"])
     parser.add_argument("--backends", default="eager,inductor,tpu")
     parser.add_argument("--bucket-size", type=int, default=0, help="tpu_dynamo's bucket_size option (0: exact sizes)")
-    parser.add_argument("--batch", type=int, default=1, help="prompts, left-padded by 0, 1, 2, ... tokens")
+    parser.add_argument("--batch", type=int, default=1, help="prompts, left-padded (see above)")
+    parser.add_argument("--prompt", type=int, default=8, help="prompt tokens")
+    parser.add_argument("--model", default="tiny", choices=["tiny", "smollm-135m"])
     args = parser.parse_args()
     tpu_dynamo.device_info()  # the plugin's allocator setting holds for every backend (bench.py)
-    ids = torch.randint(1, args.vocab, (args.batch, 8), generator=torch.Generator().manual_seed(1))
-    mask = (torch.arange(8) >= torch.arange(args.batch)[:, None] % 8).long()
+
+    def fresh_model() -> transformers.PreTrainedModel:
+        if args.model == "tiny":
+            return tiny_llama(args.hidden, args.layers, args.vocab)
+        return build("smollm-135m-b1", "cpu", torch.float32).module
+
+    vocab = fresh_model().config.vocab_size
+    ids = torch.randint(1, vocab, (args.batch, args.prompt), generator=torch.Generator().manual_seed(1))
+    padding = torch.arange(args.batch)[:, None] * args.prompt // (2 * args.batch)
+    mask = (torch.arange(args.prompt) >= padding).long()
     ids = ids * mask
     names = args.backends.split(",")
     reference = None
     for name in names:
-        model = tiny_llama(args.hidden, args.layers, args.vocab)
+        model = fresh_model()
         if name != "eager":
             options = {"bucket_size": args.bucket_size} if name == "tpu" and args.bucket_size else None
             model.forward = torch.compile(model.forward, backend=name, fullgraph=True, options=options)
