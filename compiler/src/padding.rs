@@ -1063,6 +1063,38 @@ mod tests {
     }
 
     #[test]
+    fn a_mask_padded_like_the_keys_is_hidden_with_them_one_padded_otherwise_is_refused() {
+        // Keys cat([past, new], 2) with past [1, 2, s, 4]; the mask cat([m_past, m_new], 3)
+        // with m_past [1, 1, 1, m]: padded like the keys when m is s.
+        let masked = |m: SymExpr| {
+            let plus_one = |e: SymExpr| SymExpr::Add(vec![e, SymExpr::Const(1)]);
+            let mut g = graph(
+                vec![vec![1, 2, 0, 4], vec![1, 2, 1, 4], vec![1, 2, 1, 4], vec![1, 1, 1, 0], vec![1, 1, 1, 1]],
+                vec![
+                    ("aten.cat.default", vec![Arg::List(vec![Arg::Value(0), Arg::Value(1)]), Arg::Int(2)], vec![1, 2, 0, 4]),
+                    ("aten.cat.default", vec![Arg::List(vec![Arg::Value(3), Arg::Value(4)]), Arg::Int(3)], vec![1, 1, 1, 0]),
+                    (SDPA, vec![Arg::Value(2), Arg::Value(5), Arg::Value(5)], vec![1, 2, 1, 4]),
+                ],
+                vec![(dim(0, 2), S), (dim(3, 3), m.clone()), (dim(5, 2), plus_one(S)), (dim(6, 3), plus_one(m))],
+            );
+            let attention = &mut g.graph.graph.nodes[2];
+            attention.kwargs = vec![("attn_mask".into(), Arg::Value(6))];
+            attention.outputs.push(TensorType::new(DType::F32, vec![1, 2, 1]));
+            g.graph.graph.outputs = vec![7];
+            g.padding_plan()
+        };
+        assert_eq!(
+            masked(S).unwrap().rewrites,
+            vec![
+                Rewrite::AppendAt { node: 0, sym: 0 },
+                Rewrite::AppendAt { node: 1, sym: 0 },
+                Rewrite::HideKeys { node: 2, sym: 0, by: 1 }
+            ]
+        );
+        assert!(masked(SymExpr::Sym(1)).unwrap_err().contains("pads a mask unlike its queries and keys"));
+    }
+
+    #[test]
     fn causal_attention_over_queries_and_keys_padded_alike_needs_no_mask() {
         // q = k = v = x: [1, 2, s, 4].
         let attention = |causal| {
