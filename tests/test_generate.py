@@ -18,6 +18,8 @@ def tiny(kind: str) -> transformers.PreTrainedModel:
     )
     if kind == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()
+    if kind == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=12, **common)).eval()
     return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=16, **common)).eval()
 
 
@@ -340,3 +342,12 @@ def test_buckets_serve_a_batched_decode_with_a_padding_mask(kind):
     # The prompt, the first step's exact shapes, then past lengths 8-16 (masks one longer, padded
     # to 17 with them), 17-26.
     assert tpu_dynamo.stats()["compiles"] == 4
+
+
+def test_a_sliding_window_decode_matches_eager():
+    """Mistral's sliding window: the step graph also returns a size (how much of the cache the
+    window keeps), an integer output among the tensors."""
+    model = tiny("mistral")
+    expected = generate(model, IDS, 16)
+    model.forward = compile_tpu(model.forward)
+    assert torch.equal(generate(model, IDS, 16), expected)

@@ -146,3 +146,19 @@ def test_symbolic_ir_is_the_same_in_two_processes():
         for seed in (1, 2)
     ]
     assert len(out[0]) == 2 and out[0] == out[1]
+
+
+def test_sizes_a_graph_returns_are_the_calls_own():
+    """A graph that returns sizes computed from its inputs' (as Mistral's sliding-window decode
+    step does): they come back as integers for each call's sizes, next to the tensors."""
+
+    def f(x, y):
+        return torch.cat([x, y]) * 2, x.shape[0] + y.shape[0], x.shape[0] * 3
+
+    run = torch.compile(f, backend="tpu", fullgraph=True, dynamic=True)
+    for a, b in ((3, 4), (5, 2), (3, 4)):
+        x, y = torch.randn(a, 2), torch.randn(b, 2)
+        got, want = run(x, y), f(x, y)
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+        assert got[1:] == want[1:]
+    assert tpu_dynamo.stats()["compiles"] == 2

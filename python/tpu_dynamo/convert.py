@@ -68,7 +68,8 @@ class Converted:
     constants: tuple[torch.Tensor, ...]
     """Tensors read through `get_attr`; they follow the placeholders as IR inputs."""
     outputs: tuple[int | None, ...]
-    """Per graph output: the index into the executable's results, or None for a None output."""
+    """Per graph output: the index into the executable's results, or None for a None
+    output or an integer one (a size, which `symbolic.PerShape` returns)."""
     mutations: tuple[tuple[int, int], ...] = ()
     """`(IR input, result index)` per input the graph updates in place (`copy_` into it)."""
     scalar_args: tuple[int, ...] = ()
@@ -370,7 +371,9 @@ class _Builder:
                 self.call(n)
             elif n.op == "output":
                 for o in n.args[0]:
-                    if o is None or self.values.get(o) == _TOKEN:
+                    # An integer output (a size) is not the executable's: `symbolic.PerShape`
+                    # returns it.
+                    if o is None or self.values.get(o) == _TOKEN or o in self.scalars:
                         template.append(None)
                     else:
                         template.append(len(outs))

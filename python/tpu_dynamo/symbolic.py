@@ -107,7 +107,14 @@ class PerShape:
         # The inputs whose sizes or values can differ between calls: Dynamo's guards pin every
         # other input's dtype and shape, so these alone key the signature.
         self.varying = [i for i, n in enumerate(self.placeholders) if _is_symbolic(n.meta.get("val"))]
-        self.compiled: dict[tuple[Any, ...], Executable | _Padded] = {}
+        # Outputs that are sizes computed from the inputs' (a cache's new length): not results
+        # of the executable, but the same for every call of a signature.
+        self.int_outputs = [
+            (i, o.meta["val"])
+            for i, o in enumerate(gm.graph.output_node().args[0])
+            if isinstance(o, torch.fx.Node) and isinstance(o.meta.get("val"), (int, torch.SymInt))
+        ]
+        self.compiled: dict[tuple[Any, ...], Executable | _Padded | _WithInts] = {}
         self.padded: dict[tuple[Any, ...], Executable] = {}
         self.compile_seconds = 0.0
         self.name = name = options.name or "graph"
@@ -132,6 +139,9 @@ class PerShape:
         if exe is None:
             start = time.perf_counter()
             exe = self._compile(args)
+            if self.int_outputs:
+                resolve = _resolver(_bindings(self.placeholders, args))
+                exe = _WithInts(exe, [(i, resolve(val)) for i, val in self.int_outputs])
             self.compile_seconds += time.perf_counter() - start
             self.compiled[signature] = exe
             if len(self.compiled) == SIZES_BEFORE_WARNING and self.plan is None:
@@ -278,6 +288,22 @@ class _Padded:
         return tuple(
             out if out is None or not cut else _cut(out, cut) for out, cut in zip(outs, self.cuts)
         )
+
+
+class _WithInts:
+    """A call whose graph also returns integers: this signature's values spliced in among the
+    executable's results."""
+
+    _boxed_call = True
+
+    def __init__(self, call: Executable | _Padded, ints: list[tuple[int, int]]) -> None:
+        self.call, self.ints = call, ints
+
+    def __call__(self, args: list[Any]) -> tuple[Any, ...]:
+        outs = list(self.call(args))
+        for i, value in self.ints:
+            outs[i] = value
+        return tuple(outs)
 
 
 def _cut(t: torch.Tensor, cut: list[tuple[int, int]]) -> torch.Tensor:
