@@ -247,23 +247,21 @@ def test_buckets_serve_every_step_of_a_dynamic_cache_decode(caplog):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3
 
 
-def test_a_dynamic_cache_decode_pads_to_default_buckets_once_sizes_keep_changing(caplog):
-    """Without bucket options, a step graph whose sizes keep changing compiles exact shapes
-    SIZES_BEFORE_WARNING times, then pads to powers of two (padding proven safe) instead of
-    compiling on every further step, and says so."""
-    from tpu_dynamo.symbolic import SIZES_BEFORE_WARNING
-
+def test_a_dynamic_cache_decode_pads_to_powers_of_two_once_it_feeds_back_its_cache(caplog):
+    """Without bucket options, a step graph called on the cache it returned (one longer) is a
+    decode step: proven safe to pad, it pads to powers of two from its second length on rather
+    than compiling every step."""
     model = tiny("llama")
     expected = generate(model, IDS, 20, output_logits=True, return_dict_in_generate=True)
     model.forward = compile_tpu(model.forward)
-    with caplog.at_level("WARNING", logger="tpu_dynamo"):
+    with caplog.at_level("INFO", logger="tpu_dynamo"):
         got = generate(model, IDS, 20, output_logits=True, return_dict_in_generate=True)
     assert torch.equal(got.sequences, expected.sequences)
     for g, w in zip(got.logits, expected.logits):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
-    # Prompt, first step, the lengths 8-15 exactly, then 16 and 17-25 padded to 32.
-    assert tpu_dynamo.stats()["compiles"] == 2 + SIZES_BEFORE_WARNING + 2
-    assert "from now on this graph runs with its sizes padded to the next power of two" in caplog.text
+    # Prompt, first step, length 8 exactly, then 9-16 padded to 16 and 17-25 to 32.
+    assert tpu_dynamo.stats()["compiles"] == 5
+    assert "called on its own grown outputs" in caplog.text
 
 
 def test_buckets_pad_a_causal_prefill():

@@ -162,3 +162,21 @@ def test_sizes_a_graph_returns_are_the_calls_own():
         torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
         assert got[1:] == want[1:]
     assert tpu_dynamo.stats()["compiles"] == 2
+
+
+def test_sizes_that_keep_changing_pad_to_powers_of_two_after_a_warning(caplog):
+    """A graph whose sizes keep changing (not a decode step feeding its outputs back) compiles
+    SIZES_BEFORE_WARNING exact sizes, then pads to powers of two where that is proven safe."""
+    from tpu_dynamo.symbolic import SIZES_BEFORE_WARNING
+
+    def f(x):
+        return (x * 2).cumsum(0) + 1
+
+    run = torch.compile(f, backend="tpu", fullgraph=True)
+    with caplog.at_level("WARNING", logger="tpu_dynamo"):
+        for n in range(3, 14):
+            x = torch.randn(n, 4)
+            torch.testing.assert_close(run(x), f(x))
+    # 3 is Dynamo's static graph; 4-11 exact; 12 and 13 share 16.
+    assert tpu_dynamo.stats()["compiles"] == 1 + SIZES_BEFORE_WARNING + 1
+    assert "from now on this graph runs with its sizes padded to the next power of two" in caplog.text

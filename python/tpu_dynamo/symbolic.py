@@ -12,14 +12,16 @@ to converting per signature in Python with every size resolved to a literal.
 With TorchTPU's bucket options, sizes are padded up to their bucket where the compiler proves
 that safe for the graph (`_native.SymbolicGraph.padding_plan`): the inputs are zero-padded, one
 executable serves the whole bucket, and the outputs are cut back to the true sizes. Otherwise
-shapes stay exact, and the log says which op prevents padding. Without them, a graph whose sizes
-keep changing (SIZES_BEFORE_WARNING exact compiles) is padded to powers of two from then on where
-that is safe, since every further size would be another compile (a dynamic-cache decode compiles
-on every step otherwise); the user is told.
+shapes stay exact, and the log says which op prevents padding. Without them, where padding is
+safe, a graph called on its own grown outputs (a dynamic-cache decode step: every call a new
+length) is padded to powers of two from its second new size on, and any other graph whose sizes
+keep changing from its SIZES_BEFORE_WARNING-th (the user is told), since every further size
+would be another compile.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, NamedTuple
 
@@ -126,8 +128,10 @@ class PerShape:
             self.symbolic = None
         self.plan: _Plan | None = None
         self.buckets: Buckets | PowersOfTwo | None = options.buckets
+        # The last new signature's true sizes, to tell a decode step (`_feeds_back`).
+        self.last_sizes: dict[int, int] | None = None
         if options.buckets is not None:
-            self.plan, why = self._padding_plan()
+            self.plan, why = self._padding
             if self.plan is not None:
                 debug.log.info("%s: buckets: padding symbolic sizes to multiples of %d", name, options.buckets.size)
             else:
@@ -137,6 +141,13 @@ class PerShape:
         signature = tuple(args[i].shape if isinstance(args[i], torch.Tensor) else args[i] for i in self.varying)
         exe = self.compiled.get(signature)
         if exe is None:
+            if self.plan is None and self.options.buckets is None and self._feeds_back(args):
+                self.plan, self.buckets = self._padding[0], PowersOfTwo()
+                debug.log.info(
+                    "%s: called on its own grown outputs (a dynamic cache's decode step): padding sizes to "
+                    "the next power of two from now on, one executable per doubling",
+                    self.name,
+                )
             start = time.perf_counter()
             exe = self._compile(args)
             if self.int_outputs:
@@ -148,12 +159,25 @@ class PerShape:
                 self._sizes_keep_changing()
         return exe(args)
 
+    def _feeds_back(self, args: list[Any]) -> bool:
+        """Whether this call's sizes are the last new call's grown outputs fed back in: a
+        dynamic cache's decode step, where every call is a new length and exact shapes would
+        compile on every step. Proven safe to pad, such a graph pads to powers of two at once
+        rather than after SIZES_BEFORE_WARNING exact sizes."""
+        plan = self._padding[0]
+        if plan is None:
+            return False
+        grown = {(sym, plus) for cuts in plan.outputs for _, sym, plus in cuts if plus > 0}
+        sizes = _true_sizes(plan, self.converted.tensor_args, args)
+        last, self.last_sizes = self.last_sizes, sizes
+        return bool(grown) and last is not None and all(sizes[sym] == last[sym] + plus for sym, plus in grown)
+
     def _sizes_keep_changing(self) -> None:
         """Each new size is an XLA compile; a workload whose sizes never repeat (a dynamic-cache
         decode: every step a new length) compiles on every call. Where this graph's padding plan
         holds and the user chose no buckets, later sizes are padded to powers of two; either way
         the user hears what is happening and what to do."""
-        plan, why = self._padding_plan() if self.options.buckets is None else (None, None)
+        plan, why = self._padding if self.options.buckets is None else (None, None)
         if self.options.buckets is not None:
             pad = "; padding them to buckets was refused for this graph (the INFO log says why)"
         elif plan is not None:
@@ -172,7 +196,8 @@ class PerShape:
             self.name, len(self.compiled), self.compile_seconds, pad,
         )
 
-    def _padding_plan(self) -> tuple[_Plan | None, str | None]:
+    @functools.cached_property
+    def _padding(self) -> tuple[_Plan | None, str | None]:
         """How to run this graph padded to buckets, or None and why it cannot be."""
         if self.symbolic is None:
             return None, "the graph is specialized in Python (the INFO log says why)"
@@ -183,7 +208,7 @@ class PerShape:
 
     def _compile(self, args: list[Any]) -> Executable | _Padded:
         if self.plan is not None:
-            true = self._true_sizes(args)
+            true = _true_sizes(self.plan, self.converted.tensor_args, args)
             if self.plan.holds(true):
                 return self._bucketed(args, true)
             debug.log.info("%s: buckets: sizes differ from what the padding assumes; compiling exact shapes", self.name)
@@ -211,12 +236,6 @@ class PerShape:
                 kinds=c.kinds[:at] + (InputKind.USER,) * n_lengths + c.kinds[at:],
             )
         return wrap(native, self.gm, c, self.options, self.caller_bumps, start)
-
-    def _true_sizes(self, args: list[Any]) -> dict[int, int]:
-        """Each padded symbol's size in this call."""
-        assert self.plan is not None
-        tensor_args = self.converted.tensor_args
-        return {sym: args[tensor_args[i]].shape[d] for i, pairs in enumerate(self.plan.inputs) for d, sym in pairs}
 
     def _bucketed(self, args: list[Any], true: dict[int, int]) -> _Padded:
         """The call for `args`' sizes (`true`): the executable of their buckets, shared by every
@@ -255,6 +274,11 @@ class PerShape:
             sorted(padded.values()),
         )
         return _Padded(exe, pads, scalar_pads, cuts, lengths)
+
+
+def _true_sizes(plan: _Plan, tensor_args: tuple[int, ...], args: list[Any]) -> dict[int, int]:
+    """Each padded symbol's size in this call."""
+    return {sym: args[tensor_args[i]].shape[d] for i, pairs in enumerate(plan.inputs) for d, sym in pairs}
 
 
 class _Padded:
