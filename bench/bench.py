@@ -290,8 +290,8 @@ def table(rows: list[dict[str, Any]], colds: dict[tuple[str, str], float]) -> st
         lines.append(
             f"{r['model']}: greedy `generate()` of {NEW_TOKENS} tokens, default dynamic cache: "
             f"eager {tps['eager']:.0f} tokens/s, Inductor {tps['inductor']:.0f}, tpu {tps['tpu']:.0f} "
-            f"({r['graphs']} executables: the prompt, then one per sequence length until the step graph"
-            " pads to buckets after its 8th)."
+            f"({r['graphs']} executables: the prompt, the first step, then the step graph exactly once"
+            " and padded to powers of two from its second length)."
         )
     return "\n".join(lines)
 
