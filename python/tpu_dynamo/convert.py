@@ -69,7 +69,7 @@ class Converted:
     """Tensors read through `get_attr`; they follow the placeholders as IR inputs."""
     outputs: tuple[int | None, ...]
     """Per graph output: the index into the executable's results, or None for a None
-    output or an integer one (a size, which `symbolic.PerShape` returns)."""
+    output or a number (a size, which `symbolic.PerShape` returns)."""
     mutations: tuple[tuple[int, int], ...] = ()
     """`(IR input, result index)` per input the graph updates in place (`copy_` into it)."""
     scalar_args: tuple[int, ...] = ()
@@ -371,7 +371,7 @@ class _Builder:
                 self.call(n)
             elif n.op == "output":
                 for o in n.args[0]:
-                    # An integer output (a size) is not the executable's: `symbolic.PerShape`
+                    # A number output (a size) is not the executable's: `symbolic.PerShape`
                     # returns it.
                     if o is None or self.values.get(o) == _TOKEN or o in self.scalars:
                         template.append(None)

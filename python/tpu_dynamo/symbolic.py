@@ -34,6 +34,9 @@ from .convert import InputKind, convert_symbolic
 from .executable import Executable, compile_graph, wrap
 from .options import Buckets, Options, PowersOfTwo
 
+# Graph outputs that are numbers rather than tensors (`bool` is an `int`).
+_NUMBERS = (int, float, torch.SymInt, torch.SymFloat, torch.SymBool)
+
 # Exact-shape compiles of one symbolic graph after which the user hears that sizes keep changing.
 SIZES_BEFORE_WARNING = 8
 
@@ -109,14 +112,14 @@ class PerShape:
         # The inputs whose sizes or values can differ between calls: Dynamo's guards pin every
         # other input's dtype and shape, so these alone key the signature.
         self.varying = [i for i, n in enumerate(self.placeholders) if _is_symbolic(n.meta.get("val"))]
-        # Outputs that are sizes computed from the inputs' (a cache's new length): not results
-        # of the executable, but the same for every call of a signature.
-        self.int_outputs = [
+        # Outputs that are numbers computed from the inputs' sizes (a cache's new length): not
+        # results of the executable, but the same for every call of a signature.
+        self.number_outputs = [
             (i, o.meta["val"])
             for i, o in enumerate(gm.graph.output_node().args[0])
-            if isinstance(o, torch.fx.Node) and isinstance(o.meta.get("val"), (int, torch.SymInt))
+            if isinstance(o, torch.fx.Node) and isinstance(o.meta.get("val"), _NUMBERS)
         ]
-        self.compiled: dict[tuple[Any, ...], Executable | _Padded | _WithInts] = {}
+        self.compiled: dict[tuple[Any, ...], Executable | _Padded | _WithNumbers] = {}
         self.padded: dict[tuple[Any, ...], Executable] = {}
         self.compile_seconds = 0.0
         self.name = name = options.name or "graph"
@@ -150,9 +153,9 @@ class PerShape:
                 )
             start = time.perf_counter()
             exe = self._compile(args)
-            if self.int_outputs:
+            if self.number_outputs:
                 resolve = _resolver(_bindings(self.placeholders, args))
-                exe = _WithInts(exe, [(i, resolve(val)) for i, val in self.int_outputs])
+                exe = _WithNumbers(exe, [(i, resolve(val)) for i, val in self.number_outputs])
             self.compile_seconds += time.perf_counter() - start
             self.compiled[signature] = exe
             if len(self.compiled) == SIZES_BEFORE_WARNING and self.plan is None:
@@ -314,18 +317,18 @@ class _Padded:
         )
 
 
-class _WithInts:
-    """A call whose graph also returns integers: this signature's values spliced in among the
+class _WithNumbers:
+    """A call whose graph also returns numbers: this signature's values spliced in among the
     executable's results."""
 
     _boxed_call = True
 
-    def __init__(self, call: Executable | _Padded, ints: list[tuple[int, int]]) -> None:
-        self.call, self.ints = call, ints
+    def __init__(self, call: Executable | _Padded, numbers: list[tuple[int, Any]]) -> None:
+        self.call, self.numbers = call, numbers
 
     def __call__(self, args: list[Any]) -> tuple[Any, ...]:
         outs = list(self.call(args))
-        for i, value in self.ints:
+        for i, value in self.numbers:
             outs[i] = value
         return tuple(outs)
 
