@@ -30,6 +30,17 @@ def generate(model, ids, tokens, **kwargs):
         )
 
 
+def generate_with_logits(model, ids, tokens, **kwargs):
+    return generate(model, ids, tokens, output_logits=True, return_dict_in_generate=True, **kwargs)
+
+
+def assert_same_generation(got, expected):
+    """The same tokens, and every step's logits within 1e-5."""
+    assert torch.equal(got.sequences, expected.sequences)
+    for g, w in zip(got.logits, expected.logits):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
 IDS = torch.randint(1, 128, (1, 7), generator=torch.Generator().manual_seed(3))
 
 
@@ -230,14 +241,12 @@ def test_buckets_serve_every_step_of_a_dynamic_cache_decode(caplog):
     bucket, the step appends at the true length and attention hides the padding (both read the
     length at run time), so one executable serves every length in a bucket."""
     model = tiny("llama")
-    expected = generate(model, IDS, 20, output_logits=True, return_dict_in_generate=True)
+    expected = generate_with_logits(model, IDS, 20)
     model.forward = compile_tpu(model.forward, options={"bucket_size": 16})
     torch._dynamo.utils.counters.clear()
     with caplog.at_level("INFO", logger="tpu_dynamo"):
-        got = generate(model, IDS, 20, output_logits=True, return_dict_in_generate=True)
-    assert torch.equal(got.sequences, expected.sequences)
-    for g, w in zip(got.logits, expected.logits):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        got = generate_with_logits(model, IDS, 20)
+    assert_same_generation(got, expected)
     # The prompt (7 tokens) and the first step (8) as Dynamo's static graphs; then the step
     # graph for lengths 8-16 in the bucket of 16 and 17-25 in that of 32.
     assert tpu_dynamo.stats()["compiles"] == 4
@@ -252,13 +261,11 @@ def test_a_dynamic_cache_decode_pads_to_powers_of_two_once_it_feeds_back_its_cac
     decode step: proven safe to pad, it pads to powers of two from its second length on rather
     than compiling every step."""
     model = tiny("llama")
-    expected = generate(model, IDS, 20, output_logits=True, return_dict_in_generate=True)
+    expected = generate_with_logits(model, IDS, 20)
     model.forward = compile_tpu(model.forward)
     with caplog.at_level("INFO", logger="tpu_dynamo"):
-        got = generate(model, IDS, 20, output_logits=True, return_dict_in_generate=True)
-    assert torch.equal(got.sequences, expected.sequences)
-    for g, w in zip(got.logits, expected.logits):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        got = generate_with_logits(model, IDS, 20)
+    assert_same_generation(got, expected)
     # Prompt, first step, length 8 exactly, then 9-16 padded to 16 and 17-25 to 32.
     assert tpu_dynamo.stats()["compiles"] == 5
     assert "called on its own grown outputs" in caplog.text
@@ -331,12 +338,10 @@ def test_buckets_serve_a_batched_decode_with_a_padding_mask(kind):
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
     mask[2, :5] = 0
-    expected = generate(model, ids, 20, attention_mask=mask, output_logits=True, return_dict_in_generate=True)
+    expected = generate_with_logits(model, ids, 20, attention_mask=mask)
     model.forward = compile_tpu(model.forward, options={"bucket_size": 16})
-    got = generate(model, ids, 20, attention_mask=mask, output_logits=True, return_dict_in_generate=True)
-    assert torch.equal(got.sequences, expected.sequences)
-    for g, w in zip(got.logits, expected.logits):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    got = generate_with_logits(model, ids, 20, attention_mask=mask)
+    assert_same_generation(got, expected)
     # The prompt, the first step's exact shapes, then past lengths 8-16 (masks one longer, padded
     # to 17 with them), 17-26.
     assert tpu_dynamo.stats()["compiles"] == 4

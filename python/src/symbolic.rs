@@ -1,11 +1,13 @@
 //! `SymbolicGraph`: a graph with symbolic sizes, parsed once; `specialize` makes and compiles
 //! (or finds cached) the concrete graph for one call's input shapes, with no Python conversion.
 use std::sync::atomic::Ordering::Relaxed;
+use std::sync::OnceLock;
 use std::time::Instant;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use tpu_dynamo_compiler::ir;
+use tpu_dynamo_compiler::padding::PaddingPlan;
 
 use crate::compiled::{compile_graph, CompiledGraph};
 use crate::counters::{add_time, STATS};
@@ -20,6 +22,9 @@ pub struct SymbolicGraph {
     /// blake3 of the symbolic IR without source lines: equal across processes for one model.
     #[pyo3(get)]
     graph_hash: String,
+    /// The padding analysis, made once: Python asks for it, and each bucket's `specialize`
+    /// follows it.
+    plan: OnceLock<Result<PaddingPlan, String>>,
 }
 
 #[pymethods]
@@ -33,7 +38,7 @@ impl SymbolicGraph {
         ir.check().map_err(value_err)?;
         STATS.symbolic_graphs.fetch_add(1, Relaxed);
         let graph_hash = ir.hash().to_hex().to_string();
-        Ok(SymbolicGraph { ir, graph_hash })
+        Ok(SymbolicGraph { ir, graph_hash, plan: OnceLock::new() })
     }
 
     /// How to run on inputs padded along the symbolic dimensions (buckets): per input its
@@ -46,7 +51,7 @@ impl SymbolicGraph {
     fn padding_plan(
         &self,
     ) -> PyResult<(Vec<Vec<(u32, u32)>>, Vec<Vec<(u32, u32, i64)>>, Vec<Option<u32>>, Vec<(u32, i64)>, Vec<u32>, Vec<(u32, u32)>, Vec<(u32, u32, i64)>)> {
-        let p = self.ir.padding_plan().map_err(PyValueError::new_err)?;
+        let p = self.plan()?.clone();
         Ok((p.inputs, p.outputs, p.scalars, p.limits, p.runtime, p.equal, p.at_least))
     }
 
@@ -66,13 +71,16 @@ impl SymbolicGraph {
         let start = Instant::now();
         let graph = match lengths_at {
             None => self.ir.specialize(&shapes, &scalars).map_err(value_err)?,
-            Some(at) => {
-                let plan = self.ir.padding_plan().map_err(PyValueError::new_err)?;
-                self.ir.specialize_padded(&plan, &shapes, &scalars, at).map_err(value_err)?
-            }
+            Some(at) => self.ir.specialize_padded(self.plan()?, &shapes, &scalars, at).map_err(value_err)?,
         };
         STATS.specializations.fetch_add(1, Relaxed);
         add_time(&STATS.specialize_nanos, start.elapsed());
         compile_graph(py, &graph, need_stablehlo)
+    }
+}
+
+impl SymbolicGraph {
+    fn plan(&self) -> PyResult<&PaddingPlan> {
+        self.plan.get_or_init(|| self.ir.padding_plan()).as_ref().map_err(|e| PyValueError::new_err(e.clone()))
     }
 }

@@ -34,9 +34,10 @@ class Buckets:
 
 @dataclass(frozen=True)
 class PowersOfTwo:
-    """What a symbolic graph pads to, where safe, once its sizes have kept changing and the user
-    chose no buckets (see `symbolic`): at most twice the work of the true size, whatever the
-    dimension (a sequence, a batch), and one executable per doubling."""
+    """What a symbolic graph pads to, where safe, when the user chose no buckets and its sizes
+    keep changing or grow with each call (a decode step; see `symbolic`): at most twice the work
+    of the true size, whatever the dimension (a sequence, a batch), and one executable per
+    doubling."""
 
     @staticmethod
     def pad(n: int) -> int:

@@ -180,7 +180,7 @@ class PerShape:
         decode: every step a new length) compiles on every call. Where this graph's padding plan
         holds and the user chose no buckets, later sizes are padded to powers of two; either way
         the user hears what is happening and what to do."""
-        plan, why = self._padding if self.options.buckets is None else (None, None)
+        plan, why = self._padding
         if self.options.buckets is not None:
             pad = "; padding them to buckets was refused for this graph (the INFO log says why)"
         elif plan is not None:
