@@ -439,3 +439,26 @@ def test_an_unknown_xla_flag_raises_instead_of_killing_the_process():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "Unknown flag in XLA_FLAGS: --xla_no_such_flag=1" in out.stdout and "would abort the process" in out.stdout
     assert out.stdout.rstrip().endswith("alive")
+
+
+def test_an_executable_pads_smaller_inputs_and_cuts_its_results_back():
+    """A bucket's executable (symbolic.py) runs calls below its sizes: the native run zero-pads
+    the inputs given smaller and hands the results asked for cut back, contiguous, in memory of
+    their own; a result not cut keeps the executable's sizes (its padding computed on zeros)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from tpu_dynamo.convert import InputKind
+    from tpu_dynamo.executable import compile_graph
+    from tpu_dynamo.options import parse
+
+    gm = make_fx(lambda x, m: (x * 2 + 1, x - m))(torch.randn(2, 5, 4), torch.randn(2, 5, 4))
+    exe = compile_graph(gm, [InputKind.USER, InputKind.USER], parse(None, None, None))
+    for dims in ([2, 3, 4], [1, 5, 2], [2, 5, 4], [0, 5, 4]):
+        x, m = torch.randn(dims), torch.randn(dims)
+        doubled, diff = exe([x, m], exe.resized({0: dims, 1: dims}, {0: dims}))
+        assert doubled.shape == x.shape and doubled.is_contiguous()
+        assert torch.equal(doubled, x * 2 + 1)
+        padded = torch.zeros(2, 5, 4)
+        padded[: dims[0], : dims[1], : dims[2]] = x - m
+        assert torch.equal(diff, padded)
+    with pytest.raises(ValueError, match=r"input 0: .*\[2,6,4\] is not a corner of .*\[2,5,4\]"):
+        exe([torch.randn(2, 6, 4), torch.randn(2, 5, 4)], exe.resized({0: [2, 6, 4]}, {}))

@@ -20,6 +20,7 @@ use tpu_dynamo_runtime::{Buffer, CompileOptions, DType, Error as RtError, Execut
 use crate::device::{target, Target};
 use crate::errors::{lower_err, runtime_err, LowerError};
 use crate::host_view::{self, Memory, Shared};
+use crate::padded::{self, PaddedInput};
 use crate::counters::{add_time, STATS};
 use crate::persist::{disk_cache, log_warnings};
 use crate::resident;
@@ -439,11 +440,12 @@ fn check_sizes<T>(what: &str, specs: &[TensorSpec], got: &[T], nbytes: impl Fn(&
     Ok(())
 }
 
-/// An execute argument: a buffer this graph uploaded (or keeps resident), or the buffer a host
-/// tensor views (see `host_view`).
+/// An execute argument: a buffer this graph uploaded (or keeps resident), the buffer a host
+/// tensor views (see `host_view`), or an input padded to the executable's sizes.
 enum Arg {
     Owned(Arc<Buffer>),
     Viewed(Arc<Shared>),
+    Padded(PaddedInput),
 }
 
 /// An argument held for one execute; a viewed buffer stays locked so that the output which takes
@@ -458,6 +460,7 @@ impl Arg {
         match self {
             Arg::Owned(b) => Held::Owned(b),
             Arg::Viewed(s) => Held::Viewed(s, s.lock()),
+            Arg::Padded(p) => Held::Owned(&p.buffer),
         }
     }
 }
@@ -490,14 +493,25 @@ impl CompiledGraph {
     /// another graph made of the same version, else a fresh upload (kept when `version >= 0`).
     /// An input this graph donates never shares a copy: the execute consumes it. On a CPU plugin
     /// any other upload is the host memory itself, taken in place. A copy newly kept adds
-    /// `(i, ptr, version)` to `unpinned`.
+    /// `(i, ptr, version)` to `unpinned`. An input `given` at smaller sizes than the
+    /// executable's is uploaded zero-padded, every call.
     fn input_buffer(
         &self,
         i: usize,
         (ptr, nbytes, version): (usize, usize, i64),
+        given: &TensorSpec,
         unpinned: &mut Unpinned,
     ) -> Result<Arg, RtError> {
         let spec = &self.entry.inputs[i];
+        if given != spec {
+            if self.aliases.iter().any(|&(a, _)| a == i) {
+                return Err(RtError::InvalidArgument(format!("input {i} is updated in place, so it cannot be padded")));
+            }
+            STATS.uploads.fetch_add(1, Relaxed);
+            // SAFETY: see `run`: the Python caller keeps the tensor alive during the call.
+            let bytes = unsafe { host_slice(ptr, nbytes) };
+            return Ok(Arg::Padded(PaddedInput::upload(&self.target, bytes, given, spec)?));
+        }
         let mut slot = (version >= 0).then(|| self.resident[i].lock().unwrap_or_else(|p| p.into_inner()));
         if let Some(Some(r)) = slot.as_deref() {
             if (r.ptr, r.version) == (ptr, version) {
@@ -556,9 +570,10 @@ impl CompiledGraph {
     fn input_buffers(
         &self,
         inputs: &[(usize, usize, i64)],
+        given: &[TensorSpec],
         unpinned: &mut Unpinned,
     ) -> Result<Vec<Arg>, RtError> {
-        inputs.iter().enumerate().map(|(i, &input)| self.input_buffer(i, input, unpinned)).collect()
+        inputs.iter().zip(given).enumerate().map(|(i, (&input, given))| self.input_buffer(i, input, given, unpinned)).collect()
     }
 
     /// Keeps the host storage of each `unpinned` input (`tensors`, the call's dense inputs) alive
@@ -626,23 +641,34 @@ impl CompiledGraph {
     /// The memory of each result asked for by `(0, nbytes)`: the result buffer itself when the
     /// host can address it (it leaves `results`), else a host allocation the caller copies it
     /// into. Two results in one memory (an executable may return one value twice) share nothing:
-    /// the second is copied.
-    fn hand_over(&self, outputs: &[(usize, usize)], results: &mut [Option<Buffer>]) -> Vec<Option<Memory>> {
+    /// the second is copied. A result `cut` to smaller sizes is copied here, into memory of its own.
+    fn hand_over(
+        &self,
+        outputs: &[(usize, usize)],
+        results: &mut [Option<Buffer>],
+        cut: &[TensorSpec],
+    ) -> Result<Vec<Option<Memory>>, RtError> {
         let mut seen = Vec::new();
         outputs
             .iter()
             .zip(results.iter_mut())
-            .zip(&self.entry.outputs)
-            .map(|((&(ptr, nbytes), result), spec)| {
+            .zip(self.entry.outputs.iter().zip(cut))
+            .map(|((&(ptr, nbytes), result), (spec, cut))| {
+                if cut != spec {
+                    let Some(result) = result.take().filter(|_| ptr == 0) else {
+                        return Err(RtError::InvalidArgument("a result cut to smaller sizes must be handed over".into()));
+                    };
+                    return padded::cut_output(&result, spec, cut).map(Some);
+                }
                 if ptr != 0 || nbytes == 0 || result.is_none() {
-                    return None;
+                    return Ok(None);
                 }
                 let address = result.as_ref().and_then(|r| r.host_address(spec));
                 if let Some(address) = address.filter(|a| !seen.contains(a)) {
                     seen.push(address);
-                    return Some(Memory::Shared(Shared::at(result.take()?, address, spec.clone())));
+                    return Ok(result.take().map(|r| Memory::Shared(Shared::at(r, address, spec.clone()))));
                 }
-                Some(Memory::copied(nbytes))
+                Ok(Some(Memory::copied(nbytes)))
             })
             .collect()
     }
@@ -694,10 +720,13 @@ impl CompiledGraph {
     /// (`hands_over_outputs`); `movable`: updated inputs whose host tensor may get a new
     /// storage. Returns DLPack capsules: `(input, capsule)` for each movable input whose new
     /// value stays in the executable's memory (the caller re-points that host tensor at it),
-    /// and `(output, capsule)` for each handed-over result. The caller must keep every tensor
-    /// alive and unshared until this returns; the GIL is released meanwhile. Use it through
-    /// `tpu_dynamo.executable.Executable`, which does.
-    #[allow(clippy::type_complexity)]
+    /// and `(output, capsule)` for each handed-over result. `given`: `(input, dims)` of inputs
+    /// passed at smaller sizes than the executable's, which it zero-pads; `cut`: `(output,
+    /// dims)` of results handed over cut to smaller sizes (see `padded`). The caller must keep
+    /// every tensor alive and unshared until this returns; the GIL is released meanwhile. Use it
+    /// through `tpu_dynamo.executable.Executable`, which does.
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
+    #[pyo3(signature = (tensors, inputs, outputs, movable, given=Vec::new(), cut=Vec::new()))]
     fn run(
         &self,
         py: Python<'_>,
@@ -705,14 +734,18 @@ impl CompiledGraph {
         inputs: Vec<(usize, usize, i64)>,
         outputs: Vec<(usize, usize)>,
         movable: Vec<usize>,
+        given: Vec<(usize, Vec<i64>)>,
+        cut: Vec<(usize, Vec<i64>)>,
     ) -> PyResult<(Vec<(usize, Py<PyAny>)>, Vec<(usize, Py<PyAny>)>)> {
-        check_sizes("inputs", &self.entry.inputs, &inputs, |i| i.1)?;
-        check_sizes("outputs", &self.entry.outputs, &outputs, |o| o.1)?;
+        let given = padded::call_specs("input", &self.entry.inputs, &given)?;
+        let cut = padded::call_specs("output", &self.entry.outputs, &cut)?;
+        check_sizes("inputs", &given, &inputs, |i| i.1)?;
+        check_sizes("outputs", &cut, &outputs, |o| o.1)?;
         let mut unpinned = vec![];
         let ran = py.detach(|| -> Result<_, RtError> {
             let start = Instant::now();
             self.entry.first_run.wait();
-            let args = self.input_buffers(&inputs, &mut unpinned)?;
+            let args = self.input_buffers(&inputs, &given, &mut unpinned)?;
             let mut held: Vec<Held> = args.iter().map(Arg::hold).collect();
             let refs: Vec<&Buffer> = held.iter().map(Held::buffer).collect();
             self.forget_donated();
@@ -721,7 +754,7 @@ impl CompiledGraph {
             let mut results: Vec<Option<Buffer>> = results.into_iter().map(Some).collect();
             let repoint = self.place_updates(&movable, &mut held, &mut results);
             drop(held);
-            let mut handed = self.hand_over(&outputs, &mut results);
+            let mut handed = self.hand_over(&outputs, &mut results, &cut)?;
             // SAFETY: the caller allocated `nbytes` writable bytes at `ptr` for each output.
             let copies = results.iter().zip(&outputs).zip(&mut handed).filter_map(|((r, &(ptr, nbytes)), h)| {
                 let dst = match h {
@@ -746,7 +779,7 @@ impl CompiledGraph {
             .into_iter()
             .enumerate()
             .filter_map(|(o, memory)| Some((o, memory?)))
-            .map(|(o, memory)| Ok((o, host_view::capsule(py, memory, &self.entry.outputs[o])?)))
+            .map(|(o, memory)| Ok((o, host_view::capsule(py, memory, &cut[o])?)))
             .collect::<PyResult<_>>()?;
         Ok((repoint, handed))
     }
@@ -787,7 +820,7 @@ impl CompiledGraph {
         let mut unpinned = vec![];
         let timed = py.detach(|| -> Result<Vec<f64>, RtError> {
             self.entry.first_run.wait();
-            let args = self.input_buffers(&inputs, &mut unpinned)?;
+            let args = self.input_buffers(&inputs, &self.entry.inputs, &mut unpinned)?;
             let held: Vec<Held> = args.iter().map(Arg::hold).collect();
             let args: Vec<&Buffer> = held.iter().map(Held::buffer).collect();
             (0..n)

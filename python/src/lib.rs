@@ -4,6 +4,7 @@ mod counters;
 mod device;
 mod errors;
 mod host_view;
+mod padded;
 mod persist;
 mod resident;
 mod symbolic;

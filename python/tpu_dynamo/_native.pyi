@@ -42,11 +42,14 @@ class CompiledGraph:
         inputs: Sequence[tuple[int, int, int]],
         outputs: Sequence[tuple[int, int]],
         movable: Sequence[int],
+        given: Sequence[tuple[int, Sequence[int]]] = (),
+        cut: Sequence[tuple[int, Sequence[int]]] = (),
     ) -> tuple[list[tuple[int, Any]], list[tuple[int, Any]]]:
         """tensors: the dense input tensors (a resident copy keeps its storage alive);
         inputs: their (data_ptr, nbytes, version or -1); outputs: (data_ptr, nbytes), or (0, nbytes)
-        for a result to hand over; movable: updated inputs whose tensor may be re-pointed.
-        Returns (input index, DLPack capsule) for those left in the executable's memory and
+        for a result to hand over; movable: updated inputs whose tensor may be re-pointed;
+        given: (input, dims) of inputs smaller than the executable's, zero-padded to them;
+        cut: (output, dims) of results handed over cut to smaller sizes. Returns (input index, DLPack capsule) for those left in the executable's memory and
         (output index, DLPack capsule) for the handed-over results. Unsafe on raw pointers:
         call it only through `tpu_dynamo.executable.Executable`."""
     def bench_execute(self, tensors: list[Any], inputs: Sequence[tuple[int, int, int]], n: int) -> list[float]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx
@@ -29,6 +29,17 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
 
 # Op sequence (shape-free) of every graph compiled so far; it tells "new graph" from "new shape".
 _seen_op_sequences: set[tuple[str, ...]] = set()
+
+
+class CallSizes(NamedTuple):
+    """The sizes of one call's tensors where they differ from the executable's: `given`,
+    `(input, dims)` of inputs it zero-pads; `cut`, `(output, dims)` of results it cuts back
+    (a bucket's executable, symbolic.py). Per output: whether it is handed over, and its bytes."""
+
+    given: list[tuple[int, list[int]]]
+    cut: list[tuple[int, list[int]]]
+    handed: list[bool]
+    out_nbytes: list[int]
 
 
 class Executable:
@@ -60,9 +71,18 @@ class Executable:
         # Results the plugin hands over as the tensors' storage (CPU plugins) instead of copying
         # them into tensors allocated here; a mutated input's result goes into the input itself.
         aliased = {o for _, o in self.mutations}
-        self.handed = [
-            native.hands_over_outputs and n > 0 and o not in aliased for o, n in enumerate(self.out_nbytes)
-        ]
+        handed = [native.hands_over_outputs and n > 0 and o not in aliased for o, n in enumerate(self.out_nbytes)]
+        self.exact = CallSizes([], [], handed, self.out_nbytes)
+
+    def resized(self, given: dict[int, list[int]], cut: dict[int, list[int]]) -> CallSizes:
+        """A call's sizes with inputs `given` smaller than the executable's and results `cut`
+        to smaller sizes; the native run hands the cut results over, in memory of their own."""
+        return CallSizes(
+            list(given.items()),
+            list(cut.items()),
+            [h or o in cut for o, h in enumerate(self.exact.handed)],
+            [math.prod(cut[o]) * d.itemsize if o in cut else n for o, ((d, _), n) in enumerate(zip(self.out_types, self.out_nbytes))],
+        )
 
     def _host_inputs(
         self, args: list[Any]
@@ -85,18 +105,18 @@ class Executable:
             ins.append((c.data_ptr(), c.nbytes, t._version if keep else -1))
         return tensors, held, ins
 
-    def __call__(self, args: list[Any]) -> tuple[torch.Tensor | None, ...]:
+    def __call__(self, args: list[Any], sizes: CallSizes | None = None) -> tuple[torch.Tensor | None, ...]:
         tensors, held, ins = self._host_inputs(args)
         args.clear()  # boxed convention: let AOTAutograd's caller free inputs early
+        s = self.exact if sizes is None else sizes
         outs: list[Any] = [
-            None if handed else torch.empty(shape, dtype=dtype)
-            for handed, (dtype, shape) in zip(self.handed, self.out_types)
+            None if handed else torch.empty(shape, dtype=dtype) for handed, (dtype, shape) in zip(s.handed, self.out_types)
         ]
         for i, o in self.mutations:
             outs[o] = held[i]
         movable = [i for i, _ in self.mutations if held[i] is tensors[i] and _movable(tensors[i])]
         in_place, handed = self.native.run(
-            held, ins, [(0 if o is None else o.data_ptr(), n) for o, n in zip(outs, self.out_nbytes)], movable
+            held, ins, [(0 if o is None else o.data_ptr(), n) for o, n in zip(outs, s.out_nbytes)], movable, s.given, s.cut
         )
         for o, capsule in handed:
             outs[o] = torch.from_dlpack(capsule)

@@ -31,7 +31,7 @@ import torch.fx
 
 from . import _native, debug
 from .convert import InputKind, convert_symbolic
-from .executable import Executable, compile_graph, wrap
+from .executable import CallSizes, Executable, compile_graph, wrap
 from .options import Buckets, Options, PowersOfTwo
 
 # Graph outputs that are numbers rather than tensors (`bool` is an `int`).
@@ -256,19 +256,26 @@ class PerShape:
                 padded[a] = padded[b] + plus
         for sym, limit in plan.limits:
             padded[sym] = max(true[sym], min(padded[sym], limit))
-        pads = []
+        given = {}
         for i, pairs in enumerate(plan.inputs):
+            true_shape = list(shapes[i])
             for d, sym in pairs:
-                if padded[sym] != shapes[i][d]:
-                    shapes[i][d] = padded[sym]
-                    pads.append((c.tensor_args[i], d, padded[sym]))
+                shapes[i][d] = padded[sym]
+            if true_shape != shapes[i]:
+                given[i] = true_shape
         scalars = [padded[sym] if sym is not None else int(args[i]) for i, sym in zip(c.scalar_args, plan.scalars)]
         key = (tuple(map(tuple, shapes)), tuple(scalars))
         exe = self.padded.get(key)
         if exe is None:
             exe = self.padded[key] = self._specialize(shapes, scalars, len(args), len(plan.runtime))
         scalar_pads = [(i, padded[sym]) for i, sym in zip(c.scalar_args, plan.scalars) if sym is not None]
-        cuts = [[] if o is None else [(d, true[sym] + plus) for d, sym, plus in plan.outputs[o]] for o in c.outputs]
+        cut = {}
+        for o in set(c.outputs) - {None}:
+            dims = list(exe.out_types[o][1])
+            for d, sym, plus in plan.outputs[o]:
+                dims[d] = true[sym] + plus
+            if dims != list(exe.out_types[o][1]):
+                cut[o] = dims
         lengths = [torch.tensor(true[sym], dtype=torch.int64) for sym in plan.runtime]
         debug.log.info(
             "%s: buckets: sizes %s run padded to %s",
@@ -276,7 +283,7 @@ class PerShape:
             sorted(true.values()),
             sorted(padded.values()),
         )
-        return _Padded(exe, pads, scalar_pads, cuts, lengths)
+        return _Padded(exe, exe.resized(given, cut), scalar_pads, lengths)
 
 
 def _true_sizes(plan: _Plan, tensor_args: tuple[int, ...], args: list[Any]) -> dict[int, int]:
@@ -285,36 +292,25 @@ def _true_sizes(plan: _Plan, tensor_args: tuple[int, ...], args: list[Any]) -> d
 
 
 class _Padded:
-    """A call at sizes below their bucket's: zero-pads the inputs along their symbolic
-    dimensions, runs the bucket's executable (passing the true sizes it reads at run time), and
-    cuts each output back to the true sizes."""
+    """A call at sizes below their bucket's: runs the bucket's executable with the inputs
+    zero-padded along their symbolic dimensions and the outputs cut back to the true sizes
+    (both done by the native run: `sizes`), passing the padded scalars and the true sizes the
+    executable reads at run time. A cut output is contiguous like the graph's own: a strided
+    view fed back in (a dynamic cache's K/V next step) would fail Dynamo's stride guards."""
 
     _boxed_call = True
 
     def __init__(
-        self,
-        exe: Executable,
-        pads: list[tuple[int, int, int]],
-        scalars: list[tuple[int, int]],
-        cuts: list[list[tuple[int, int]]],
-        lengths: list[torch.Tensor],
+        self, exe: Executable, sizes: CallSizes, scalars: list[tuple[int, int]], lengths: list[torch.Tensor]
     ) -> None:
-        self.exe, self.pads, self.scalars, self.cuts, self.lengths = exe, pads, scalars, cuts, lengths
+        self.exe, self.sizes, self.scalars, self.lengths = exe, sizes, scalars, lengths
 
     def __call__(self, args: list[Any]) -> tuple[torch.Tensor | None, ...]:
         args = list(args)
-        for i, d, size in self.pads:
-            t = args[i]
-            fill = list(t.shape)
-            fill[d] = size - t.shape[d]
-            args[i] = torch.cat([t, t.new_zeros(fill)], d)
         for i, value in self.scalars:
             args[i] = value
         args.extend(self.lengths)
-        outs = self.exe(args)
-        return tuple(
-            out if out is None or not cut else _cut(out, cut) for out, cut in zip(outs, self.cuts)
-        )
+        return self.exe(args, self.sizes)
 
 
 class _WithNumbers:
@@ -332,11 +328,3 @@ class _WithNumbers:
             outs[i] = value
         return tuple(outs)
 
-
-def _cut(t: torch.Tensor, cut: list[tuple[int, int]]) -> torch.Tensor:
-    """`t`'s first `n` positions along each dimension `d`, contiguous like the graph's own output:
-    a strided view fed back in (a dynamic cache's K/V next step) would fail Dynamo's stride guards
-    and cost a retrace."""
-    for d, n in cut:
-        t = t.narrow(d, 0, n)
-    return t.contiguous()

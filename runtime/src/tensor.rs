@@ -139,6 +139,43 @@ impl TensorSpec {
             .checked_mul(self.dtype.size())
             .ok_or_else(|| Error::invalid(format!("tensor too large: {self}")))
     }
+
+    /// Calls `run(offset, outer_offset, bytes)` for each contiguous run of a dense row-major
+    /// array of this type seen as the leading corner of one of type `outer` (same dtype and
+    /// rank, no dimension larger): the copies that pad an array to `outer` or cut it back.
+    pub fn corner_runs(&self, outer: &TensorSpec, mut run: impl FnMut(usize, usize, usize)) -> Result<()> {
+        let fits = self.dtype == outer.dtype
+            && self.dims.len() == outer.dims.len()
+            && self.dims.iter().zip(&outer.dims).all(|(&d, &o)| (0..=o).contains(&d));
+        if !fits {
+            return Err(Error::invalid(format!("{self} is not a corner of {outer}")));
+        }
+        let dims = |d: &[i64]| d.iter().map(|&n| n as usize).collect::<Vec<usize>>();
+        let (inner, outer) = (dims(&self.dims), dims(&outer.dims));
+        let item = self.dtype.size();
+        let Some(last) = (0..inner.len()).rev().find(|&d| inner[d] != outer[d]) else {
+            run(0, 0, inner.iter().product::<usize>() * item);
+            return Ok(());
+        };
+        // From `last` on, each run is contiguous in both; the dimensions before it step `outer`.
+        let len = inner[last..].iter().product::<usize>() * item;
+        if len == 0 {
+            return Ok(());
+        }
+        let strides: Vec<usize> = (0..last).map(|d| outer[d + 1..].iter().product::<usize>() * item).collect();
+        let mut index = vec![0; last];
+        for n in 0..inner[..last].iter().product() {
+            run(n * len, index.iter().zip(&strides).map(|(i, s)| i * s).sum(), len);
+            for d in (0..last).rev() {
+                index[d] += 1;
+                if index[d] < inner[d] {
+                    break;
+                }
+                index[d] = 0;
+            }
+        }
+        Ok(())
+    }
 }
 
 impl std::fmt::Display for TensorSpec {
@@ -166,5 +203,35 @@ mod tests {
             .byte_size()
             .is_err());
         assert!(DType::from_pjrt(pjrt_sys::PJRT_Buffer_Type_PJRT_Buffer_Type_U32).is_err());
+    }
+
+    /// `data` (u8, dims `small`) zero-padded to dims `big`.
+    fn pad(small: &[i64], big: &[i64], data: &[u8]) -> Vec<u8> {
+        let (small, big) = (TensorSpec::new(DType::U8, small), TensorSpec::new(DType::U8, big));
+        let mut out = vec![0; big.byte_size().unwrap()];
+        small
+            .corner_runs(&big, |s, b, len| out[b..b + len].copy_from_slice(&data[s..s + len]))
+            .unwrap();
+        out
+    }
+
+    #[test]
+    fn corner_runs_pad_the_dimensions_that_differ() {
+        // Rows keep the outer array's stride.
+        assert_eq!(pad(&[2, 3], &[3, 4], &[1, 2, 3, 4, 5, 6]), [1, 2, 3, 0, 4, 5, 6, 0, 0, 0, 0, 0]);
+        // A K/V cache `[batch, heads, length, dim]` padded along its length only.
+        assert_eq!(pad(&[1, 2, 2, 1], &[1, 2, 3, 1], &[1, 2, 3, 4]), [1, 2, 0, 3, 4, 0]);
+        assert_eq!(pad(&[1, 2], &[2, 2], &[7, 8]), [7, 8, 0, 0]);
+        assert_eq!(pad(&[2, 2], &[2, 2], &[1, 2, 3, 4]), [1, 2, 3, 4]);
+        assert_eq!(pad(&[0, 2], &[2, 2], &[]), [0, 0, 0, 0]);
+        assert_eq!(pad(&[], &[], &[9]), [9]);
+        // Wider elements: offsets in bytes.
+        let (small, big) = (TensorSpec::new(DType::F32, [1, 1]), TensorSpec::new(DType::F32, [2, 2]));
+        let mut runs = vec![];
+        small.corner_runs(&big, |s, b, len| runs.push((s, b, len))).unwrap();
+        assert_eq!(runs, [(0, 0, 4)]);
+        let bigger = TensorSpec::new(DType::F32, [3, 1]);
+        assert!(bigger.corner_runs(&big, |_, _, _| {}).is_err());
+        assert!(small.corner_runs(&TensorSpec::new(DType::F16, [2, 2]), |_, _, _| {}).is_err());
     }
 }
