@@ -81,6 +81,9 @@ pub struct PaddingPlan {
     /// `(a, b, plus)`: the plan assumes `a`'s true size is at least `b`'s + `plus` (a gather
     /// along `a` at positions counted along `b`); a call where it is not runs exact shapes.
     pub at_least: Vec<(u32, u32, i64)>,
+    /// `(symbol, limit)`: the plan assumes the symbol's true size is at most `limit` (a suffix
+    /// slice that then keeps every exact position); a call where it is not runs exact shapes.
+    pub at_most: Vec<(u32, i64)>,
 }
 
 /// A node that runs differently on padded inputs, reading a true size at run time.
@@ -94,12 +97,18 @@ pub enum Rewrite {
     /// A size used as a value by a pointwise op (argument `arg`, positional then keyword): the
     /// op reads the true size instead of the padded one.
     TrueSize { node: u32, arg: u32, sym: u32 },
+    /// A suffix slice along dimension `dim` at least as long as the exact positions (see
+    /// [`PaddingPlan::at_most`]): it keeps the whole padded dimension.
+    KeepAll { node: u32, dim: u32 },
 }
 
 impl Rewrite {
-    fn sym(self) -> u32 {
-        let (Rewrite::AppendAt { sym, .. } | Rewrite::HideKeys { sym, .. } | Rewrite::TrueSize { sym, .. }) = self;
-        sym
+    /// The symbol whose true size the rewritten node reads at run time, if any.
+    fn reads(self) -> Option<u32> {
+        match self {
+            Rewrite::AppendAt { sym, .. } | Rewrite::HideKeys { sym, .. } | Rewrite::TrueSize { sym, .. } => Some(sym),
+            Rewrite::KeepAll { .. } => None,
+        }
     }
 }
 
@@ -150,6 +159,7 @@ struct Walk<'a> {
     limits: Vec<(u32, i64)>,
     equal: Vec<(u32, u32)>,
     at_least: Vec<(u32, u32, i64)>,
+    at_most: Vec<(u32, i64)>,
     rewrites: Vec<Rewrite>,
 }
 
@@ -346,6 +356,7 @@ impl<'a> Walk<'a> {
                 let d = norm(int_list(arg(node, 1, "dim")).map_or(0, |v| v[0]), x.len())?;
                 let start = int_list(arg(node, 2, "start")).map_or(0, |v| v[0]);
                 let step = int_list(arg(node, 4, "step")).map_or(1, |v| v[0]);
+                let to_the_end = int_list(arg(node, 3, "end")).is_none_or(|v| v[0] == i64::MAX);
                 let mut out = x.to_vec();
                 let end_sym = syms.get(&(3, &[][..])).map(|e| recorded(e));
                 match (x[d], end_sym) {
@@ -359,6 +370,15 @@ impl<'a> Walk<'a> {
                     // The whole of a padded dimension.
                     (Padded { sym, .. }, Some(Recorded::Scaled { sym: s, by: 1 })) if start == 0 && step == 1 && sym == s => {}
                     (Padded { .. } | Grown { .. }, None) if start == 0 && step == 1 && self.recorded_dims(first)?[d] == x[d] => {}
+                    // The last k positions, while there are at most k exact ones (a sliding-window
+                    // cache keeping its last entries before the window fills): all of them, so the
+                    // slice keeps the whole padded dimension, assuming that many (checked per call).
+                    (dim, None) if start < 0 && step == 1 && to_the_end && let Some((sym, by)) = dim.valid() => {
+                        self.at_most.push((sym, -start - by));
+                        self.rewrites.push(Rewrite::KeepAll { node: j, dim: d as u32 });
+                        let kept = if by == 0 { Recorded::Scaled { sym, by: 1 } } else { Recorded::Shifted { sym, by } };
+                        self.recorded.insert((first, d as u32), kept);
+                    }
                     _ => return Err("slices a padded dimension other than as a prefix of the padded size".into()),
                 }
                 Ok(vec![out])
@@ -718,6 +738,7 @@ impl SymbolicGraph {
             limits: vec![],
             equal: vec![],
             at_least: vec![],
+            at_most: vec![],
             rewrites: vec![],
         };
         let mut plan = PaddingPlan::default();
@@ -789,7 +810,7 @@ impl SymbolicGraph {
             plan.outputs.push(cut);
         }
         plan.limits = walk.limits;
-        for sym in walk.rewrites.iter().map(|r| r.sym()) {
+        for sym in walk.rewrites.iter().filter_map(|r| r.reads()) {
             if !plan.runtime.contains(&sym) {
                 plan.runtime.push(sym);
             }
@@ -797,6 +818,7 @@ impl SymbolicGraph {
         plan.rewrites = walk.rewrites;
         plan.equal = walk.equal;
         plan.at_least = walk.at_least;
+        plan.at_most = walk.at_most;
         Ok(plan)
     }
 }
@@ -856,6 +878,19 @@ impl SymbolicGraph {
         for r in &plan.rewrites {
             match *r {
                 Rewrite::TrueSize { .. } => {}
+                Rewrite::KeepAll { node, dim } => {
+                    let Some(&Arg::Value(x)) = g.nodes[node as usize].args.first() else {
+                        return Err("a kept slice has no input".into());
+                    };
+                    let whole = g.value_types()[x as usize].shape[dim as usize];
+                    let node = &mut g.nodes[node as usize];
+                    let start = match node.args.get_mut(2) {
+                        Some(start) => Some(start),
+                        None => node.kwargs.iter_mut().find(|(k, _)| k == "start").map(|(_, a)| a),
+                    };
+                    *start.ok_or("a kept slice has no start")? = Arg::Int(0);
+                    node.outputs[0].shape[dim as usize] = whole;
+                }
                 Rewrite::AppendAt { node, sym } => add_kwarg(&mut g.nodes[node as usize], APPEND_AT, length_of(sym)),
                 Rewrite::HideKeys { node, sym, by } => {
                     let node = &mut g.nodes[node as usize];
@@ -1019,6 +1054,37 @@ mod tests {
         let plan = g.padding_plan().unwrap();
         assert_eq!(plan.limits, vec![(0, 10)]);
         assert_eq!(plan.outputs, vec![vec![(0, 0, 0)]]);
+    }
+
+    #[test]
+    fn a_suffix_as_long_as_a_sliding_window_keeps_every_exact_position() {
+        // cat([x, y], 1)[:, -4:], x: [2, s], y: [2, 1]: the window's last 4 entries.
+        let grown = SymExpr::Add(vec![S, SymExpr::Const(1)]);
+        let g = graph(
+            vec![vec![2, 0], vec![2, 1]],
+            vec![
+                ("aten.cat.default", vec![Arg::List(vec![Arg::Value(0), Arg::Value(1)]), Arg::Int(1)], vec![2, 0]),
+                ("aten.slice.Tensor", vec![Arg::Value(2), Arg::Int(1), Arg::Int(-4), Arg::Int(i64::MAX)], vec![2, 0]),
+            ],
+            vec![
+                (dim(0, 1), S),
+                (dim(2, 1), grown.clone()),
+                (dim(3, 1), SymExpr::Min(vec![grown, SymExpr::Const(4)])),
+            ],
+        );
+        let plan = g.padding_plan().unwrap();
+        // Exact while s + 1 <= 4.
+        assert_eq!(plan.at_most, vec![(0, 3)]);
+        assert_eq!(plan.outputs, vec![vec![(1, 0, 1)]]);
+        assert!(plan.rewrites.contains(&Rewrite::KeepAll { node: 1, dim: 1 }));
+        assert_eq!(plan.runtime, vec![0]); // the cat's append, not the slice
+        let c = g.specialize_padded(&plan, &[vec![2, 8], vec![2, 1]], &[], 2).unwrap().graph;
+        assert_eq!(c.nodes[1].args[2], Arg::Int(0));
+        assert_eq!(c.nodes[1].outputs[0].shape, vec![2, 9]);
+        // A suffix that does not reach the end keeps no such promise.
+        let mut short = g.clone();
+        short.graph.graph.nodes[1].args[3] = Arg::Int(-1);
+        assert!(short.padding_plan().unwrap_err().contains("other than as a prefix"));
     }
 
     const SDPA: &str = "aten._scaled_dot_product_flash_attention_for_cpu.default";

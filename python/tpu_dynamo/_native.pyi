@@ -124,9 +124,11 @@ class SymbolicGraph:
         list[int],
         list[tuple[int, int]],
         list[tuple[int, int, int]],
+        list[tuple[int, int]],
     ]:
         """How to run on inputs padded to buckets: per input its `(dim, symbol)` pairs, per
         output its `(dim, symbol, plus)` cuts to the true size + plus, per scalar its symbol,
         `(symbol, limit)` caps, the symbols whose true sizes are extra inputs, the symbol pairs
-        the plan assumes equal and the `(a, b, plus)` it assumes `a >= b + plus` of. ValueError
-        naming the op that makes padding unsafe."""
+        the plan assumes equal, the `(a, b, plus)` it assumes `a >= b + plus` of and the
+        `(symbol, limit)` it assumes at most `limit`. ValueError naming the op that makes
+        padding unsafe."""

@@ -91,11 +91,14 @@ class _Plan(NamedTuple):
     runtime: list[int]
     equal: list[tuple[int, int]]
     at_least: list[tuple[int, int, int]]
+    at_most: list[tuple[int, int]]
 
     def holds(self, true: dict[int, int]) -> bool:
         """Whether the sizes `true` meet what the plan assumes of them."""
-        return all(true[a] == true[b] for a, b in self.equal) and all(
-            true[a] >= true[b] + plus for a, b, plus in self.at_least
+        return (
+            all(true[a] == true[b] for a, b in self.equal)
+            and all(true[a] >= true[b] + plus for a, b, plus in self.at_least)
+            and all(true[sym] <= limit for sym, limit in self.at_most)
         )
 
 
