@@ -347,10 +347,17 @@ def test_buckets_serve_a_batched_decode_with_a_padding_mask(kind):
     assert tpu_dynamo.stats()["compiles"] == 4
 
 
-def test_a_sliding_window_decode_matches_eager():
-    """Mistral's sliding window: the step graph also returns a size (how much of the cache the
-    window keeps), an integer output among the tensors."""
+def test_a_sliding_window_decode_matches_eager_and_stops_compiling_once_the_window_fills():
+    """Mistral's sliding window (12): the step graph also returns a number (the cache's count of
+    tokens seen). Before the window fills, the step pads like any decode step (its cache keeps
+    its last 11 entries: a suffix of the padded cache, all of it while the true length fits).
+    Once it is full, shapes stop changing but the count keeps growing; it only enters the
+    positions and the mask's offset, so the executable reads it at run time instead of
+    compiling for each value (23 compiles for these 24 tokens before, one per step)."""
     model = tiny("mistral")
-    expected = generate(model, IDS, 16)
+    expected = generate(model, IDS, 24)
     model.forward = compile_tpu(model.forward)
-    assert torch.equal(generate(model, IDS, 16), expected)
+    assert torch.equal(generate(model, IDS, 24), expected)
+    # Prompt, first step, second length exact, padded to 16 (past lengths 9-10), 11 exact (the
+    # cache's suffix no longer holds every entry), then the full window's two graphs.
+    assert tpu_dynamo.stats()["compiles"] == 7

@@ -180,3 +180,22 @@ def test_sizes_that_keep_changing_pad_to_powers_of_two_after_a_warning(caplog):
     # 3 is Dynamo's static graph; 4-11 exact; 12 and 13 share 16.
     assert tpu_dynamo.stats()["compiles"] == 1 + SIZES_BEFORE_WARNING + 1
     assert "from now on this graph runs with its sizes padded to the next power of two" in caplog.text
+
+
+def test_an_integer_used_only_as_a_number_is_read_at_run_time():
+    """An integer argument that changes between calls (Dynamo makes it symbolic, as a
+    sliding-window cache's count of tokens seen) and only enters arithmetic is an input of the
+    executable, not a constant in it: one compile serves every value, including expressions of
+    it (max, floor division, modulo on negative values) and the numbers the graph returns."""
+
+    def f(x, n):
+        return x * (n - 3) + torch.arange(4) + max(n - 5, 0) - n // 3 + n % 4, n + 1, n * 2
+
+    run = torch.compile(f, backend="tpu", fullgraph=True)
+    for n in (1, 2, 7, 9, -4, -7, 2):
+        x = torch.randn(4)
+        got, want = run(x, n), f(x, n)
+        torch.testing.assert_close(got[0], want[0])
+        assert got[1:] == want[1:]
+    # n = 1 is Dynamo's static graph; from n = 2 on one symbolic graph, one executable.
+    assert tpu_dynamo.stats()["compiles"] == 2

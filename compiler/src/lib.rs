@@ -3,11 +3,12 @@
 //! `ir` is the contract; `lower` turns a [`ir::Graph`] into a StableHLO module (text and
 //! bytecode) through MLIR, with one module per ATen op family; `specialize` turns a symbolic graph
 //! into the concrete graph for one call's shapes; `padding` proves when a symbolic graph may run
-//! on padded inputs (buckets).
+//! on padded inputs (buckets); `numbers` lets it read integer scalars at run time.
 
 pub mod cost;
 pub mod ir;
 pub mod lower;
+pub mod numbers;
 pub mod padding;
 pub mod specialize;
 

@@ -188,7 +188,7 @@ fn norm(d: i64, rank: usize) -> R<usize> {
 
 /// Whether the op's lowering takes its `self` and `other` as a tensor or a number alike, so a
 /// size used there may become the 0-d tensor of its true size.
-fn reads_tensor_operands(op: &str) -> bool {
+pub(crate) fn reads_tensor_operands(op: &str) -> bool {
     let Some((name, overload)) = op.strip_prefix("aten.").and_then(|o| o.split_once('.')) else {
         return false;
     };
@@ -278,9 +278,11 @@ impl<'a> Walk<'a> {
         let mut values: Vec<_> = syms.iter().filter(|((i, _), _)| !size_roles.contains(i)).collect();
         values.sort_by_key(|((i, _), _)| *i);
         for (&(i, path), e) in values {
+            let mut syms = vec![];
+            e.symbols(&mut syms);
             match recorded(e) {
                 // A number no padded size depends on is passed as it is.
-                Recorded::Scaled { sym, by: 1 } if !self.padded.contains(&sym) => {}
+                _ if syms.iter().all(|k| !self.padded.contains(k)) => {}
                 Recorded::Scaled { sym, by: 1 } if i <= 1 && path.is_empty() && reads_tensor_operands(op) => {
                     self.rewrites.push(Rewrite::TrueSize { node: j, arg: i, sym })
                 }
@@ -761,11 +763,12 @@ impl SymbolicGraph {
         }
         walk.padded = padded.clone();
         let mut sized = vec![];
-        self.sizes.iter().for_each(|s| s.expr.symbols(&mut sized));
+        self.sizes.iter().filter(|s| matches!(s.at, SymSlot::Dim { .. })).for_each(|s| s.expr.symbols(&mut sized));
         for e in &self.scalars {
             plan.scalars.push(match e {
                 SymExpr::Sym(k) if padded.contains(k) => Some(*k),
-                // A number no size depends on (an integer Dynamo made dynamic, unused here).
+                // A number no size depends on (an integer Dynamo made dynamic, at most used as a
+                // number: the same padded or not).
                 SymExpr::Sym(k) if !sized.contains(k) => None,
                 SymExpr::Const(_) => None,
                 e => return Err(format!("a scalar input is the size {e:?}")),
@@ -829,21 +832,26 @@ pub const KEYS_VALID: &str = "tpu_keys_valid";
 pub const KEYS_VALID_PLUS: &str = "tpu_keys_valid_plus";
 
 /// Makes room for `count` new inputs before input `at`: every later value moves up.
-fn insert_inputs(g: &mut Graph, at: u32, new: impl ExactSizeIterator<Item = Input>) {
+pub(crate) fn insert_inputs(g: &mut Graph, at: u32, new: impl ExactSizeIterator<Item = Input>) {
     let count = new.len() as u32;
-    fn shift(a: &mut Arg, at: u32, count: u32) {
+    shift_values(g, at, count);
+    g.aliases.iter_mut().filter(|a| a.input >= at).for_each(|a| a.input += count);
+    g.inputs.splice(at as usize..at as usize, new);
+}
+
+/// Renumbers every use of a value from `from` on by `count` more (values inserted before it).
+pub(crate) fn shift_values(g: &mut Graph, from: u32, count: u32) {
+    fn shift(a: &mut Arg, from: u32, count: u32) {
         match a {
-            Arg::Value(v) if *v >= at => *v += count,
-            Arg::List(xs) => xs.iter_mut().for_each(|x| shift(x, at, count)),
+            Arg::Value(v) if *v >= from => *v += count,
+            Arg::List(xs) => xs.iter_mut().for_each(|x| shift(x, from, count)),
             _ => {}
         }
     }
     for node in &mut g.nodes {
-        node.args.iter_mut().chain(node.kwargs.iter_mut().map(|(_, a)| a)).for_each(|a| shift(a, at, count));
+        node.args.iter_mut().chain(node.kwargs.iter_mut().map(|(_, a)| a)).for_each(|a| shift(a, from, count));
     }
-    g.outputs.iter_mut().filter(|v| **v >= at).for_each(|v| *v += count);
-    g.aliases.iter_mut().filter(|a| a.input >= at).for_each(|a| a.input += count);
-    g.inputs.splice(at as usize..at as usize, new);
+    g.outputs.iter_mut().filter(|v| **v >= from).for_each(|v| *v += count);
 }
 
 fn add_kwarg(node: &mut Node, name: &str, value: Arg) {

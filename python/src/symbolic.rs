@@ -25,6 +25,10 @@ pub struct SymbolicGraph {
     /// The padding analysis, made once: Python asks for it, and each bucket's `specialize`
     /// follows it.
     plan: OnceLock<Result<PaddingPlan, String>>,
+    /// The scalar inputs (positions among the scalars) the executable reads at run time
+    /// (`numbers_at`), so that their values do not key the executable.
+    #[pyo3(get)]
+    number_scalars: Vec<u32>,
 }
 
 #[pymethods]
@@ -38,7 +42,8 @@ impl SymbolicGraph {
         ir.check().map_err(value_err)?;
         STATS.symbolic_graphs.fetch_add(1, Relaxed);
         let graph_hash = ir.hash().to_hex().to_string();
-        Ok(SymbolicGraph { ir, graph_hash, plan: OnceLock::new() })
+        let number_scalars = ir.number_scalars();
+        Ok(SymbolicGraph { ir, graph_hash, plan: OnceLock::new(), number_scalars })
     }
 
     /// How to run on inputs padded along the symbolic dimensions (buckets): per input its
@@ -58,21 +63,27 @@ impl SymbolicGraph {
     /// The graph for inputs of these shapes (one per graph input) and these integer scalars,
     /// compiled or found in the memory or disk cache (keyed by the concrete graph's bytes). With
     /// `lengths_at`, the shapes are padded per `padding_plan`, whose true sizes become 0-d i64
-    /// inputs inserted before input `lengths_at`.
-    #[pyo3(signature = (shapes, scalars, lengths_at = None, need_stablehlo = false))]
+    /// inputs inserted before input `lengths_at`. With `numbers_at`, the `number_scalars` are
+    /// 0-d i64 inputs inserted before input `numbers_at` (after any lengths), not constants.
+    #[pyo3(signature = (shapes, scalars, lengths_at = None, numbers_at = None, need_stablehlo = false))]
     fn specialize(
         &self,
         py: Python<'_>,
         shapes: Vec<Vec<i64>>,
         scalars: Vec<i64>,
         lengths_at: Option<u32>,
+        numbers_at: Option<u32>,
         need_stablehlo: bool,
     ) -> PyResult<CompiledGraph> {
         let start = Instant::now();
-        let graph = match lengths_at {
+        let mut graph = match lengths_at {
             None => self.ir.specialize(&shapes, &scalars).map_err(value_err)?,
             Some(at) => self.ir.specialize_padded(self.plan()?, &shapes, &scalars, at).map_err(value_err)?,
         };
+        if let Some(at) = numbers_at {
+            let symbols = self.ir.bind(&shapes, &scalars).map_err(value_err)?;
+            self.ir.read_numbers(&mut graph, &self.number_scalars, &symbols, at).map_err(value_err)?;
+        }
         STATS.specializations.fetch_add(1, Relaxed);
         add_time(&STATS.specialize_nanos, start.elapsed());
         compile_graph(py, &graph, need_stablehlo)

@@ -103,17 +103,23 @@ class SymbolicGraph:
     @property
     def graph_hash(self) -> str:
         """blake3 of the symbolic IR without source lines; equal across processes."""
+    @property
+    def number_scalars(self) -> list[int]:
+        """The scalars (positions among them) used only as numbers, which the executable can
+        read at run time (`numbers_at`) instead of having their values written in."""
     def specialize(
         self,
         shapes: Sequence[Sequence[int]],
         scalars: Sequence[int],
         lengths_at: int | None = None,
+        numbers_at: int | None = None,
         need_stablehlo: bool = False,
     ) -> CompiledGraph:
         """The graph for inputs of these shapes (one per graph input) and SymInt scalars,
         compiled or found in the memory/disk cache; ValueError if they contradict the graph.
         With `lengths_at`, the shapes are padded per `padding_plan`, and one 0-d int64 input
-        per runtime symbol of the plan (its true size) goes in before input `lengths_at`."""
+        per runtime symbol of the plan (its true size) goes in before input `lengths_at`. With
+        `numbers_at`, each of `number_scalars` is a 0-d int64 input before input `numbers_at`."""
     def padding_plan(
         self,
     ) -> tuple[

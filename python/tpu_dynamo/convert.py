@@ -77,6 +77,9 @@ class Converted:
     checks: tuple[tuple[int, str, bool], ...] = ()
     """`(result index, api name, is_matrix)` per `_linalg_check_errors` of an `info` result: the
     wrapper raises PyTorch's error for it after the call."""
+    number_args: tuple[int, ...] = ()
+    """Positions of integer arguments the executable reads as 0-d int64 inputs (after the
+    tensor placeholders, before the constants; `symbolic.PerShape`)."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:

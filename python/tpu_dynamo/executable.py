@@ -57,6 +57,7 @@ class Executable:
         self.native = native
         self.converted = converted
         self.tensor_args = converted.tensor_args
+        self.number_args = converted.number_args
         self.constants = converted.constants
         self.mutations = converted.mutations
         # Mutated inputs whose version we bump ourselves (AOTAutograd bumps the others).
@@ -90,6 +91,9 @@ class Executable:
         """The call's input tensors, their dense versions to keep alive during the call, and
         those dense tensors' `(ptr, nbytes, version)`."""
         tensors = [*(args[i] for i in self.tensor_args), *self.constants]
+        if self.number_args:
+            at = len(self.tensor_args)
+            tensors[at:at] = [torch.tensor(args[i], dtype=torch.int64) for i in self.number_args]
         held, ins = [], []
         # Per input this runs on every call (~150 parameters on a transformer), so it asks each
         # tensor only what it must: `is_cpu` is 5x cheaper than `device.type`, and only

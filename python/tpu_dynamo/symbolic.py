@@ -112,9 +112,6 @@ class PerShape:
     ) -> None:
         self.gm, self.kinds, self.options, self.caller_bumps = gm, kinds, options, caller_bumps
         self.placeholders = gm.graph.find_nodes(op="placeholder")
-        # The inputs whose sizes or values can differ between calls: Dynamo's guards pin every
-        # other input's dtype and shape, so these alone key the signature.
-        self.varying = [i for i, n in enumerate(self.placeholders) if _is_symbolic(n.meta.get("val"))]
         # Outputs that are numbers computed from the inputs' sizes (a cache's new length): not
         # results of the executable, but the same for every call of a signature.
         self.number_outputs = [
@@ -126,12 +123,23 @@ class PerShape:
         self.padded: dict[tuple[Any, ...], Executable] = {}
         self.compile_seconds = 0.0
         self.name = name = options.name or "graph"
+        # Integer arguments the executable reads at run time (used only as numbers): their
+        # values key nothing.
+        self.number_args: tuple[int, ...] = ()
         try:
             self.converted = convert_symbolic(gm, kinds)
             self.symbolic: _native.SymbolicGraph | None = _native.SymbolicGraph(self.converted.json)
+            self.number_args = tuple(self.converted.scalar_args[p] for p in self.symbolic.number_scalars)
         except (NotImplementedError, ValueError) as e:
             debug.log.info("%s: specializing per shape in Python: %s", name, e)
             self.symbolic = None
+        # The inputs whose sizes or values can differ between calls and key the executable:
+        # Dynamo's guards pin every other input's dtype and shape.
+        self.varying = [
+            i for i, n in enumerate(self.placeholders) if _is_symbolic(n.meta.get("val")) and i not in self.number_args
+        ]
+        # Symbol -> the argument carrying it, for the numbers read at run time.
+        self.number_symbols = {self.placeholders[i].meta["val"].node.expr: i for i in self.number_args}
         self.plan: _Plan | None = None
         self.buckets: Buckets | PowersOfTwo | None = options.buckets
         # The last new signature's true sizes, to tell a decode step (`_feeds_back`).
@@ -157,8 +165,7 @@ class PerShape:
             start = time.perf_counter()
             exe = self._compile(args)
             if self.number_outputs:
-                resolve = _resolver(_bindings(self.placeholders, args))
-                exe = _WithNumbers(exe, [(i, resolve(val)) for i, val in self.number_outputs])
+                exe = _WithNumbers(exe, self.number_outputs, _bindings(self.placeholders, args), self.number_symbols)
             self.compile_seconds += time.perf_counter() - start
             self.compiled[signature] = exe
             if len(self.compiled) == SIZES_BEFORE_WARNING and self.plan is None:
@@ -223,7 +230,12 @@ class PerShape:
             return compile_graph(self.gm, self.kinds, self.options, self.caller_bumps, resolve)
         c = self.converted
         shapes = [list(args[i].shape) for i in c.tensor_args] + [list(t.shape) for t in c.constants]
-        return self._specialize(shapes, [int(args[i]) for i in c.scalar_args])
+        return self._specialize(shapes, self._scalars(args))
+
+    def _scalars(self, args: list[Any]) -> list[int]:
+        """The integer arguments' values for `specialize`; those read at run time do not shape
+        the executable (0 stands for any)."""
+        return [0 if i in self.number_args else int(args[i]) for i in self.converted.scalar_args]
 
     def _specialize(self, shapes: list[list[int]], scalars: list[int], n_args: int = 0, n_lengths: int = 0) -> Executable:
         """The executable for these shapes. Padded with `n_lengths` true sizes read at run time,
@@ -232,14 +244,20 @@ class PerShape:
         assert self.symbolic is not None
         c = self.converted
         at = len(c.tensor_args)
+        numbers = len(self.number_args)
         native = self.symbolic.specialize(
-            shapes, scalars, at if n_lengths else None, need_stablehlo=debug.wanted(self.options)
+            shapes,
+            scalars,
+            at if n_lengths else None,
+            at + n_lengths if numbers else None,
+            need_stablehlo=debug.wanted(self.options),
         )
-        if n_lengths:
+        if n_lengths or numbers:
             c = dataclasses.replace(
                 c,
                 tensor_args=c.tensor_args + tuple(range(n_args, n_args + n_lengths)),
-                kinds=c.kinds[:at] + (InputKind.USER,) * n_lengths + c.kinds[at:],
+                number_args=self.number_args,
+                kinds=c.kinds[:at] + (InputKind.USER,) * (n_lengths + numbers) + c.kinds[at:],
             )
         return wrap(native, self.gm, c, self.options, self.caller_bumps, start)
 
@@ -266,7 +284,7 @@ class PerShape:
                 shapes[i][d] = padded[sym]
             if true_shape != shapes[i]:
                 given[i] = true_shape
-        scalars = [padded[sym] if sym is not None else int(args[i]) for i, sym in zip(c.scalar_args, plan.scalars)]
+        scalars = [padded[sym] if sym is not None else v for v, sym in zip(self._scalars(args), plan.scalars)]
         key = (tuple(map(tuple, shapes)), tuple(scalars))
         exe = self.padded.get(key)
         if exe is None:
@@ -317,17 +335,35 @@ class _Padded:
 
 
 class _WithNumbers:
-    """A call whose graph also returns numbers: this signature's values spliced in among the
-    executable's results."""
+    """A call whose graph also returns numbers, spliced in among the executable's results: the
+    same for every call of the signature, except those computed from numbers read at run time
+    (`number_symbols`: symbol -> argument), worked out per call."""
 
     _boxed_call = True
 
-    def __init__(self, call: Executable | _Padded, numbers: list[tuple[int, Any]]) -> None:
-        self.call, self.numbers = call, numbers
+    def __init__(
+        self,
+        call: Executable | _Padded,
+        outputs: list[tuple[int, Any]],
+        bindings: dict[sympy.Symbol, int],
+        number_symbols: dict[sympy.Symbol, int],
+    ) -> None:
+        def per_call(val: Any) -> bool:
+            return isinstance(val, torch.SymInt) and not val.node.expr.free_symbols.isdisjoint(number_symbols)
+
+        resolve = _resolver(bindings)
+        self.call, self.bindings, self.number_symbols = call, bindings, number_symbols
+        self.numbers = [(i, resolve(val)) for i, val in outputs if not per_call(val)]
+        self.per_call = [(i, val) for i, val in outputs if per_call(val)]
 
     def __call__(self, args: list[Any]) -> tuple[Any, ...]:
+        now = {sym: int(args[i]) for sym, i in self.number_symbols.items()} if self.per_call else {}
         outs = list(self.call(args))
         for i, value in self.numbers:
             outs[i] = value
+        if self.per_call:
+            resolve = _resolver({**self.bindings, **now})
+            for i, val in self.per_call:
+                outs[i] = resolve(val)
         return tuple(outs)
 
