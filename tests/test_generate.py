@@ -20,6 +20,11 @@ def tiny(kind: str) -> transformers.PreTrainedModel:
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()
     if kind == "mistral":
         return transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=12, **common)).eval()
+    if kind == "gemma3":
+        config = transformers.Gemma3TextConfig(
+            sliding_window=12, head_dim=16, layer_types=["sliding_attention", "full_attention"], **common
+        )
+        return transformers.Gemma3ForCausalLM(config).eval()
     return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=16, **common)).eval()
 
 
@@ -361,3 +366,19 @@ def test_a_sliding_window_decode_matches_eager_and_stops_compiling_once_the_wind
     # Prompt, first step, second length exact, padded to 16 (past lengths 9-10), 11 exact (the
     # cache's suffix no longer holds every entry), then the full window's two graphs.
     assert tpu_dynamo.stats()["compiles"] == 7
+
+
+def test_a_hybrid_decode_pads_its_growing_cache_and_keeps_the_full_window_exact(caplog):
+    """Gemma 3 alternates sliding-window and full-attention layers. Once the window is full, the
+    step's full-attention cache grows while the sliding one stays at its window; Dynamo traced
+    the latter's values with a symbolic length too, and padding it would misalign them with its
+    static keys, so the graph as a whole cannot be padded. Its growing sizes can: the steady
+    ones are fixed (kept exact) and the rest pad like any decode step (40 compiles for these 40
+    tokens before, one per step)."""
+    model = tiny("gemma3")
+    expected = generate(model, IDS, 40)
+    model.forward = compile_tpu(model.forward)
+    with caplog.at_level("INFO", logger="tpu_dynamo"):
+        assert torch.equal(generate(model, IDS, 40), expected)
+    assert "sizes [11] stay exact" in caplog.text
+    assert tpu_dynamo.stats()["compiles"] == 10

@@ -5,7 +5,7 @@
 
 use std::fmt;
 
-use crate::ir::{Arg, Graph, GraphWithSources, Node, SymExpr, SymSlot, SymbolicGraph, TensorType};
+use crate::ir::{Arg, Graph, GraphWithSources, Node, SymExpr, SymSize, SymSlot, SymbolicGraph, TensorType};
 
 /// Why a symbolic graph cannot be specialized (or, from [`SymbolicGraph::check`], ever).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -80,6 +80,25 @@ impl SymExpr {
                 b.checked_pow(*e)
                     .ok_or_else(|| SpecializeError(format!("overflow in {self:?} at {b}")))
             }
+        }
+    }
+
+    /// The expression with the symbols that `values` binds replaced by their values.
+    fn substitute(&self, values: &[Option<i64>]) -> SymExpr {
+        let all = |xs: &[SymExpr]| xs.iter().map(|x| x.substitute(values)).collect();
+        match self {
+            SymExpr::Sym(k) => match values.get(*k as usize) {
+                Some(Some(v)) => SymExpr::Const(*v),
+                _ => SymExpr::Sym(*k),
+            },
+            SymExpr::Const(c) => SymExpr::Const(*c),
+            SymExpr::Add(xs) => SymExpr::Add(all(xs)),
+            SymExpr::Mul(xs) => SymExpr::Mul(all(xs)),
+            SymExpr::Max(xs) => SymExpr::Max(all(xs)),
+            SymExpr::Min(xs) => SymExpr::Min(all(xs)),
+            SymExpr::FloorDiv(a, b) => SymExpr::FloorDiv(Box::new(a.substitute(values)), Box::new(b.substitute(values))),
+            SymExpr::Mod(a, b) => SymExpr::Mod(Box::new(a.substitute(values)), Box::new(b.substitute(values))),
+            SymExpr::Pow(a, e) => SymExpr::Pow(Box::new(a.substitute(values)), *e),
         }
     }
 
@@ -232,6 +251,35 @@ impl SymbolicGraph {
             }
         }
         Ok(symbols)
+    }
+
+    /// This graph with the symbols `values` binds (`(symbol, value)`) fixed: every size that
+    /// then mentions no other symbol written in as a static one. Lets padding leave some sizes
+    /// exact (a cache that stopped growing) while it pads the others.
+    pub fn fix(&self, values: &[(u32, i64)]) -> R<SymbolicGraph> {
+        let mut bound = vec![];
+        for &(k, v) in values {
+            if bound.len() <= k as usize {
+                bound.resize(k as usize + 1, None);
+            }
+            bound[k as usize] = Some(v);
+        }
+        let (mut fixed, mut kept) = (vec![], vec![]);
+        for s in &self.sizes {
+            let expr = s.expr.substitute(&bound);
+            let mut syms = vec![];
+            expr.symbols(&mut syms);
+            if syms.is_empty() {
+                fixed.push((SymSize { at: s.at.clone(), expr: s.expr.clone() }, expr.eval(&bound)?));
+            } else {
+                kept.push(SymSize { at: s.at.clone(), expr });
+            }
+        }
+        let mut graph = self.graph.clone();
+        let (sizes, values): (Vec<SymSize>, Vec<i64>) = fixed.into_iter().unzip();
+        SymbolicGraph { graph: GraphWithSources::default(), sizes, scalars: vec![] }.write(&mut graph.graph, &values)?;
+        let scalars = self.scalars.iter().map(|e| e.substitute(&bound)).collect();
+        Ok(SymbolicGraph { graph, sizes: kept, scalars })
     }
 
     /// The concrete graph for a call with these input shapes and scalars. Static input

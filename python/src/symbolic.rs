@@ -41,9 +41,27 @@ impl SymbolicGraph {
             .map_err(|e| value_err(format!("tpu_dynamo: malformed symbolic graph IR JSON: {e}")))?;
         ir.check().map_err(value_err)?;
         STATS.symbolic_graphs.fetch_add(1, Relaxed);
-        let graph_hash = ir.hash().to_hex().to_string();
-        let number_scalars = ir.number_scalars();
-        Ok(SymbolicGraph { ir, graph_hash, plan: OnceLock::new(), number_scalars })
+        Ok(SymbolicGraph::of(ir))
+    }
+
+    /// Per graph input, its `(dimension, symbol)` pairs: the sizes a call binds.
+    #[getter]
+    fn input_symbols(&self) -> Vec<Vec<(u32, u32)>> {
+        let mut out = vec![vec![]; self.ir.graph.graph.inputs.len()];
+        for s in &self.ir.sizes {
+            if let (ir::SymSlot::Dim { value, dim }, ir::SymExpr::Sym(k)) = (&s.at, &s.expr) {
+                if let Some(pairs) = out.get_mut(*value as usize) {
+                    pairs.push((*dim, *k));
+                }
+            }
+        }
+        out
+    }
+
+    /// This graph with the symbols of `values` (`(symbol, value)`) fixed, as static sizes: its
+    /// own padding plan pads only the others.
+    fn fix(&self, values: Vec<(u32, i64)>) -> PyResult<SymbolicGraph> {
+        Ok(SymbolicGraph::of(self.ir.fix(&values).map_err(value_err)?))
     }
 
     /// How to run on inputs padded along the symbolic dimensions (buckets): per input its
@@ -91,6 +109,12 @@ impl SymbolicGraph {
 }
 
 impl SymbolicGraph {
+    fn of(ir: ir::SymbolicGraph) -> SymbolicGraph {
+        let graph_hash = ir.hash().to_hex().to_string();
+        let number_scalars = ir.number_scalars();
+        SymbolicGraph { ir, graph_hash, plan: OnceLock::new(), number_scalars }
+    }
+
     fn plan(&self) -> PyResult<&PaddingPlan> {
         self.plan.get_or_init(|| self.ir.padding_plan()).as_ref().map_err(|e| PyValueError::new_err(e.clone()))
     }

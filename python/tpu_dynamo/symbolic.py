@@ -141,8 +141,12 @@ class PerShape:
         # Symbol -> the argument carrying it, for the numbers read at run time.
         self.number_symbols = {self.placeholders[i].meta["val"].node.expr: i for i in self.number_args}
         self.plan: _Plan | None = None
+        # The graph `plan` is for, and the sizes it keeps exact (symbol -> value): this graph
+        # with those fixed when only the others can be padded (`_adopt_padding`).
+        self.padded_graph = self.symbolic
+        self.fixed: dict[int, int] = {}
         self.buckets: Buckets | PowersOfTwo | None = options.buckets
-        # The last new signature's true sizes, to tell a decode step (`_feeds_back`).
+        # The last new signature's sizes (symbol -> size), to tell a decode step.
         self.last_sizes: dict[int, int] | None = None
         if options.buckets is not None:
             self.plan, why = self._padding
@@ -155,13 +159,8 @@ class PerShape:
         signature = tuple(args[i].shape if isinstance(args[i], torch.Tensor) else args[i] for i in self.varying)
         exe = self.compiled.get(signature)
         if exe is None:
-            if self.plan is None and self.options.buckets is None and self._feeds_back(args):
-                self.plan, self.buckets = self._padding[0], PowersOfTwo()
-                debug.log.info(
-                    "%s: called on its own grown outputs (a dynamic cache's decode step): padding sizes to "
-                    "the next power of two from now on, one executable per doubling",
-                    self.name,
-                )
+            if self.plan is None:
+                self._adopt_padding(args)
             start = time.perf_counter()
             exe = self._compile(args)
             if self.number_outputs:
@@ -172,18 +171,48 @@ class PerShape:
                 self._sizes_keep_changing()
         return exe(args)
 
-    def _feeds_back(self, args: list[Any]) -> bool:
-        """Whether this call's sizes are the last new call's grown outputs fed back in: a
-        dynamic cache's decode step, where every call is a new length and exact shapes would
-        compile on every step. Proven safe to pad, such a graph pads to powers of two at once
-        rather than after SIZES_BEFORE_WARNING exact sizes."""
-        plan = self._padding[0]
-        if plan is None:
-            return False
-        grown = {(sym, plus) for cuts in plan.outputs for _, sym, plus in cuts if plus > 0}
-        sizes = _true_sizes(plan, self.converted.tensor_args, args)
+    def _adopt_padding(self, args: list[Any]) -> None:
+        """Starts padding from this new signature on where that is proven safe, either for the
+        whole graph or, when only the sizes that changed since the last new signature can be
+        padded, with the others kept exact (a hybrid model's sliding-window cache, full and of
+        constant length, beside a full-attention cache that grows). With bucket options it pads
+        to them; without, only a graph called on its own grown outputs (a dynamic cache's decode
+        step, where every call is a new length and exact shapes compile on every step) pads to
+        powers of two, at once rather than after SIZES_BEFORE_WARNING exact sizes."""
+        if self.symbolic is None:
+            return
+        sizes = self._symbol_sizes(args)
         last, self.last_sizes = self.last_sizes, sizes
-        return bool(grown) and last is not None and all(sizes[sym] == last[sym] + plus for sym, plus in grown)
+        if last is None:
+            return
+        graph, (plan, _) = self.symbolic, self._padding
+        steady = {}
+        if plan is None:
+            steady = {k: v for k, v in sizes.items() if last.get(k) == v}
+            if not steady or len(steady) == len(sizes):
+                return
+            try:
+                graph = self.symbolic.fix(list(steady.items()))
+                plan = _Plan(*graph.padding_plan())
+            except ValueError:
+                return
+        if self.options.buckets is None:
+            grown = {(sym, plus) for cuts in plan.outputs for _, sym, plus in cuts if plus > 0}
+            if not grown or any(sizes[sym] != last[sym] + plus for sym, plus in grown):
+                return
+            self.buckets = PowersOfTwo()
+            how = "called on its own grown outputs (a dynamic cache's decode step): padding sizes to the next power of two from now on, one executable per doubling"
+        else:
+            how = f"buckets: padding symbolic sizes to multiples of {self.options.buckets.size}"
+        debug.log.info("%s: %s%s", self.name, how, f"; sizes {sorted(steady.values())} stay exact" if steady else "")
+        self.plan, self.padded_graph, self.fixed = plan, graph, steady
+
+    def _symbol_sizes(self, args: list[Any]) -> dict[int, int]:
+        """Each size symbol's value in this call (those of the tensor inputs' dimensions)."""
+        assert self.symbolic is not None
+        tensor_args = self.converted.tensor_args
+        pairs = self.symbolic.input_symbols[: len(tensor_args)]
+        return {sym: args[tensor_args[i]].shape[d] for i, dims in enumerate(pairs) for d, sym in dims}
 
     def _sizes_keep_changing(self) -> None:
         """Each new size is an XLA compile; a workload whose sizes never repeat (a dynamic-cache
@@ -222,7 +251,8 @@ class PerShape:
     def _compile(self, args: list[Any]) -> Executable | _Padded:
         if self.plan is not None:
             true = _true_sizes(self.plan, self.converted.tensor_args, args)
-            if self.plan.holds(true):
+            fixed = not self.fixed or all(self._symbol_sizes(args)[k] == v for k, v in self.fixed.items())
+            if fixed and self.plan.holds(true):
                 return self._bucketed(args, true)
             debug.log.info("%s: buckets: sizes differ from what the padding assumes; compiling exact shapes", self.name)
         if self.symbolic is None:
@@ -237,15 +267,24 @@ class PerShape:
         the executable (0 stands for any)."""
         return [0 if i in self.number_args else int(args[i]) for i in self.converted.scalar_args]
 
-    def _specialize(self, shapes: list[list[int]], scalars: list[int], n_args: int = 0, n_lengths: int = 0) -> Executable:
-        """The executable for these shapes. Padded with `n_lengths` true sizes read at run time,
-        the caller appends those to its `n_args` arguments; in the IR they precede the constants."""
+    def _specialize(
+        self,
+        shapes: list[list[int]],
+        scalars: list[int],
+        n_args: int = 0,
+        n_lengths: int = 0,
+        graph: _native.SymbolicGraph | None = None,
+    ) -> Executable:
+        """The executable for these shapes (of `graph`, by default this symbolic graph). Padded
+        with `n_lengths` true sizes read at run time, the caller appends those to its `n_args`
+        arguments; in the IR they precede the constants."""
         start = time.perf_counter()
-        assert self.symbolic is not None
+        graph = graph or self.symbolic
+        assert graph is not None
         c = self.converted
         at = len(c.tensor_args)
         numbers = len(self.number_args)
-        native = self.symbolic.specialize(
+        native = graph.specialize(
             shapes,
             scalars,
             at if n_lengths else None,
@@ -288,7 +327,7 @@ class PerShape:
         key = (tuple(map(tuple, shapes)), tuple(scalars))
         exe = self.padded.get(key)
         if exe is None:
-            exe = self.padded[key] = self._specialize(shapes, scalars, len(args), len(plan.runtime))
+            exe = self.padded[key] = self._specialize(shapes, scalars, len(args), len(plan.runtime), self.padded_graph)
         scalar_pads = [(i, padded[sym]) for i, sym in zip(c.scalar_args, plan.scalars) if sym is not None]
         cut = {}
         for o in set(c.outputs) - {None}:
