@@ -426,6 +426,26 @@ mod tests {
     }
 
     #[test]
+    fn fixing_a_symbol_writes_its_sizes_in() {
+        let fixed = example().fix(&[(0, 5)]).unwrap();
+        assert!(fixed.sizes.is_empty());
+        assert_eq!(fixed.scalars, vec![c(5)]);
+        let g = &fixed.graph.graph;
+        assert_eq!(g.inputs[0].ty.shape, vec![2, 5]);
+        assert_eq!(g.nodes[1].args[0], Arg::Int(6));
+        // Specialized, it is the graph those sizes make; another value is a contradiction.
+        assert_eq!(fixed.specialize(&[vec![2, 5]], &[5]).unwrap().graph, example().specialize(&[vec![2, 5]], &[5]).unwrap().graph);
+        assert!(fixed.specialize(&[vec![2, 6]], &[6]).is_err());
+        // Sizes that mention a symbol still free keep it, with the fixed ones as constants.
+        let mut two = example();
+        two.sizes.push(dim(2, 0, SymExpr::Add(vec![sym(0), sym(1)])));
+        two.scalars.push(sym(1));
+        let partly = two.fix(&[(1, 3)]).unwrap();
+        assert_eq!(partly.sizes.last().unwrap().expr, SymExpr::Add(vec![sym(0), c(3)]));
+        assert_eq!(partly.scalars, vec![sym(0), c(3)]);
+    }
+
+    #[test]
     fn rejects_calls_that_contradict_the_graph() {
         let g = example();
         let msg =
