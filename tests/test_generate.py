@@ -358,7 +358,7 @@ def test_a_sliding_window_decode_matches_eager_and_stops_compiling_once_the_wind
     its last 11 entries: a suffix of the padded cache, all of it while the true length fits).
     Once it is full, shapes stop changing but the count keeps growing; it only enters the
     positions and the mask's offset, so the executable reads it at run time instead of
-    compiling for each value (23 compiles for these 24 tokens before, one per step)."""
+    compiling for each value (before, every step was a compile)."""
     model = tiny("mistral")
     expected = generate(model, IDS, 24)
     model.forward = compile_tpu(model.forward)
