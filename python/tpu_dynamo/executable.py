@@ -82,7 +82,10 @@ class Executable:
             list(given.items()),
             list(cut.items()),
             [h or o in cut for o, h in enumerate(self.exact.handed)],
-            [math.prod(cut[o]) * d.itemsize if o in cut else n for o, ((d, _), n) in enumerate(zip(self.out_types, self.out_nbytes))],
+            [
+                math.prod(cut[o]) * dtype.itemsize if o in cut else n
+                for o, ((dtype, _), n) in enumerate(zip(self.out_types, self.out_nbytes))
+            ],
         )
 
     def _host_inputs(
@@ -114,14 +117,14 @@ class Executable:
         args.clear()  # boxed convention: let AOTAutograd's caller free inputs early
         s = self.exact if sizes is None else sizes
         outs: list[Any] = [
-            None if handed else torch.empty(shape, dtype=dtype) for handed, (dtype, shape) in zip(s.handed, self.out_types)
+            None if handed else torch.empty(shape, dtype=dtype)
+            for handed, (dtype, shape) in zip(s.handed, self.out_types)
         ]
         for i, o in self.mutations:
             outs[o] = held[i]
         movable = [i for i, _ in self.mutations if held[i] is tensors[i] and _movable(tensors[i])]
-        in_place, handed = self.native.run(
-            held, ins, [(0 if o is None else o.data_ptr(), n) for o, n in zip(outs, s.out_nbytes)], movable, s.given, s.cut
-        )
+        out_memory = [(0 if o is None else o.data_ptr(), n) for o, n in zip(outs, s.out_nbytes)]
+        in_place, handed = self.native.run(held, ins, out_memory, movable, s.given, s.cut)
         for o, capsule in handed:
             outs[o] = torch.from_dlpack(capsule)
         if self.mutations:

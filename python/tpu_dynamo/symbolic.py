@@ -201,7 +201,10 @@ class PerShape:
             if not grown or any(sizes[sym] != last[sym] + plus for sym, plus in grown):
                 return
             self.buckets = PowersOfTwo()
-            how = "called on its own grown outputs (a dynamic cache's decode step): padding sizes to the next power of two from now on, one executable per doubling"
+            how = (
+                "called on its own grown outputs (a dynamic cache's decode step): padding sizes to the next "
+                "power of two from now on, one executable per doubling"
+            )
         else:
             how = f"buckets: padding symbolic sizes to multiples of {self.options.buckets.size}"
         debug.log.info("%s: %s%s", self.name, how, f"; sizes {sorted(steady.values())} stay exact" if steady else "")
