@@ -20,6 +20,8 @@ def tiny(kind: str) -> transformers.PreTrainedModel:
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()
     if kind == "mistral":
         return transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=12, **common)).eval()
+    if kind == "gemma2":
+        return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(sliding_window=12, head_dim=16, **common)).eval()
     if kind == "gemma3":
         config = transformers.Gemma3TextConfig(
             sliding_window=12, head_dim=16, layer_types=["sliding_attention", "full_attention"], **common
@@ -310,6 +312,33 @@ def test_padded_keys_are_hidden_even_where_padding_turns_non_finite():
     assert tpu_dynamo.stats()["compiles"] == 1
 
 
+def test_eager_attention_over_padded_keys_hides_them_in_its_softmax_and_product():
+    """Attention written out (Gemma 2's eager path: scores, soft-capping, softmax, probabilities
+    times values) over keys padded to a bucket whose padding turns non-finite (log and
+    reciprocal of zeros): the softmax hides positions past the true count (-inf) and the
+    product zeroes both operands there, so neither the padding's values nor its infinities
+    reach a true position."""
+
+    def f(q, k, v, new):
+        k = torch.cat([k, new], 2).log()
+        v = 1 / torch.cat([v, new], 2)
+        scores = torch.tanh(q @ k.transpose(-1, -2) / 5) * 5
+        return torch.softmax(scores, -1) @ v, k
+
+    run = compile_tpu(f, options={"bucket_size": 8})
+    for s in (3, 5, 6, 7, 9):
+        q = torch.randn(1, 2, 1, 4)
+        k, v = torch.rand(1, 2, s, 4) + 0.5, torch.rand(1, 2, s, 4) + 0.5
+        new = torch.rand(1, 2, 1, 4) + 0.5
+        for t in (k, v):
+            torch._dynamo.mark_dynamic(t, 2)
+        for g, w in zip(run(q, k, v, new), f(q, k, v, new)):
+            assert g.shape == w.shape
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    # 3-7 share the bucket of 8 (keys 4-8), 9 that of 16.
+    assert tpu_dynamo.stats()["compiles"] == 2
+
+
 def test_a_padded_mask_gathered_at_key_positions_hides_its_padding():
     """A padding mask gathered at the keys' positions (how transformers builds the mask of a
     batched decode step): its padding reads past the mask's true length and turns into +inf
@@ -382,3 +411,14 @@ def test_a_hybrid_decode_pads_its_growing_cache_and_keeps_the_full_window_exact(
         assert torch.equal(generate(model, IDS, 40), expected)
     assert "sizes [11] stay exact" in caplog.text
     assert tpu_dynamo.stats()["compiles"] == 10
+
+
+def test_a_soft_capped_eager_attention_decode_pads_its_steps():
+    """Gemma 2 attends eagerly (its logit soft-capping has no fused kernel): a softmax and a
+    product over the padded keys, hidden at run time, so its dynamic-cache decode pads like the
+    others (one compile per step before)."""
+    model = tiny("gemma2")
+    expected = generate_with_logits(model, IDS, 24)
+    model.forward = compile_tpu(model.forward)
+    assert_same_generation(generate_with_logits(model, IDS, 24), expected)
+    assert tpu_dynamo.stats()["compiles"] == 9

@@ -92,7 +92,9 @@ pub enum Rewrite {
     /// A `cat` whose first part is padded along the cat dimension: the other parts are written
     /// at the first part's true size.
     AppendAt { node: u32, sym: u32 },
-    /// Attention whose keys are padded: keys at or past the true size + `by` are hidden.
+    /// Attention whose keys are padded: keys at or past the true size + `by` are hidden. Also
+    /// eager attention's parts: a softmax over padded keys (hidden as -inf) and a product that
+    /// contracts over them (both operands zeroed there).
     HideKeys { node: u32, sym: u32, by: i64 },
     /// A size used as a value by a pointwise op (argument `arg`, positional then keyword): the
     /// op reads the true size instead of the padded one.
@@ -464,12 +466,17 @@ impl<'a> Walk<'a> {
             | "aten.softmax.int"
             | "aten.log_softmax.int"
             | "aten._safe_softmax.default" => {
-                let x = x()?;
+                let x = x()?.to_vec();
                 let d = norm(int_list(arg(node, 1, "dim")).ok_or("dim")?[0], x.len())?;
                 if x[d].is_padded() {
-                    return Err("normalizes over a padded dimension".into());
+                    // Eager attention's softmax over padded keys: positions past the true count
+                    // are hidden (-inf, so their probabilities are 0), as attention hides them.
+                    match x[d].valid() {
+                        Some((sym, by)) if !op.contains("log_softmax") => self.rewrites.push(Rewrite::HideKeys { node: j, sym, by }),
+                        _ => return Err("normalizes over a padded dimension".into()),
+                    }
                 }
-                same(x)
+                Ok(vec![x; n_out])
             }
             "aten.cumsum.default" | "aten.cummax.default" | "aten.cummin.default" => same(x()?),
             "aten.native_layer_norm.default" => {
@@ -484,11 +491,21 @@ impl<'a> Walk<'a> {
             }
             "aten.mm.default" | "aten.addmm.default" | "aten.bmm.default" | "aten.baddbmm.default" => {
                 let (ai, bi) = if op.contains("add") { (1, 2) } else { (0, 1) };
-                let a = self.value(node.args.get(ai))?;
-                let b = self.value(node.args.get(bi))?;
+                let a = self.value(node.args.get(ai))?.to_vec();
+                let b = self.value(node.args.get(bi))?.to_vec();
                 let r = a.len();
                 if a[r - 1].is_padded() || b[r - 2].is_padded() {
-                    return Err("contracts over a padded dimension".into());
+                    // Eager attention's probabilities times values over padded keys: both
+                    // operands are zeroed past the true count, so padding adds nothing.
+                    match (a[r - 1].valid(), b[r - 2].valid()) {
+                        (Some((sa, by)), Some((sb, by_b))) if by == by_b && !op.contains("add") => {
+                            if sa != sb {
+                                self.equal.push((sa, sb));
+                            }
+                            self.rewrites.push(Rewrite::HideKeys { node: j, sym: sa, by });
+                        }
+                        _ => return Err("contracts over a padded dimension".into()),
+                    }
                 }
                 if r == 3 && a[0] != b[0] && (a[0].is_padded() || b[0].is_padded()) {
                     return Err("batch dimensions are padded differently".into());
@@ -1093,6 +1110,30 @@ mod tests {
         let mut short = g.clone();
         short.graph.graph.nodes[1].args[3] = Arg::Int(-1);
         assert!(short.padding_plan().unwrap_err().contains("other than as a prefix"));
+    }
+
+    #[test]
+    fn a_softmax_and_a_product_over_padded_keys_hide_them() {
+        // softmax(x, 1) @ v, x: [2, s], v: [s, 3]: eager attention's probabilities times values.
+        let attention = |softmax: &str| {
+            graph(
+                vec![vec![2, 0], vec![0, 3]],
+                vec![
+                    (softmax, vec![Arg::Value(0), Arg::Int(1), Arg::Bool(false)], vec![2, 0]),
+                    ("aten.mm.default", vec![Arg::Value(2), Arg::Value(1)], vec![2, 3]),
+                ],
+                vec![(dim(0, 1), S), (dim(1, 0), S), (dim(2, 1), S)],
+            )
+        };
+        let plan = attention("aten._softmax.default").padding_plan().unwrap();
+        assert_eq!(
+            plan.rewrites,
+            vec![Rewrite::HideKeys { node: 0, sym: 0, by: 0 }, Rewrite::HideKeys { node: 1, sym: 0, by: 0 }]
+        );
+        assert_eq!(plan.outputs, vec![vec![]]);
+        // A log-softmax's padding would be -inf, not 0: refused.
+        let log = attention("aten._log_softmax.default").padding_plan().unwrap_err();
+        assert!(log.contains("normalizes over a padded dimension"));
     }
 
     const SDPA: &str = "aten._scaled_dot_product_flash_attention_for_cpu.default";

@@ -124,6 +124,17 @@ fn flash_attention_for_cpu(n: NodeCtx<'_>) -> Res<'_> {
     ])
 }
 
+/// `x` with its positions along `dim` at or past the keys' count set to `fill`, when the graph
+/// runs padded to a bucket and they are padded keys (see `crate::padding`); `x` otherwise.
+pub(crate) fn hide_padded_keys<'a>(n: &NodeCtx<'a>, x: Val<'a>, dim: usize, fill: f64) -> R<Val<'a>> {
+    let Some(visible) = keys_visible(n, x.shape()[dim])? else {
+        return Ok(x);
+    };
+    let b = &n.b;
+    let visible = b.broadcast_in_dim(&visible, x.shape(), &[dim])?;
+    b.select(&visible, &x, &b.splat(Scalar::Float(fill), &x.ty)?)
+}
+
 /// `[S]`, true for the keys below the count read at run time, when the graph runs padded to a
 /// bucket and its keys are padded (see `crate::padding`); None otherwise.
 fn keys_visible<'a>(n: &NodeCtx<'a>, len_kv: i64) -> R<Option<Val<'a>>> {

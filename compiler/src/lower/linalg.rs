@@ -5,6 +5,7 @@ use super::builder::{
     broadcast_shapes, i64_array, norm_dim, opmath, padding_attr, Builder, Combiner, Scalar, Val, R,
 };
 use super::reduction::sum_to;
+use super::attention::hide_padded_keys;
 use super::{NodeCtx, Registry, Res};
 use crate::ir::{DType, TensorType};
 
@@ -93,6 +94,8 @@ fn matmul(n: NodeCtx<'_>) -> Res<'_> {
     } else {
         let batch: &[i64] = if a.rank() == 3 { &[0] } else { &[] };
         let k = a.rank() as i64 - 1;
+        let a = hide_padded_keys(&n, a, k as usize, 0.0)?;
+        let b = hide_padded_keys(&n, b, k as usize - 1, 0.0)?;
         bd.dot_general(&a, &b, (batch, batch), (&[k], &[k - 1]), opmath(out))?
     };
     if !fused {

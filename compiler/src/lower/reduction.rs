@@ -7,6 +7,7 @@ use super::builder::{
     inverse_perm, keep_dims_shape, norm_dim, norm_dims, opmath, type_str, Builder, Combiner,
     Scalar, Val, R,
 };
+use super::attention::hide_padded_keys;
 use super::{NodeCtx, Registry, Res};
 use crate::ir::{DType, TensorType};
 
@@ -194,7 +195,8 @@ fn softmax(n: NodeCtx<'_>) -> Res<'_> {
     };
     let safe = n.op == "aten._safe_softmax.default";
     let b = &n.b;
-    let rows = exponentials(b, &b.convert(&x, opmath(out))?, dim, safe)?;
+    let x = hide_padded_keys(&n, b.convert(&x, opmath(out))?, dim, f64::NEG_INFINITY)?;
+    let rows = exponentials(b, &x, dim, safe)?;
     let y = if n.op.contains("log_softmax") {
         b.sub(&rows.shifted, &b.unary("log", &rows.total)?)?
     } else {
