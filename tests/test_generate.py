@@ -290,40 +290,26 @@ def test_buckets_pad_a_causal_prefill():
     assert tpu_dynamo.stats()["compiles"] == 1
 
 
-def test_padded_keys_are_hidden_even_where_padding_turns_non_finite():
+def sdpa(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+def eager_soft_capped(q, k, v):
+    """Gemma 2's eager attention: scores, soft-capping, softmax, probabilities times values."""
+    return torch.softmax(torch.tanh(q @ k.transpose(-1, -2) / 5) * 5, -1) @ v
+
+
+@pytest.mark.parametrize("attend", [sdpa, eager_soft_capped])
+def test_padded_keys_are_hidden_even_where_padding_turns_non_finite(attend):
     """Attention over keys padded to a bucket, whose padding becomes -inf keys and inf values
-    (log and reciprocal of the zero padding): masked out, not multiplied by a zero weight."""
+    (log and reciprocal of the zero padding): masked out, not multiplied by a zero weight. Written
+    out, the softmax hides positions past the true count (-inf) and the product zeroes both
+    operands there."""
 
     def f(q, k, v, new):
         k = torch.cat([k, new], 2).log()
         v = 1 / torch.cat([v, new], 2)
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v), k, v
-
-    run = compile_tpu(f, options={"bucket_size": 8})
-    for s in (3, 5, 6, 7):
-        q = torch.randn(1, 2, 1, 4)
-        k, v = torch.rand(1, 2, s, 4) + 0.5, torch.rand(1, 2, s, 4) + 0.5
-        new = torch.rand(1, 2, 1, 4) + 0.5
-        for t in (k, v):
-            torch._dynamo.mark_dynamic(t, 2)
-        for g, w in zip(run(q, k, v, new), f(q, k, v, new)):
-            assert g.shape == w.shape
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
-    assert tpu_dynamo.stats()["compiles"] == 1
-
-
-def test_eager_attention_over_padded_keys_hides_them_in_its_softmax_and_product():
-    """Attention written out (Gemma 2's eager path: scores, soft-capping, softmax, probabilities
-    times values) over keys padded to a bucket whose padding turns non-finite (log and
-    reciprocal of zeros): the softmax hides positions past the true count (-inf) and the
-    product zeroes both operands there, so neither the padding's values nor its infinities
-    reach a true position."""
-
-    def f(q, k, v, new):
-        k = torch.cat([k, new], 2).log()
-        v = 1 / torch.cat([v, new], 2)
-        scores = torch.tanh(q @ k.transpose(-1, -2) / 5) * 5
-        return torch.softmax(scores, -1) @ v, k
+        return attend(q, k, v), k, v
 
     run = compile_tpu(f, options={"bucket_size": 8})
     for s in (3, 5, 6, 7, 9):
