@@ -104,6 +104,12 @@ class SymbolicGraph:
     def graph_hash(self) -> str:
         """blake3 of the symbolic IR without source lines; equal across processes."""
     @property
+    def input_symbols(self) -> list[list[tuple[int, int]]]:
+        """Per graph input, its `(dimension, symbol)` pairs: the sizes a call binds."""
+    def fix(self, values: Sequence[tuple[int, int]]) -> SymbolicGraph:
+        """This graph with the symbols of `values` (`(symbol, value)`) written in as static
+        sizes: its own padding plan pads only the others."""
+    @property
     def number_scalars(self) -> list[int]:
         """The scalars (positions among them) used only as numbers, which the executable can
         read at run time (`numbers_at`) instead of having their values written in."""
