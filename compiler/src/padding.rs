@@ -16,13 +16,16 @@
 //! extra 0-d input per such symbol; see [`PaddingPlan::runtime`]): a `cat` that appends to a
 //! padded dimension (a dynamic cache's `past ++ new` along the sequence) writes the new entries
 //! at the true size instead of after the padding, attention over padded keys hides the keys
-//! at or past their true count, and a size that arithmetic or a comparison uses as a number
+//! at or past their true count (written out: a softmax hides them as -inf, a product over them
+//! zeroes both operands there), and a size that arithmetic or a comparison uses as a number
 //! reads the true size. A cat's result is *grown*: `S + k` long, its first `s + k` positions
 //! exact. That is what lets one executable serve every step of a dynamic-cache decode.
 //!
 //! A batched decode's mask also gathers the attention mask (padded along its own symbol) at the
 //! key positions: safe when the gathered positions count along an exact prefix, which the plan
-//! then assumes the table covers ([`PaddingPlan::at_least`], checked per call).
+//! then assumes the table covers ([`PaddingPlan::at_least`], checked per call). A sliding-window
+//! cache keeps a suffix of its grown cache, which is every exact position while the true length
+//! fits the window ([`PaddingPlan::at_most`], checked per call).
 
 use std::collections::HashMap;
 
