@@ -100,9 +100,7 @@ impl Emitter<'_> {
 
 /// Whether `e` mentions one of the run-time symbols.
 fn mentions(e: &SymExpr, inputs: &[(u32, u32)]) -> bool {
-    let mut syms = vec![];
-    e.symbols(&mut syms);
-    syms.iter().any(|k| inputs.iter().any(|(s, _)| s == k))
+    e.mentions(|k| inputs.iter().any(|&(s, _)| s == k))
 }
 
 impl SymbolicGraph {
@@ -113,11 +111,7 @@ impl SymbolicGraph {
         let mut out = vec![];
         for (i, e) in self.scalars.iter().enumerate() {
             let SymExpr::Sym(k) = *e else { continue };
-            let mentions_k = |e: &SymExpr| {
-                let mut syms = vec![];
-                e.symbols(&mut syms);
-                syms.contains(&k)
-            };
+            let mentions_k = |e: &SymExpr| e.mentions(|s| s == k);
             let elsewhere = self.scalars.iter().enumerate().any(|(j, e)| j != i && mentions_k(e));
             let only_numbers = self.sizes.iter().filter(|s| mentions_k(&s.expr)).all(|s| match &s.at {
                 SymSlot::Arg { node, arg, path } => {

@@ -283,11 +283,9 @@ impl<'a> Walk<'a> {
         let mut values: Vec<_> = syms.iter().filter(|((i, _), _)| !size_roles.contains(i)).collect();
         values.sort_by_key(|((i, _), _)| *i);
         for (&(i, path), e) in values {
-            let mut syms = vec![];
-            e.symbols(&mut syms);
             match recorded(e) {
                 // A number no padded size depends on is passed as it is.
-                _ if syms.iter().all(|k| !self.padded.contains(k)) => {}
+                _ if !e.mentions(|k| self.padded.contains(&k)) => {}
                 Recorded::Scaled { sym, by: 1 } if i <= 1 && path.is_empty() && reads_tensor_operands(op) => {
                     self.rewrites.push(Rewrite::TrueSize { node: j, arg: i, sym })
                 }

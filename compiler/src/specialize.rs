@@ -102,6 +102,13 @@ impl SymExpr {
         }
     }
 
+    /// Whether the expression mentions a symbol `which` picks.
+    pub(crate) fn mentions(&self, which: impl Fn(u32) -> bool) -> bool {
+        let mut syms = vec![];
+        self.symbols(&mut syms);
+        syms.into_iter().any(which)
+    }
+
     /// Every symbol the expression mentions.
     pub(crate) fn symbols(&self, out: &mut Vec<u32>) {
         match self {
@@ -141,12 +148,40 @@ fn types_mut(g: &mut Graph) -> Vec<&mut TensorType> {
         .collect()
 }
 
+/// Writes `values[i]` at `sizes[i]`'s slot in `g`.
+fn write(g: &mut Graph, sizes: &[SymSize], values: &[i64]) -> R<()> {
+    let missing =
+        |slot: &SymSlot| SpecializeError(format!("{slot:?} is not an integer in the graph"));
+    let mut types = types_mut(g);
+    for (s, &v) in sizes.iter().zip(values) {
+        if let SymSlot::Dim { value, dim } = s.at {
+            let d = types
+                .get_mut(value as usize)
+                .and_then(|t| t.shape.get_mut(dim as usize));
+            *d.ok_or_else(|| missing(&s.at))? = v;
+        }
+    }
+    for (s, &v) in sizes.iter().zip(values) {
+        if let SymSlot::Arg { node, arg, path } = &s.at {
+            match g
+                .nodes
+                .get_mut(*node as usize)
+                .and_then(|n| arg_mut(n, *arg, path))
+            {
+                Some(Arg::Int(i)) => *i = v,
+                _ => return Err(missing(&s.at)),
+            }
+        }
+    }
+    Ok(())
+}
+
 impl SymbolicGraph {
     /// Checks once, at conversion, that every slot exists and every symbol can be bound by a
     /// call (appears bare in an input dimension or a scalar), so `specialize` fails only on a
     /// call whose inputs contradict the graph.
     pub fn check(&self) -> R<()> {
-        self.write(&mut self.graph.graph.clone(), &vec![0; self.sizes.len()])?;
+        write(&mut self.graph.graph.clone(), &self.sizes, &vec![0; self.sizes.len()])?;
         let n_inputs = self.graph.graph.inputs.len();
         let mut bindable = vec![];
         for s in &self.sizes {
@@ -167,34 +202,6 @@ impl SymbolicGraph {
             Some(k) => err(format!("symbol s{k} is not an input size or scalar (data-dependent sizes are not supported)")),
             None => Ok(()),
         }
-    }
-
-    /// Writes `values[i]` at `sizes[i]`'s slot in `g`.
-    fn write(&self, g: &mut Graph, values: &[i64]) -> R<()> {
-        let missing =
-            |slot: &SymSlot| SpecializeError(format!("{slot:?} is not an integer in the graph"));
-        let mut types = types_mut(g);
-        for (s, &v) in self.sizes.iter().zip(values) {
-            if let SymSlot::Dim { value, dim } = s.at {
-                let d = types
-                    .get_mut(value as usize)
-                    .and_then(|t| t.shape.get_mut(dim as usize));
-                *d.ok_or_else(|| missing(&s.at))? = v;
-            }
-        }
-        for (s, &v) in self.sizes.iter().zip(values) {
-            if let SymSlot::Arg { node, arg, path } = &s.at {
-                match g
-                    .nodes
-                    .get_mut(*node as usize)
-                    .and_then(|n| arg_mut(n, *arg, path))
-                {
-                    Some(Arg::Int(i)) => *i = v,
-                    _ => return Err(missing(&s.at)),
-                }
-            }
-        }
-        Ok(())
     }
 
     /// Each symbol's value for a call with these input shapes (one per graph input) and scalars.
@@ -267,17 +274,15 @@ impl SymbolicGraph {
         let (mut fixed, mut kept) = (vec![], vec![]);
         for s in &self.sizes {
             let expr = s.expr.substitute(&bound);
-            let mut syms = vec![];
-            expr.symbols(&mut syms);
-            if syms.is_empty() {
-                fixed.push((SymSize { at: s.at.clone(), expr: s.expr.clone() }, expr.eval(&bound)?));
-            } else {
+            if expr.mentions(|_| true) {
                 kept.push(SymSize { at: s.at.clone(), expr });
+            } else {
+                fixed.push((s.clone(), expr.eval(&bound)?));
             }
         }
         let mut graph = self.graph.clone();
         let (sizes, values): (Vec<SymSize>, Vec<i64>) = fixed.into_iter().unzip();
-        SymbolicGraph { graph: GraphWithSources::default(), sizes, scalars: vec![] }.write(&mut graph.graph, &values)?;
+        write(&mut graph.graph, &sizes, &values)?;
         let scalars = self.scalars.iter().map(|e| e.substitute(&bound)).collect();
         Ok(SymbolicGraph { graph, sizes: kept, scalars })
     }
@@ -292,7 +297,7 @@ impl SymbolicGraph {
             .map(|s| s.expr.eval(&symbols))
             .collect::<R<Vec<_>>>()?;
         let mut out = self.graph.clone();
-        self.write(&mut out.graph, &values)?;
+        write(&mut out.graph, &self.sizes, &values)?;
         for (i, (input, shape)) in out.graph.inputs.iter().zip(shapes).enumerate() {
             if &input.ty.shape != shape {
                 return err(format!(

@@ -212,10 +212,14 @@ class PerShape:
 
     def _symbol_sizes(self, args: list[Any]) -> dict[int, int]:
         """Each size symbol's value in this call (those of the tensor inputs' dimensions)."""
-        assert self.symbolic is not None
         tensor_args = self.converted.tensor_args
-        pairs = self.symbolic.input_symbols[: len(tensor_args)]
-        return {sym: args[tensor_args[i]].shape[d] for i, dims in enumerate(pairs) for d, sym in dims}
+        return {sym: args[tensor_args[i]].shape[d] for i, dims in enumerate(self._input_symbols) for d, sym in dims}
+
+    @functools.cached_property
+    def _input_symbols(self) -> list[list[tuple[int, int]]]:
+        """Per tensor input, its `(dimension, symbol)` pairs."""
+        assert self.symbolic is not None
+        return self.symbolic.input_symbols[: len(self.converted.tensor_args)]
 
     def _sizes_keep_changing(self) -> None:
         """Each new size is an XLA compile; a workload whose sizes never repeat (a dynamic-cache
