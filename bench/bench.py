@@ -104,12 +104,12 @@ def _compiled(case: Case, backend: str) -> Callable[[], Any]:
 
 
 @contextlib.contextmanager
-def _around_executables(around: Callable[[Callable[..., Any], Any, list[Any]], Any]) -> Iterator[None]:
-    """Routes every `Executable.__call__(self, args)` through `around(call, self, args)`."""
+def _around_executables(around: Callable[..., Any]) -> Iterator[None]:
+    """Routes every `Executable.__call__(self, args, *sizes)` through `around(call, self, args, *sizes)`."""
     from tpu_dynamo.executable import Executable
 
     call = Executable.__call__
-    Executable.__call__ = lambda self, args: around(call, self, args)  # type: ignore[method-assign]
+    Executable.__call__ = lambda self, args, *sizes: around(call, self, args, *sizes)  # type: ignore[method-assign]
     try:
         yield
     finally:
@@ -120,9 +120,9 @@ def recorded_executions(fn: Callable[[], Any]) -> list[tuple[Any, list[Any]]]:
     """Every (Executable, inputs) one call of `fn` runs, for timing their bare execute."""
     seen: list[tuple[Any, list[Any]]] = []
 
-    def recording(call: Callable[..., Any], self: Any, args: list[Any]) -> Any:
+    def recording(call: Callable[..., Any], self: Any, args: list[Any], *sizes: Any) -> Any:
         seen.append((self, list(args)))
-        return call(self, args)
+        return call(self, args, *sizes)
 
     with _around_executables(recording):
         fn()
@@ -142,10 +142,10 @@ def inside_ms(fn: Callable[[], Any], calls: int) -> float:
     wrapper spend around them. A separate pass, so the timed calls carry no instrumentation."""
     spent = [0.0]
 
-    def timed(call: Callable[..., Any], self: Any, args: list[Any]) -> Any:
+    def timed(call: Callable[..., Any], self: Any, args: list[Any], *sizes: Any) -> Any:
         start = time.perf_counter()
         try:
-            return call(self, args)
+            return call(self, args, *sizes)
         finally:
             spent[0] += time.perf_counter() - start
 
