@@ -116,12 +116,12 @@ def _around_executables(around: Callable[..., Any]) -> Iterator[None]:
         Executable.__call__ = call  # type: ignore[method-assign]
 
 
-def recorded_executions(fn: Callable[[], Any]) -> list[tuple[Any, list[Any]]]:
-    """Every (Executable, inputs) one call of `fn` runs, for timing their bare execute."""
-    seen: list[tuple[Any, list[Any]]] = []
+def recorded_executions(fn: Callable[[], Any]) -> list[tuple[Any, list[Any], tuple[Any, ...]]]:
+    """Every (Executable, inputs, sizes) one call of `fn` runs, for timing their bare execute."""
+    seen: list[tuple[Any, list[Any], tuple[Any, ...]]] = []
 
     def recording(call: Callable[..., Any], self: Any, args: list[Any], *sizes: Any) -> Any:
-        seen.append((self, list(args)))
+        seen.append((self, list(args), sizes))
         return call(self, args, *sizes)
 
     with _around_executables(recording):
@@ -192,9 +192,13 @@ def steady(name: str, device: str, dtype: torch.dtype, calls: int) -> dict[str, 
             row["mismatch"] = int((out != reference).sum())
         else:
             row["max_abs_diff"] = float((out - reference).abs().max())
-            row["inside_ms"] = inside_ms(tpu_fn, calls)
-            raw = [statistics.median(exe.bench_execute(args, calls)) for exe, args in recorded_executions(tpu_fn)]
-            row["raw_ms"] = sum(raw) * 1e3
+        # A decode's: every step of one generate() (per token in the table).
+        row["inside_ms"] = inside_ms(tpu_fn, calls)
+        raw = [
+            statistics.median(exe.bench_execute(args, calls, *sizes))
+            for exe, args, sizes in recorded_executions(tpu_fn)
+        ]
+        row["raw_ms"] = sum(raw) * 1e3
     return row
 
 
@@ -255,6 +259,10 @@ def _fmt(x: float | None, digits: int = 2, suffix: str = "") -> str:
     return "—" if x is None else f"{x:.{digits}f}{suffix}"
 
 
+def _per(ms: float | None, n: int) -> float | None:
+    return None if ms is None else ms / n
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a / b
 
@@ -276,8 +284,8 @@ def table(rows: list[dict[str, Any]], colds: dict[tuple[str, str], float]) -> st
         lines.append(
             f"| {r['model']}{unit} | {_fmt(r['eager_ms'] / per)} | {_fmt(r['inductor_ms'] / per)} "
             f"| {_fmt(r['tpu_ms'] / per)} | {_fmt(_ratio(r['tpu_ms'], r['inductor_ms']))} "
-            f"| {_fmt(_ratio(r['tpu_ms'], r['eager_ms']))} | {_fmt(r.get('raw_ms'), 3)} "
-            f"| {_fmt(_ratio(r['tpu_ms'], r.get('raw_ms')))} | {_fmt(r.get('inside_ms'), 3)} "
+            f"| {_fmt(_ratio(r['tpu_ms'], r['eager_ms']))} | {_fmt(_per(r.get('raw_ms'), per), 3)} "
+            f"| {_fmt(_ratio(r['tpu_ms'], r.get('raw_ms')))} | {_fmt(_per(r.get('inside_ms'), per), 3)} "
             f"| {_fmt(_ratio(r.get('inside_ms'), r.get('raw_ms')))} | {_fmt(ci, 1)} | {_fmt(ct, 2)} "
             f"| {_fmt(_ratio(ct, ci))} | {_fmt(warm, 2)} | {_fmt(_ratio(warm, ct))} | {_fmt(pre, 2)} "
             f"| {_fmt(_ratio(pre, ct))} | {check} "

@@ -51,9 +51,9 @@ def run_ops(calls: int) -> None:
     print("| op | eager µs | ours µs (executable) | ours/eager |\n|---|---|---|---|")
     for name, (fn, args) in gpt2_ops().items():
         compiled = torch.compile(fn, backend="tpu", fullgraph=True)
-        executable, inputs = recorded_executions(lambda: compiled(*args))[-1]
+        executable, inputs, sizes = recorded_executions(lambda: compiled(*args))[-1]
         eager = median_us(lambda: fn(*args), calls)
-        ours = median_us(lambda: executable(list(inputs)), calls)
+        ours = median_us(lambda: executable(list(inputs), *sizes), calls)
         print(f"| {name} | {eager:.0f} | {ours:.0f} | {ours / eager:.2f} |", flush=True)
 
 
@@ -68,7 +68,7 @@ def run_pauses(calls: int) -> None:
     case.module.model.compile(backend="tpu", fullgraph=True)
     case.module(*case.inputs)
     steps = recorded_executions(lambda: case.module(*case.inputs))
-    executable, inputs = steps[len(steps) // 2]  # a step from the middle of generate()
+    executable, inputs, sizes = steps[len(steps) // 2]  # a step from the middle of generate()
     logits = torch.randn(1, 1000)
 
     def eager_step_ops() -> None:
@@ -85,7 +85,7 @@ def run_pauses(calls: int) -> None:
     }
     print("| before each call | our call µs (median) |\n|---|---|")
     for label, before in pauses.items():
-        print(f"| {label} | {median_us(lambda: executable(list(inputs)), calls, before):.0f} |", flush=True)
+        print(f"| {label} | {median_us(lambda: executable(list(inputs), *sizes), calls, before):.0f} |", flush=True)
 
 
 def main() -> None:

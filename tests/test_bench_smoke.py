@@ -25,11 +25,24 @@ def test_steady_state_calls_reuse_the_executable_and_match_eager(name):
         assert tpu_dynamo.stats()["compiles"] == compiles
         for out in outs:
             torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
-        (executable, args), = bench.recorded_executions(call)
-        seconds = executable.bench_execute(args, 3)
+        (executable, args, sizes), = bench.recorded_executions(call)
+        seconds = executable.bench_execute(args, 3, *sizes)
         whole, inside = bench.median_ms(call, 3, lambda: None), bench.inside_ms(call, 3)
     assert len(seconds) == 3 and all(s > 0 for s in seconds)
     assert 0 < inside < whole, "the time inside our executables is part of the call"
+
+
+def test_a_decode_times_the_bare_execute_of_every_step_padded_ones_included():
+    case = models.build("llama-decode", "cpu", torch.float32)
+    with torch.no_grad():
+        call = bench._compiled(case, "tpu")
+        call()
+        steps = bench.recorded_executions(call)
+        seconds = [s for exe, args, sizes in steps for s in exe.bench_execute(args, 2, *sizes)]
+        inside = bench.inside_ms(call, 2)
+    assert any(sizes and sizes[0].given for _, _, sizes in steps), "the dynamic-cache decode pads its steps"
+    assert len(seconds) == 2 * len(steps) and all(s > 0 for s in seconds)
+    assert inside > 0
 
 
 def test_the_table_has_a_cell_for_every_column():

@@ -803,16 +803,20 @@ impl CompiledGraph {
     }
 
     /// Times the bare PJRT execute, `n` times, with every input uploaded once beforehand
-    /// (`inputs` as for `run`); returns seconds per execute. It is the baseline the benchmark
-    /// divides `run`'s time by to get the backend's per-call overhead.
+    /// (`inputs` and `given` as for `run`: inputs given smaller are uploaded padded); returns
+    /// seconds per execute. It is the baseline the benchmark divides `run`'s time by to get the
+    /// backend's per-call overhead.
+    #[pyo3(signature = (tensors, inputs, n, given=Vec::new()))]
     fn bench_execute(
         &self,
         py: Python<'_>,
         tensors: Bound<'_, PyList>,
         inputs: Vec<(usize, usize, i64)>,
         n: usize,
+        given: Vec<(usize, Vec<i64>)>,
     ) -> PyResult<Vec<f64>> {
-        check_sizes("inputs", &self.entry.inputs, &inputs, |i| i.1)?;
+        let given = padded::call_specs("input", &self.entry.inputs, &given)?;
+        check_sizes("inputs", &given, &inputs, |i| i.1)?;
         if !self.aliases.is_empty() {
             // Each execute would consume (donate) the inputs it updates in place.
             return Err(PyValueError::new_err("tpu_dynamo: bench_execute cannot time a graph that mutates its inputs"));
@@ -820,7 +824,7 @@ impl CompiledGraph {
         let mut unpinned = vec![];
         let timed = py.detach(|| -> Result<Vec<f64>, RtError> {
             self.entry.first_run.wait();
-            let args = self.input_buffers(&inputs, &self.entry.inputs, &mut unpinned)?;
+            let args = self.input_buffers(&inputs, &given, &mut unpinned)?;
             let held: Vec<Held> = args.iter().map(Arg::hold).collect();
             let args: Vec<&Buffer> = held.iter().map(Held::buffer).collect();
             (0..n)

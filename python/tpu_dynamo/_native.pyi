@@ -52,8 +52,15 @@ class CompiledGraph:
         cut: (output, dims) of results handed over cut to smaller sizes. Returns (input index, DLPack capsule) for those left in the executable's memory and
         (output index, DLPack capsule) for the handed-over results. Unsafe on raw pointers:
         call it only through `tpu_dynamo.executable.Executable`."""
-    def bench_execute(self, tensors: list[Any], inputs: Sequence[tuple[int, int, int]], n: int) -> list[float]:
-        """Seconds per bare PJRT execute, `n` times, inputs uploaded once (as for `run`)."""
+    def bench_execute(
+        self,
+        tensors: list[Any],
+        inputs: Sequence[tuple[int, int, int]],
+        n: int,
+        given: Sequence[tuple[int, Sequence[int]]] = (),
+    ) -> list[float]:
+        """Seconds per bare PJRT execute, `n` times, inputs uploaded once (as for `run`, inputs
+        `given` smaller uploaded padded)."""
     def warm_up(self) -> None:
         """Starts the first execute, on zeros, in the background where the plugin computes in
         host memory and the execute is cheap enough to hide (the first execute pays XLA's

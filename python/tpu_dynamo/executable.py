@@ -141,10 +141,11 @@ class Executable:
             return tuple(outs)
         return tuple(None if i is None else outs[i] for i in self.template)
 
-    def bench_execute(self, args: list[Any], n: int) -> list[float]:
-        """Seconds per bare PJRT execute on `args` (a call's inputs, uploaded once), `n` times."""
+    def bench_execute(self, args: list[Any], n: int, sizes: CallSizes | None = None) -> list[float]:
+        """Seconds per bare PJRT execute on `args` (a call's inputs, at `sizes`, uploaded once),
+        `n` times."""
         _tensors, held, ins = self._host_inputs(args)
-        return self.native.bench_execute(held, ins, n)
+        return self.native.bench_execute(held, ins, n, (sizes or self.exact).given)
 
     def _commit_mutations(
         self, tensors: list[torch.Tensor], held: list[torch.Tensor], in_place: list[tuple[int, Any]]

@@ -7,7 +7,7 @@ use crate::plugin::call;
 use crate::tensor::{DType, TensorSpec};
 use pjrt_sys::*;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 /// An array on a device. Destroyed (device memory freed) on drop.
 pub struct Buffer {
@@ -16,6 +16,9 @@ pub struct Buffer {
     /// For a buffer made over host memory: the event the plugin fires when it lets go of that
     /// memory, awaited on drop so the memory's owner may free it once the buffer is gone.
     host_done: *mut PJRT_Event,
+    /// Its type, fixed for its lifetime: asked of the plugin at most once (an execute checks
+    /// every argument's, and a resident weight is an argument of every call).
+    spec: OnceLock<TensorSpec>,
 }
 
 // SAFETY: PJRT buffers and events may be used from any thread.
@@ -49,7 +52,15 @@ impl Buffer {
             client: client.clone(),
             raw,
             host_done: std::ptr::null_mut(),
+            spec: OnceLock::new(),
         }
+    }
+
+    /// `adopt`, for a buffer whose type the caller knows (it asked the plugin for it).
+    pub(crate) fn adopt_typed(client: &Arc<ClientInner>, raw: *mut PJRT_Buffer, spec: TensorSpec) -> Buffer {
+        let buffer = Buffer::adopt(client, raw);
+        let _ = buffer.spec.set(spec);
+        buffer
     }
 
     pub(crate) fn raw(&self) -> *mut PJRT_Buffer {
@@ -61,7 +72,15 @@ impl Buffer {
     }
 
     /// Element type and dimensions, as the plugin reports them.
-    pub fn spec(&self) -> Result<TensorSpec> {
+    pub fn spec(&self) -> Result<&TensorSpec> {
+        if let Some(spec) = self.spec.get() {
+            return Ok(spec);
+        }
+        let spec = self.query_spec()?;
+        Ok(self.spec.get_or_init(|| spec))
+    }
+
+    fn query_spec(&self) -> Result<TensorSpec> {
         let plugin = &*self.client.plugin;
         let mut ty = PJRT_Buffer_ElementType_Args::new();
         ty.buffer = self.raw;
@@ -269,6 +288,6 @@ impl Client {
         args.host_buffer_semantics = semantics;
         args.device = device.raw();
         call!(plugin, PJRT_Client_BufferFromHostBuffer, &mut args)?;
-        Ok((Buffer::adopt(&self.inner, args.buffer), args.done_with_host_buffer))
+        Ok((Buffer::adopt_typed(&self.inner, args.buffer, spec.clone()), args.done_with_host_buffer))
     }
 }

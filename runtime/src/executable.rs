@@ -441,7 +441,7 @@ impl Executable {
                 )));
             }
             let got = arg.spec()?;
-            if got != *expected {
+            if got != expected {
                 return Err(Error::invalid(format!(
                     "argument {position}{context}: expected {expected}, got {got}"
                 )));

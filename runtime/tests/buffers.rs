@@ -20,7 +20,7 @@ fn round_trip_every_dtype_bit_exact() {
             let buffer = client.buffer_from_host(&data, &spec, &device).unwrap();
             // The caller may scribble over its data as soon as the upload returns.
             let expected = std::mem::replace(&mut data, vec![0xAB; spec.byte_size().unwrap()]);
-            assert_eq!(buffer.spec().unwrap(), spec);
+            assert_eq!(*buffer.spec().unwrap(), spec);
             assert_eq!(buffer.device().unwrap(), device);
             assert!(buffer.on_device_size().unwrap() >= expected.len());
             let mut back = vec![0u8; expected.len()];
@@ -40,7 +40,7 @@ fn scalars_and_empty_tensors() {
     let empty = client
         .buffer_from_host(&[], &f32_spec(&[0, 7]), dev)
         .unwrap();
-    assert_eq!(empty.spec().unwrap(), f32_spec(&[0, 7]));
+    assert_eq!(*empty.spec().unwrap(), f32_spec(&[0, 7]));
     empty.to_host(&mut []).unwrap();
 }
 
