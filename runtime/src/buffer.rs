@@ -56,7 +56,7 @@ impl Buffer {
         }
     }
 
-    /// `adopt`, for a buffer whose type the caller knows (it asked the plugin for it).
+    /// `adopt`, for a buffer the plugin made to the caller's `spec` (an upload).
     pub(crate) fn adopt_typed(client: &Arc<ClientInner>, raw: *mut PJRT_Buffer, spec: TensorSpec) -> Buffer {
         let buffer = Buffer::adopt(client, raw);
         let _ = buffer.spec.set(spec);
