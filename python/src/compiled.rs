@@ -4,7 +4,7 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::NonNull;
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard, OnceLock};
 use std::time::Instant;
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -36,6 +36,9 @@ struct Entry {
     stablehlo: Option<Arc<str>>,
     inputs: Vec<TensorSpec>,
     outputs: Vec<TensorSpec>,
+    /// Per output: whether the executable's results there lie dense in host memory (a CPU
+    /// plugin), learned from its first result; proving it costs several PJRT queries per result.
+    laid_out: Vec<OnceLock<bool>>,
     first_run: FirstRun,
 }
 
@@ -54,7 +57,17 @@ impl Entry {
                 outputs.len()
             )));
         }
-        Ok(Entry { exe, stablehlo, inputs, outputs, first_run: FirstRun::default() })
+        let laid_out = outputs.iter().map(|_| OnceLock::new()).collect();
+        Ok(Entry { exe, stablehlo, inputs, outputs, laid_out, first_run: FirstRun::default() })
+    }
+
+    /// Where `result`, output `o` of an execute, lies in host memory, if the host can read it
+    /// there: whether results in that position are dense on the host is asked once, then each
+    /// result only says where it is.
+    fn result_address(&self, o: usize, result: &Buffer) -> Option<usize> {
+        let len = self.outputs[o].byte_size().ok()?;
+        let laid_out = *self.laid_out[o].get_or_init(|| result.laid_out_on_host(len));
+        laid_out.then(|| result.ready_address()).flatten()
     }
 }
 
@@ -653,17 +666,19 @@ impl CompiledGraph {
             .iter()
             .zip(results.iter_mut())
             .zip(self.entry.outputs.iter().zip(cut))
-            .map(|((&(ptr, nbytes), result), (spec, cut))| {
+            .enumerate()
+            .map(|(o, ((&(ptr, nbytes), result), (spec, cut)))| {
                 if cut != spec {
                     let Some(result) = result.take().filter(|_| ptr == 0) else {
                         return Err(RtError::InvalidArgument("a result cut to smaller sizes must be handed over".into()));
                     };
-                    return padded::cut_output(&result, spec, cut).map(Some);
+                    let address = self.entry.result_address(o, &result);
+                    return padded::cut_output(&result, address, spec, cut).map(Some);
                 }
                 if ptr != 0 || nbytes == 0 || result.is_none() {
                     return Ok(None);
                 }
-                let address = result.as_ref().and_then(|r| r.host_address(spec));
+                let address = result.as_ref().and_then(|r| self.entry.result_address(o, r));
                 if let Some(address) = address.filter(|a| !seen.contains(a)) {
                     seen.push(address);
                     return Ok(result.take().map(|r| Memory::Shared(Shared::at(r, address, spec.clone()))));

@@ -57,10 +57,11 @@ impl PaddedInput {
 }
 
 /// `result` (of type `spec`) cut to its leading corner of type `cut`, in new host memory.
-pub fn cut_output(result: &Buffer, spec: &TensorSpec, cut: &TensorSpec) -> Result<Memory, RtError> {
+/// `address`: where `result`'s dense bytes lie in host memory, if they do (`Buffer::host_address`).
+pub fn cut_output(result: &Buffer, address: Option<usize>, spec: &TensorSpec, cut: &TensorSpec) -> Result<Memory, RtError> {
     let full_bytes = spec.byte_size()?;
     let downloaded;
-    let full: &[u8] = match result.host_address(spec) {
+    let full: &[u8] = match address {
         // SAFETY: the plugin computes in host memory: `result`'s dense bytes are at `address`.
         Some(address) => unsafe { std::slice::from_raw_parts(address as *const u8, full_bytes) },
         None => {

@@ -165,23 +165,30 @@ impl Buffer {
     /// `PJRT_Buffer_ToHostBuffer` on the XLA CPU plugin runs on its thread pool, so awaiting it
     /// costs a thread handoff (20-30 µs) even for a few bytes; reading in place does not.
     fn dense_host_bytes(&self, len: usize) -> Option<&[u8]> {
+        if !self.laid_out_on_host(len) {
+            return None;
+        }
+        let address = self.ready_address()?;
+        // SAFETY: a computed CPU buffer of `len` dense bytes at this address, alive (and, being
+        // ready, not written) while `self` is borrowed.
+        Some(unsafe { std::slice::from_raw_parts(address as *const u8, len) })
+    }
+
+    /// Whether the buffer's memory is on the host, `len` (> 0) bytes in the dense row-major
+    /// layout: fixed for all results an executable returns in one position.
+    pub fn laid_out_on_host(&self, len: usize) -> bool {
         let plugin = &*self.client.plugin;
         let mut on_cpu = PJRT_Buffer_IsOnCpu_Args::new();
         on_cpu.buffer = self.raw;
         if call!(plugin, PJRT_Buffer_IsOnCpu, &mut on_cpu).is_err() || !on_cpu.is_on_cpu || len == 0 {
-            return None;
-        }
-        let mut ready = PJRT_Buffer_ReadyEvent_Args::new();
-        ready.buffer = self.raw;
-        call!(plugin, PJRT_Buffer_ReadyEvent, &mut ready).ok()?;
-        if !event::Event::adopt(plugin, ready.event)?.is_ready() {
-            return None;
+            return false;
         }
         let mut layout = PJRT_Buffer_GetMemoryLayout_Args::new();
         layout.buffer = self.raw;
-        call!(plugin, PJRT_Buffer_GetMemoryLayout, &mut layout).ok()?;
-        if layout.layout.type_ != PJRT_Buffer_MemoryLayout_Type_PJRT_Buffer_MemoryLayout_Type_Tiled {
-            return None;
+        if call!(plugin, PJRT_Buffer_GetMemoryLayout, &mut layout).is_err()
+            || layout.layout.type_ != PJRT_Buffer_MemoryLayout_Type_PJRT_Buffer_MemoryLayout_Type_Tiled
+        {
+            return false;
         }
         // SAFETY: the type says which union member the plugin filled in.
         let tiled = unsafe { layout.layout.__bindgen_anon_1.tiled };
@@ -191,15 +198,23 @@ impl Buffer {
             n => unsafe { std::slice::from_raw_parts(tiled.minor_to_major, n) },
         };
         let row_major = minor_to_major.iter().rev().copied().eq(0..minor_to_major.len() as i64);
-        if !row_major || tiled.num_tiles != 0 || self.on_device_size().ok()? != len {
+        row_major && tiled.num_tiles == 0 && self.on_device_size().ok() == Some(len)
+    }
+
+    /// The address of the buffer's memory once it is computed (no pending writer), for a buffer
+    /// whose memory is `laid_out_on_host`: only then may the host read it as the dense array.
+    pub fn ready_address(&self) -> Option<usize> {
+        let plugin = &*self.client.plugin;
+        let mut ready = PJRT_Buffer_ReadyEvent_Args::new();
+        ready.buffer = self.raw;
+        call!(plugin, PJRT_Buffer_ReadyEvent, &mut ready).ok()?;
+        if !event::Event::adopt(plugin, ready.event)?.is_ready() {
             return None;
         }
         let mut pointer = PJRT_Buffer_UnsafePointer_Args::new();
         pointer.buffer = self.raw;
         call!(plugin, PJRT_Buffer_UnsafePointer, &mut pointer).ok()?;
-        // SAFETY: a computed CPU buffer of `len` dense bytes at this address, alive (and, being
-        // ready, not written) while `self` is borrowed.
-        (pointer.buffer_pointer != 0).then(|| unsafe { std::slice::from_raw_parts(pointer.buffer_pointer as *const u8, len) })
+        (pointer.buffer_pointer != 0).then_some(pointer.buffer_pointer)
     }
 
     /// Starts the copy into `dst`; the caller must await the event before `dst` is touched.
