@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import tpu_dynamo
+from tpu_dynamo import _native
 
 # Set before any test compiles (and inherited by subprocesses) so the suite never reads or
 # writes a user's ~/.cache/tpu_dynamo, whatever their TPU_DYNAMO_CACHE* settings.
@@ -25,6 +26,20 @@ def fresh_state(tmp_path_factory, monkeypatch):
     tpu_dynamo.reset_stats()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """`(graph JSON, CompiledGraph)` of every `_native.compile` call the test makes."""
+    calls = []
+    compile_now = _native.compile
+
+    def recording(graph_json, **kwargs):
+        calls.append((graph_json, compile_now(graph_json, **kwargs)))
+        return calls[-1][1]
+
+    monkeypatch.setattr(_native, "compile", recording)
+    return calls
 
 
 def compile_tpu(fn, **kwargs):

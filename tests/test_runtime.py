@@ -276,20 +276,6 @@ def test_a_compiled_graph_runs_once_on_zeros_before_its_first_call():
     assert tpu_dynamo.stats()["warm_ups"] == 1
 
 
-@pytest.fixture
-def compiled(monkeypatch):
-    """`(graph JSON, CompiledGraph)` of every `_native.compile` call the test makes."""
-    calls = []
-    compile_now = _native.compile
-
-    def recording(graph_json, **kwargs):
-        calls.append((graph_json, compile_now(graph_json, **kwargs)))
-        return calls[-1][1]
-
-    monkeypatch.setattr(_native, "compile", recording)
-    return calls
-
-
 def test_an_execute_too_dear_to_hide_gets_no_warm_up(compiled):
     """A big model's warm-up would delay its first call by most of an execute; the backend
     estimates one execute's arithmetic from the graph and skips it above ~10 GFLOP."""

@@ -817,6 +817,12 @@ impl CompiledGraph {
         self.target.host_memory
     }
 
+    /// Bytes of scratch one execute takes beyond its inputs and outputs (the plugin's count).
+    #[getter]
+    fn temp_bytes(&self) -> PyResult<i64> {
+        Ok(self.entry.exe.memory_stats().map_err(runtime_err)?.temp_bytes)
+    }
+
     /// Times the bare PJRT execute, `n` times, with every input uploaded once beforehand
     /// (`inputs` and `given` as for `run`: inputs given smaller are uploaded padded); returns
     /// seconds per execute. It is the baseline the benchmark divides `run`'s time by to get the

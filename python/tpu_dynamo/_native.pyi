@@ -36,6 +36,9 @@ class CompiledGraph:
     @property
     def hands_over_outputs(self) -> bool:
         """Results can become host tensors as they are (the plugin computes in host memory)."""
+    @property
+    def temp_bytes(self) -> int:
+        """Bytes of scratch one execute takes beyond its inputs and outputs (the plugin's count)."""
     def run(
         self,
         tensors: list[Any],

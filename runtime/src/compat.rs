@@ -7,8 +7,8 @@
 //! documented default, and plugins from 0.54 up to at least 0.115 accept that size.
 
 use pjrt_sys::{
-    PJRT_Client_Create_Args, PJRT_Executable_DeserializeAndLoad_Args, PJRT_ExecuteOptions,
-    PJRT_Plugin_Attributes_Args,
+    PJRT_Client_Create_Args, PJRT_Executable_DeserializeAndLoad_Args,
+    PJRT_Executable_GetCompiledMemoryStats_Args, PJRT_ExecuteOptions, PJRT_Plugin_Attributes_Args,
 };
 use std::mem::size_of;
 
@@ -53,6 +53,8 @@ macro_rules! grown {
 grown!(PJRT_Client_Create_Args, 88);
 grown!(PJRT_ExecuteOptions, 112);
 grown!(PJRT_Executable_DeserializeAndLoad_Args, 64);
+// 0.115 appends an output field (104 -> 112 bytes), which the plugin writes into the padding.
+grown!(PJRT_Executable_GetCompiledMemoryStats_Args, 112);
 
 #[cfg(test)]
 mod tests {
@@ -74,6 +76,12 @@ mod tests {
                 .args
                 .struct_size,
             64
+        );
+        assert_eq!(
+            Grown::<PJRT_Executable_GetCompiledMemoryStats_Args>::new()
+                .args
+                .struct_size,
+            112
         );
     }
 }

@@ -39,6 +39,16 @@ impl ProgramCode<'_> {
     }
 }
 
+/// Device memory of one execute, as the plugin compiled it (`PJRT_Executable_GetCompiledMemoryStats`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryStats {
+    pub code_bytes: i64,
+    pub argument_bytes: i64,
+    pub output_bytes: i64,
+    /// Scratch for intermediates, beyond arguments and outputs.
+    pub temp_bytes: i64,
+}
+
 /// How many devices an executable spans.
 ///
 /// `device_ids`, when given, assigns device ids replica-major: `device_ids[r * num_partitions + p]`
@@ -353,6 +363,24 @@ impl Executable {
                 Ok(spec)
             })
             .collect()
+    }
+
+    /// The plugin's own account of the memory one execute takes on the device.
+    pub fn memory_stats(&self) -> Result<MemoryStats> {
+        let mut grown = Grown::<PJRT_Executable_GetCompiledMemoryStats_Args>::new();
+        grown.args.executable = self.executable;
+        call!(
+            &self.client.plugin,
+            PJRT_Executable_GetCompiledMemoryStats,
+            grown.as_mut_ptr()
+        )?;
+        let args = &grown.args;
+        Ok(MemoryStats {
+            code_bytes: args.generated_code_size_in_bytes,
+            argument_bytes: args.argument_size_in_bytes,
+            output_bytes: args.output_size_in_bytes,
+            temp_bytes: args.temp_size_in_bytes,
+        })
     }
 
     /// Bytes that [`Client::deserialize_executable`] turns back into this executable (same plugin

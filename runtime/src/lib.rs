@@ -22,7 +22,7 @@ mod tensor;
 pub use buffer::Buffer;
 pub use client::{Client, ClientOptions, Device};
 pub use error::{Error, ErrorCode, Result};
-pub use executable::{CompileOptions, Executable, Program, ProgramCode};
+pub use executable::{CompileOptions, Executable, MemoryStats, Program, ProgramCode};
 pub use plugin::{AttrValue, Plugin};
 pub use tensor::{DType, TensorSpec};
 

@@ -40,6 +40,26 @@ func.func @main(%a: tensor<64xf32>, %b: tensor<64xf32>) -> (tensor<64xf32>, tens
     assert_close(&download(&out[2]), &zip(|x, y| x.exp() - y), 1e-6, 1e-6);
 }
 
+#[test]
+fn memory_stats_count_arguments_and_outputs() {
+    let client = client(1);
+    let text = r#"
+func.func @main(%a: tensor<64x32xf32>, %b: tensor<64x32xf32>) -> tensor<64xf32> {
+  %zero = stablehlo.constant dense<0.0> : tensor<f32>
+  %sum = stablehlo.add %a, %b : tensor<64x32xf32>
+  %rows = stablehlo.reduce(%sum init: %zero) applies stablehlo.add across dimensions = [1] : (tensor<64x32xf32>, tensor<f32>) -> tensor<64xf32>
+  return %rows : tensor<64xf32>
+}"#;
+    let stats = compile(&client, text, vec![f32_spec(&[64, 32]); 2])
+        .memory_stats()
+        .unwrap();
+    assert_eq!(
+        (stats.argument_bytes, stats.output_bytes),
+        (2 * 64 * 32 * 4, 64 * 4)
+    );
+    assert!(stats.temp_bytes >= 0, "{stats:?}");
+}
+
 /// Row-major `[m,k] x [k,n]` reference in f64.
 fn matmul(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
     let mut c = vec![0f32; m * n];

@@ -94,7 +94,7 @@ fn flash_attention_for_cpu(n: NodeCtx<'_>) -> Res<'_> {
         bias = Some(b.select(&b.broadcast_to(visible, &shape)?, &b.broadcast_to(mask, &shape)?, &neg_inf)?);
     }
     let scores = match &bias {
-        Some(bias) => b.add(&scores, &b.broadcast_to(bias, &full)?)?,
+        Some(bias) => b.add(&scores, &b.broadcast_to_each_use(bias, &full)?)?,
         None => scores,
     };
 

@@ -629,6 +629,10 @@ impl<'a> Builder<'a> {
 
     /// `broadcast_in_dim`: operand dim i becomes result dim `dims[i]`.
     pub fn broadcast_in_dim(&self, x: &Val<'a>, shape: &[i64], dims: &[usize]) -> R<Val<'a>> {
+        self.broadcast_dims(x, shape, dims, &[])
+    }
+
+    fn broadcast_dims(&self, x: &Val<'a>, shape: &[i64], dims: &[usize], extra: &[(&str, String)]) -> R<Val<'a>> {
         for (i, &d) in dims.iter().enumerate() {
             if x.shape()[i] != 1 && x.shape()[i] != shape[d] {
                 return Err(format!("cannot broadcast {} to {shape:?}", type_str(&x.ty)));
@@ -636,16 +640,29 @@ impl<'a> Builder<'a> {
         }
         let dims: Vec<i64> = dims.iter().map(|&d| d as i64).collect();
         let ty = TensorType::new(x.dtype(), shape.to_vec());
-        self.op(
-            "stablehlo.broadcast_in_dim",
-            &[x],
-            &[("broadcast_dimensions", i64_array(&dims))],
-            ty,
-        )
+        let mut attrs = vec![("broadcast_dimensions", i64_array(&dims))];
+        attrs.extend(extra.iter().cloned());
+        self.op("stablehlo.broadcast_in_dim", &[x], &attrs, ty)
     }
 
     /// numpy-style broadcast to `shape` (trailing dims aligned).
     pub fn broadcast_to(&self, x: &Val<'a>, shape: &[i64]) -> R<Val<'a>> {
+        self.broadcast_trailing(x, shape, &[])
+    }
+
+    /// `broadcast_to` that XLA keeps apart from identical broadcasts elsewhere in the module, for
+    /// a value many layers share (a causal mask). XLA's CSE merges such broadcasts into one with
+    /// a user per layer, and XLA:CPU's library fusions only take in an operand no one else uses,
+    /// so the merged broadcast was materialized at full size every call (a `[B, H, L, S]` f32
+    /// mask: 36 MiB at 1024 tokens and 9 heads) where each fusion can broadcast the small value
+    /// itself. CSE skips an op carrying the `MUST_FUSE` frontend attribute, which asks for what
+    /// we want anyway: the broadcast fused into its consumer.
+    pub fn broadcast_to_each_use(&self, x: &Val<'a>, shape: &[i64]) -> R<Val<'a>> {
+        let must_fuse = ("mhlo.frontend_attributes", r#"{MUST_FUSE = "true"}"#.to_string());
+        self.broadcast_trailing(x, shape, &[must_fuse])
+    }
+
+    fn broadcast_trailing(&self, x: &Val<'a>, shape: &[i64], extra: &[(&str, String)]) -> R<Val<'a>> {
         if x.shape() == shape {
             return Ok(x.clone());
         }
@@ -653,7 +670,7 @@ impl<'a> Builder<'a> {
             return Err(format!("cannot broadcast {} to {shape:?}", type_str(&x.ty)));
         }
         let off = shape.len() - x.rank();
-        self.broadcast_in_dim(x, shape, &(off..shape.len()).collect::<Vec<_>>())
+        self.broadcast_dims(x, shape, &(off..shape.len()).collect::<Vec<_>>(), extra)
     }
 
     /// Converts every operand to `dtype` and broadcasts them to their common shape.
