@@ -42,7 +42,6 @@ impl ProgramCode<'_> {
 /// Device memory of one execute, as the plugin compiled it (`PJRT_Executable_GetCompiledMemoryStats`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemoryStats {
-    pub code_bytes: i64,
     pub argument_bytes: i64,
     pub output_bytes: i64,
     /// Scratch for intermediates, beyond arguments and outputs.
@@ -376,7 +375,6 @@ impl Executable {
         )?;
         let args = &grown.args;
         Ok(MemoryStats {
-            code_bytes: args.generated_code_size_in_bytes,
             argument_bytes: args.argument_size_in_bytes,
             output_bytes: args.output_size_in_bytes,
             temp_bytes: args.temp_size_in_bytes,
