@@ -261,6 +261,12 @@ def test_buckets_serve_every_step_of_a_dynamic_cache_decode(caplog):
     # The cut K/V come back contiguous, as eager's: a strided view would fail Dynamo's stride
     # guards next step and cost a fourth trace.
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3
+    # A step reads its true length once per layer's K and V (4 inputs, one value): one resident
+    # 0-d tensor per value, uploaded once per step and shared by the other three inputs.
+    before = tpu_dynamo.stats()
+    assert torch.equal(generate(model, IDS, 20), got.sequences)
+    after = tpu_dynamo.stats()
+    assert after["resident_shared_hits"] - before["resident_shared_hits"] == 3 * 19  # 19 steps
 
 
 def test_a_dynamic_cache_decode_pads_to_powers_of_two_once_it_feeds_back_its_cache(caplog):

@@ -37,6 +37,16 @@ from .options import Buckets, Options, PowersOfTwo
 # Graph outputs that are numbers rather than tensors (`bool` is an `int`).
 _NUMBERS = (int, float, torch.SymInt, torch.SymFloat, torch.SymBool)
 
+
+@functools.lru_cache(maxsize=8192)
+def _true_size(n: int) -> torch.Tensor:
+    """The 0-d tensor a padded executable reads a true size from, one per value: passed as a
+    resident input, it is uploaded once for every input and call that reads this size (a decode
+    step reads one per layer's K and V), not once per input per call. Made outside inference
+    mode: an inference tensor has no version, so it could not stay resident."""
+    with torch.inference_mode(False):
+        return torch.tensor(n, dtype=torch.int64)
+
 # Exact-shape compiles of one symbolic graph after which the user hears that sizes keep changing.
 SIZES_BEFORE_WARNING = 8
 
@@ -303,7 +313,10 @@ class PerShape:
                 c,
                 tensor_args=c.tensor_args + tuple(range(n_args, n_args + n_lengths)),
                 number_args=self.number_args,
-                kinds=c.kinds[:at] + (InputKind.USER,) * (n_lengths + numbers) + c.kinds[at:],
+                kinds=c.kinds[:at]
+                + (InputKind.CONSTANT,) * n_lengths
+                + (InputKind.USER,) * numbers
+                + c.kinds[at:],
             )
         return wrap(native, self.gm, c, self.options, self.caller_bumps, start)
 
@@ -343,7 +356,7 @@ class PerShape:
                 dims[d] = true[sym] + plus
             if dims != list(exe.out_types[o][1]):
                 cut[o] = dims
-        lengths = [torch.tensor(true[sym], dtype=torch.int64) for sym in plan.runtime]
+        lengths = [_true_size(true[sym]) for sym in plan.runtime]
         debug.log.info(
             "%s: buckets: sizes %s run padded to %s",
             self.name,
