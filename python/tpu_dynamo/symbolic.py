@@ -37,16 +37,6 @@ from .options import Buckets, Options, PowersOfTwo
 # Graph outputs that are numbers rather than tensors (`bool` is an `int`).
 _NUMBERS = (int, float, torch.SymInt, torch.SymFloat, torch.SymBool)
 
-
-@functools.lru_cache(maxsize=8192)
-def _true_size(n: int) -> torch.Tensor:
-    """The 0-d tensor a padded executable reads a true size from, one per value: passed as a
-    resident input, it is uploaded once for every input and call that reads this size (a decode
-    step reads one per layer's K and V), not once per input per call. Made outside inference
-    mode: an inference tensor has no version, so it could not stay resident."""
-    with torch.inference_mode(False):
-        return torch.tensor(n, dtype=torch.int64)
-
 # Exact-shape compiles of one symbolic graph after which the user hears that sizes keep changing.
 SIZES_BEFORE_WARNING = 8
 
@@ -356,7 +346,7 @@ class PerShape:
                 dims[d] = true[sym] + plus
             if dims != list(exe.out_types[o][1]):
                 cut[o] = dims
-        lengths = [_true_size(true[sym]) for sym in plan.runtime]
+        lengths = [_length_tensor(true[sym]) for sym in plan.runtime]
         debug.log.info(
             "%s: buckets: sizes %s run padded to %s",
             self.name,
@@ -369,6 +359,16 @@ class PerShape:
 def _true_sizes(plan: _Plan, tensor_args: tuple[int, ...], args: list[Any]) -> dict[int, int]:
     """Each padded symbol's size in this call."""
     return {sym: args[tensor_args[i]].shape[d] for i, pairs in enumerate(plan.inputs) for d, sym in pairs}
+
+
+@functools.lru_cache(maxsize=8192)
+def _length_tensor(n: int) -> torch.Tensor:
+    """The 0-d tensor a padded executable reads a true size from, one per value: passed as a
+    resident input, it is uploaded once for every input and call that reads this size (a decode
+    step reads one per layer's K and V), not once per input per call. Made outside inference
+    mode: an inference tensor has no version, so it could not stay resident."""
+    with torch.inference_mode(False):
+        return torch.tensor(n, dtype=torch.int64)
 
 
 class _Padded:
