@@ -189,11 +189,13 @@ def test_cli_cache_info_list_clear_and_doctor():
     keys = [name.split(".")[0] for name in entries()]
     info = cli("cache", "info")
     assert str(cache_dir()) in info and "entries: 2 " in info and "readwrite" in info
+    assert "graphs:  2 converted graphs" in info  # each one's, found by its Dynamo graph
     assert "plugin:" in info and "cpu" in info
     listed = cli("cache", "list")
     assert sorted(line.split()[0] for line in listed.splitlines()) == sorted(k[:16] for k in keys)
-    assert "removed 2 entries" in cli("cache", "clear")
-    assert entries() == [] and "entries: 0 " in cli("cache", "info")
+    assert "removed 4 entries" in cli("cache", "clear")
+    info = cli("cache", "info")
+    assert entries() == [] and "entries: 0 " in info and "graphs:  0 " in info
     doctor = cli("doctor")
     assert f"MLIR {tpu_dynamo._native.MLIR_VERSION}" in doctor and "MLIR 22." in doctor
     for needed in ("torch:", "transformers:", "diffusers:", "plugin:", "devices:", "cache dir:"):

@@ -32,6 +32,12 @@ pub struct Stats {
     /// Serialized executable bytes loaded / stored.
     pub disk_bytes_read: AtomicU64,
     pub disk_bytes_written: AtomicU64,
+    /// Converted graphs found on disk by their Dynamo graph (`graph_cache.py`: no AOTAutograd,
+    /// no conversion), not found (`graph_rejects` included), found damaged, and stored.
+    pub graph_hits: AtomicU64,
+    pub graph_misses: AtomicU64,
+    pub graph_rejects: AtomicU64,
+    pub graph_writes: AtomicU64,
     /// Disk lookups including deserialize-and-load onto the device.
     pub load_nanos: AtomicU64,
     /// Serializing and writing new entries.
@@ -65,6 +71,10 @@ pub static STATS: Stats = Stats {
     disk_writes: AtomicU64::new(0),
     disk_bytes_read: AtomicU64::new(0),
     disk_bytes_written: AtomicU64::new(0),
+    graph_hits: AtomicU64::new(0),
+    graph_misses: AtomicU64::new(0),
+    graph_rejects: AtomicU64::new(0),
+    graph_writes: AtomicU64::new(0),
     load_nanos: AtomicU64::new(0),
     store_nanos: AtomicU64::new(0),
     identity_nanos: AtomicU64::new(0),
@@ -83,7 +93,7 @@ pub fn add_time(counter: &AtomicU64, d: Duration) {
 }
 
 impl Stats {
-    fn all(&self) -> [(&'static str, &AtomicU64); 27] {
+    fn all(&self) -> [(&'static str, &AtomicU64); 31] {
         [
             ("compiles", &self.compiles),
             ("memory_hits", &self.memory_hits),
@@ -104,6 +114,10 @@ impl Stats {
             ("disk_writes", &self.disk_writes),
             ("disk_bytes_read", &self.disk_bytes_read),
             ("disk_bytes_written", &self.disk_bytes_written),
+            ("graph_hits", &self.graph_hits),
+            ("graph_misses", &self.graph_misses),
+            ("graph_rejects", &self.graph_rejects),
+            ("graph_writes", &self.graph_writes),
             ("load_seconds", &self.load_nanos),
             ("store_seconds", &self.store_nanos),
             ("plugin_identity_seconds", &self.identity_nanos),

@@ -101,5 +101,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(persist::cache_list, m)?)?;
     m.add_function(wrap_pyfunction!(persist::cache_clear, m)?)?;
     m.add_function(wrap_pyfunction!(persist::plugin_identity, m)?)?;
+    m.add_function(wrap_pyfunction!(persist::graph_get, m)?)?;
+    m.add_function(wrap_pyfunction!(persist::graph_put, m)?)?;
     Ok(())
 }

@@ -57,6 +57,7 @@ def _print_cache_info() -> None:
     print(f"cache dir:     {info['dir'] or '(none)'}")
     print(f"cache mode:    {info['mode']}")
     print(f"cache entries: {info['entries']} ({info['bytes']} bytes of at most {info['max_bytes']})")
+    print(f"cache graphs:  {info['graphs']} converted graphs ({info['graph_bytes']} bytes of at most {info['max_bytes']})")
     if info["warning"]:
         print(f"cache warning: {info['warning']}")
 

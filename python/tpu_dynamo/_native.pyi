@@ -94,13 +94,21 @@ def reset_stats() -> None: ...
 def supported_ops() -> list[str]: ...
 def device_info() -> dict[str, str | list[str]]: ...
 def cache_info() -> dict[str, str | int | None]:
-    """The disk cache as configured now: dir, mode, max_bytes, entries, bytes, warning."""
+    """The disk cache as configured now: dir, mode, max_bytes, entries and bytes (executables),
+    graphs and graph_bytes (converted graphs), warning."""
 
 def cache_list() -> list[tuple[str, str, int, float]]:
-    """(key hex, path, bytes, last used as Unix seconds), most recently used first."""
+    """Executables: (key hex, path, bytes, last used as Unix seconds), most recently used first."""
 
 def cache_clear() -> int:
-    """Removes every entry, returning how many; OSError when read-only."""
+    """Removes every entry (executables and converted graphs), returning how many; OSError when
+    read-only."""
+
+def graph_get(key: bytes) -> bytes | None:
+    """The converted graph stored under a 32-byte key (graph_cache.py), or None."""
+
+def graph_put(key: bytes, payload: bytes) -> None:
+    """Stores a converted graph under a 32-byte key; a failed write is logged, not raised."""
 
 def plugin_identity() -> dict[str, str]:
     """What disk cache entries made by this process are bound to."""

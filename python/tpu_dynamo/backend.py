@@ -17,7 +17,7 @@ from torch._decomp import core_aten_decompositions, decomposition_table
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch._aot_autograd.descriptors import BufferAOTInput, ParamAOTInput, PlainAOTInput
 
-from . import _native, direct, precompile
+from . import _native, debug, direct, graph_cache, precompile
 from . import options as options_mod
 from .convert import InputKind
 from .executable import Executable, compile_graph
@@ -118,6 +118,11 @@ def _aot_compile(
     gm: torch.fx.GraphModule, args: Sequence[Any], dynamo_kinds: list[InputKind], opts: options_mod.Options
 ) -> Callable[..., Any]:
     symbolic = _is_symbolic(args)
+    graph_key = None if symbolic else graph_cache.key(gm, args, dynamo_kinds, opts)
+    if graph_key is not None and (converted := graph_cache.load(graph_key)) is not None:
+        debug.log.info("%s: found its converted graph in the disk cache", opts.name or "graph")
+        precompile.record(getattr(gm, "_backend_id", None), converted)
+        return direct.Loading(converted)
     unwrapped: list[Executable] = []
 
     def compiler(aten_gm: torch.fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -131,6 +136,8 @@ def _aot_compile(
             unwrapped.append(executable)
             # Set by Dynamo only under `caching_precompile`.
             precompile.record(getattr(gm, "_backend_id", None), executable.converted)
+            if graph_key is not None:
+                graph_cache.store(graph_key, executable.converted)
         return executable
 
     wrapped = aot_module_simplified(

@@ -31,7 +31,7 @@ from torch._dynamo.symbolic_convert import InstructionTranslator
 
 from . import _native
 from .convert import Converted
-from .direct import Direct
+from .direct import Loading
 
 
 def record(backend_id: str | None, converted: Converted) -> None:
@@ -106,21 +106,3 @@ class TpuArtifact(BackendCacheArtifact[Any]):
 
     def after_deserialization(self) -> Any:
         return Loading(pickle.loads(self.content))
-
-
-class Loading(Direct):
-    """A loaded frame's graph while its executable is found (on disk, normally) and run once on
-    zeros on another thread (`_native.compile_in_background`), which overlaps Dynamo building
-    the frame's guards: for the UNet of `make bench` those take ~0.4 s, the load ~0.15 s and a
-    first execute ~0.15 s more than a later one. The first call waits for it and turns this
-    object into the plain `Direct` it calls from then on."""
-
-    def __init__(self, converted: Converted) -> None:
-        self.loading = _native.compile_in_background(converted.json)
-        self.converted = converted
-
-    def __call__(self, *args: Any) -> tuple[torch.Tensor | None, ...]:
-        Direct.__init__(self, self.loading.result(), self.converted)
-        del self.loading, self.converted
-        self.__class__ = Direct
-        return Direct.__call__(self, *args)
