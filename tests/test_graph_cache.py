@@ -2,6 +2,7 @@
 whose key matches skips AOTAutograd and conversion; anything its output depends on changes the
 key; graphs the key cannot describe are not stored; damaged entries are dropped and rebuilt."""
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -154,3 +155,20 @@ def test_unreadable_payload_is_logged_and_converted_again(caplog, monkeypatch):
     assert graph_stats()[1] == 1  # stored again over it
     torch.testing.assert_close(run_fresh(mlp, x, w), mlp(x, w), rtol=1e-5, atol=1e-6)
     assert graph_stats() == (1, 0, 0)
+
+
+def test_readonly_cache_serves_graphs_and_writes_none(monkeypatch, caplog):
+    x, w = torch.randn(8, 16), torch.randn(16, 32)
+    run_fresh(mlp, x, w)
+    monkeypatch.setenv("TPU_DYNAMO_CACHE", "readonly")
+    run_fresh(mlp, x, w)
+    assert graph_stats() == (1, 0, 0)
+    run_fresh(mlp, torch.randn(9, 16), w)
+    assert graph_stats() == (0, 0, 1)
+    # A read-only cache some earlier build filled has no graphs/ at all: quietly none.
+    shutil.rmtree(Path(tpu_dynamo.cache_info()["dir"]) / "graphs")
+    monkeypatch.setenv("TPU_DYNAMO_CACHE_MAX_BYTES", "1G")  # reopens the caches
+    with caplog.at_level(logging.WARNING, logger="tpu_dynamo"):
+        run_fresh(mlp, x, w)
+    assert graph_stats() == (0, 0, 0) and tpu_dynamo.stats()["disk_hits"] == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]

@@ -39,9 +39,9 @@ fn opened(warnings: &mut Vec<String>) -> (Arc<DiskCache>, Arc<DiskCache>) {
     });
     warnings.extend(executables.warning().map(str::to_owned));
     // Under a directory that is off (or read-only) for a reason already warned about, the
-    // subdirectory is too, without a second warning.
+    // subdirectory is too, without a second warning; so is a read-only one never written.
     let graphs = Arc::new(match &config {
-        Ok(c) if executables.mode() == c.mode => {
+        Ok(c) if executables.mode() == c.mode && (c.mode == Mode::ReadWrite || c.dir.join("graphs").is_dir()) => {
             let graphs = DiskCache::open(DiskConfig { dir: c.dir.join("graphs"), ..c.clone() });
             warnings.extend(graphs.warning().map(str::to_owned));
             graphs
