@@ -241,6 +241,27 @@ def test_inference_graphs_skip_aotautograds_wrapper_only_when_it_has_nothing_to_
     torch.testing.assert_close(doubled, x * 2)
 
 
+def test_an_updated_input_returned_is_that_tensor_without_the_wrapper(monkeypatch):
+    """A graph returning an input it updates in place (a static cache's `update`) is called
+    directly too, and returns that very tensor, as eager and AOTAutograd's wrapper do."""
+    from tpu_dynamo import direct
+
+    calls = []
+    call = direct.Direct.__call__
+    monkeypatch.setattr(direct.Direct, "__call__", lambda self, *args: calls.append(1) or call(self, *args))
+
+    def update(cache, position, x):
+        return cache.index_copy_(0, position, x), cache.sum(0)
+
+    cache, position, x = torch.randn(4, 8), torch.tensor([1]), torch.randn(1, 8)
+    want = cache.clone().index_copy_(0, position, x)
+    with torch.no_grad():
+        got, total = compile_tpu(update)(cache, position, x)
+    assert len(calls) == 1 and got is cache
+    torch.testing.assert_close(cache, want)
+    torch.testing.assert_close(total, want.sum(0))
+
+
 def test_in_place_update_bumps_the_version_once_without_the_wrapper():
     """Called directly, the executable bumps a mutated input's version itself, once, so
     version-keyed caches (ours: the resident copy) see the change, as after an eager `add_`."""

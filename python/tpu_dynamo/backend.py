@@ -20,7 +20,7 @@ from torch._functorch._aot_autograd.descriptors import BufferAOTInput, ParamAOTI
 from . import _native, debug, direct, graph_cache, precompile
 from . import options as options_mod
 from .convert import InputKind
-from .executable import Executable, compile_graph
+from .executable import compile_graph
 from .symbolic import PerShape
 
 
@@ -123,7 +123,7 @@ def _aot_compile(
         debug.log.info("%s: found its converted graph in the disk cache", opts.name or "graph")
         precompile.record(getattr(gm, "_backend_id", None), converted)
         return direct.Loading(converted)
-    unwrapped: list[Executable] = []
+    unwrapped: list[direct.Direct] = []
 
     def compiler(aten_gm: torch.fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
         kinds, bumps = _aot_kinds(aten_gm, dynamo_kinds), _versions_bumped_by_aot()
@@ -133,11 +133,12 @@ def _aot_compile(
         # Dynamo builds the frame's guards and code before the first call: time for a warm-up.
         executable.native.warm_up()
         if direct.wrapper_free(aten_gm, len(args)):
-            unwrapped.append(executable)
+            converted = direct.unwrapped(executable.converted)
+            unwrapped.append(direct.Direct(executable.native, converted))
             # Set by Dynamo only under `caching_precompile`.
-            precompile.record(getattr(gm, "_backend_id", None), executable.converted)
+            precompile.record(getattr(gm, "_backend_id", None), converted)
             if graph_key is not None:
-                graph_cache.store(graph_key, executable.converted)
+                graph_cache.store(graph_key, converted)
         return executable
 
     wrapped = aot_module_simplified(
@@ -150,7 +151,7 @@ def _aot_compile(
         keep_inference_input_mutations=True,
     )
     if len(unwrapped) == 1:
-        return direct.Direct(unwrapped[0].native, unwrapped[0].converted)
+        return unwrapped[0]
     return wrapped
 
 

@@ -80,6 +80,10 @@ class Converted:
     number_args: tuple[int, ...] = ()
     """Positions of integer arguments the executable reads as 0-d int64 inputs (after the
     tensor placeholders, before the constants; `symbolic.PerShape`)."""
+    returned_inputs: tuple[tuple[int, int], ...] = ()
+    """`(graph output, argument)` per output that is an argument itself (AOTAutograd's
+    `is_input`, e.g. a cache updated in place and returned): a graph called without AOTAutograd's
+    wrapper returns that very tensor, as eager does, in place of the executable's result."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:

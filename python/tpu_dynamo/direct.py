@@ -10,6 +10,7 @@ stores the same graphs (precompile.py), and so does the disk cache by their Dyna
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -25,10 +26,11 @@ from .executable import Executable
 def wrapper_free(aten_gm: torch.fx.GraphModule, dynamo_inputs: int) -> bool:
     """Whether AOTAutograd's runtime wrapper for `aten_gm` (being compiled now, for a Dynamo
     graph of `dynamo_inputs` inputs) would only call it: static shapes, the Dynamo inputs
-    themselves in order, no output that aliases an input or an intermediate, input mutations all
-    inside the graph, no effect tokens, no RNG state threading, no grad-mode change to replay.
-    (Its one remaining act, running the graph with grad mode off, does not concern an executable
-    that records no autograd history.)"""
+    themselves in order, no output that is a view of an input or aliases an intermediate (one
+    that is an input itself, `Converted.returned_inputs`, the caller returns), input mutations
+    all inside the graph, no effect tokens, no RNG state threading, no grad-mode change to
+    replay. (Its one remaining act, running the graph with grad mode off, does not concern an
+    executable that records no autograd history.)"""
     meta = getattr(torch._guards.TracingContext.try_get(), "fw_metadata", None)
     if (
         meta is None
@@ -47,7 +49,7 @@ def wrapper_free(aten_gm: torch.fx.GraphModule, dynamo_inputs: int) -> bool:
             isinstance(desc := n.meta.get("desc"), PlainAOTInput) and desc.idx == i
             for i, n in enumerate(placeholders)
         )
-        and all(o.output_type == OutputType.non_alias for o in meta.output_info)
+        and all(o.output_type in (OutputType.non_alias, OutputType.is_input) for o in meta.output_info)
         and all(
             i.mutation_type in (MutationType.NOT_MUTATED, MutationType.MUTATED_IN_GRAPH)
             and not i.mutates_metadata
@@ -56,15 +58,30 @@ def wrapper_free(aten_gm: torch.fx.GraphModule, dynamo_inputs: int) -> bool:
     )
 
 
+def unwrapped(converted: Converted) -> Converted:
+    """`converted` (of the graph `wrapper_free` approved) with the outputs that are its inputs."""
+    meta = torch._guards.TracingContext.get().fw_metadata
+    returned = tuple((o, info.base_idx) for o, info in enumerate(meta.output_info)
+                     if info.output_type == OutputType.is_input)
+    return dataclasses.replace(converted, returned_inputs=returned)
+
+
 class Direct:
     """What Dynamo's bytecode calls, with the graph's inputs as arguments. Nothing wraps it, so
     its executable bumps the version of every input it updates itself."""
 
     def __init__(self, native: _native.CompiledGraph, converted: Converted) -> None:
         self.executable = Executable(native, converted)
+        self.returned_inputs = converted.returned_inputs
 
     def __call__(self, *args: Any) -> tuple[torch.Tensor | None, ...]:
-        return self.executable(list(args))
+        outs = self.executable(list(args))
+        if not self.returned_inputs:
+            return outs
+        given = list(outs)
+        for o, i in self.returned_inputs:
+            given[o] = args[i]
+        return tuple(given)
 
 
 class Loading(Direct):
