@@ -57,7 +57,7 @@ def key(
     digest = hashlib.blake2b(_salt(), digest_size=32)
 
     def field(value: Any) -> None:
-        data = value if isinstance(value, bytes) else repr(value).encode()
+        data = value.encode() if isinstance(value, str) else repr(value).encode()
         digest.update(len(data).to_bytes(8, "little"))
         digest.update(data)
 
