@@ -133,7 +133,7 @@ def _aot_compile(
         # Dynamo builds the frame's guards and code before the first call: time for a warm-up.
         executable.native.warm_up()
         if direct.wrapper_free(aten_gm, len(args)):
-            converted = direct.unwrapped(executable.converted)
+            converted = direct.with_returned_inputs(executable.converted)
             unwrapped.append(direct.Direct(executable.native, converted))
             # Set by Dynamo only under `caching_precompile`.
             precompile.record(getattr(gm, "_backend_id", None), converted)

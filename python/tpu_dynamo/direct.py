@@ -58,7 +58,7 @@ def wrapper_free(aten_gm: torch.fx.GraphModule, dynamo_inputs: int) -> bool:
     )
 
 
-def unwrapped(converted: Converted) -> Converted:
+def with_returned_inputs(converted: Converted) -> Converted:
     """`converted` (of the graph `wrapper_free` approved) with the outputs that are its inputs."""
     meta = torch._guards.TracingContext.get().fw_metadata
     returned = tuple((o, info.base_idx) for o, info in enumerate(meta.output_info)
@@ -78,10 +78,10 @@ class Direct:
         outs = self.executable(list(args))
         if not self.returned_inputs:
             return outs
-        given = list(outs)
+        returned = list(outs)
         for o, i in self.returned_inputs:
-            given[o] = args[i]
-        return tuple(given)
+            returned[o] = args[i]
+        return tuple(returned)
 
 
 class Loading(Direct):
