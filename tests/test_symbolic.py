@@ -199,3 +199,33 @@ def test_an_integer_used_only_as_a_number_is_read_at_run_time():
         assert got[1:] == want[1:]
     # n = 1 is Dynamo's static graph; from n = 2 on one symbolic graph, one executable.
     assert tpu_dynamo.stats()["compiles"] == 2
+
+
+def test_a_symbolic_graph_is_called_without_aotautograds_wrapper(monkeypatch):
+    """A graph traced with symbolic sizes is called directly, like a static one, when
+    AOTAutograd's runtime wrapper would only call it; it marks its outputs' symbolic dims as that
+    wrapper did, and a dynamic cache's outputs fed back in (automatic dynamic shapes) trace no
+    further graph."""
+    from tpu_dynamo import direct
+
+    calls = []
+    call = direct.Direct.__call__
+    monkeypatch.setattr(direct.Direct, "__call__", lambda self, *args: calls.append(1) or call(self, *args))
+
+    def grow(cache, x):
+        return torch.cat([cache, x * 2.0], dim=0), cache.sum(0)
+
+    step = compile_tpu(grow)  # dynamic=None: symbolic from the second length on
+    torch._dynamo.utils.counters.clear()
+    cache = torch.randn(3, 4)
+    with torch.no_grad():
+        for _ in range(5):
+            x = torch.randn(1, 4)
+            (got, total), (want, want_total) = step(cache, x), grow(cache, x)
+            torch.testing.assert_close(got, want)
+            torch.testing.assert_close(total, want_total)
+            cache = got
+    assert len(calls) == 5
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+    assert got._dynamo_propagated_dynamic_indices == {0}
+    assert stat("symbolic_graphs") == (1,)

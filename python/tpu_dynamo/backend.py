@@ -127,14 +127,19 @@ def _aot_compile(
 
     def compiler(aten_gm: torch.fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
         kinds, bumps = _aot_kinds(aten_gm, dynamo_kinds), _versions_bumped_by_aot()
+        free = direct.wrapper_free(aten_gm, len(args))
         if symbolic:
-            return PerShape(aten_gm, kinds, opts, bumps)
+            # Called directly, it bumps the versions AOTAutograd's wrapper would have.
+            per_shape = PerShape(aten_gm, kinds, opts, frozenset() if free else bumps)
+            if free:
+                unwrapped.append(direct.Direct(per_shape, direct.returned_inputs(), direct.dynamic_dims()))
+            return per_shape
         executable = compile_graph(aten_gm, kinds, opts, bumps)
         # Dynamo builds the frame's guards and code before the first call: time for a warm-up.
         executable.native.warm_up()
-        if direct.wrapper_free(aten_gm, len(args)):
+        if free:
             converted = direct.with_returned_inputs(executable.converted)
-            unwrapped.append(direct.Direct(executable.native, converted))
+            unwrapped.append(direct.Direct.of(executable.native, converted))
             # Set by Dynamo only under `caching_precompile`.
             precompile.record(getattr(gm, "_backend_id", None), converted)
             if graph_key is not None:

@@ -4,18 +4,21 @@ AOTAutograd wraps every compiled graph in Python that dedupes inputs, replays in
 and metadata changes, regenerates outputs that alias inputs or intermediates, threads effect
 tokens and runs the graph under the right grad mode: about a dozen frames per call. An inference
 graph with none of these needs (`wrapper_free`) gets none of that work from it, only its cost,
-so the backend hands Dynamo the executable itself (`Direct`). Dynamo's caching precompile
-stores the same graphs (precompile.py), and so does the disk cache by their Dynamo graph
-(graph_cache.py); either kind found again is called the same way (`Loading`).
+so the backend hands Dynamo the executable itself (`Direct`), or for a graph with symbolic
+sizes its per-shape dispatcher. Dynamo's caching precompile stores the static graphs
+(precompile.py), and so does the disk cache by their Dynamo graph (graph_cache.py); either kind
+found again is called the same way (`Loading`).
 """
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx
 from torch._functorch._aot_autograd.descriptors import PlainAOTInput
+from torch._functorch._aot_autograd.runtime_wrappers import mark_dynamo_propagated_dynamic_indices
 from torch._functorch._aot_autograd.schemas import MutationType, OutputType
 
 from . import _native
@@ -25,12 +28,12 @@ from .executable import Executable
 
 def wrapper_free(aten_gm: torch.fx.GraphModule, dynamo_inputs: int) -> bool:
     """Whether AOTAutograd's runtime wrapper for `aten_gm` (being compiled now, for a Dynamo
-    graph of `dynamo_inputs` inputs) would only call it: static shapes, the Dynamo inputs
-    themselves in order, no output that is a view of an input or aliases an intermediate (one
-    that is an input itself, `Converted.returned_inputs`, the caller returns), input mutations
-    all inside the graph, no effect tokens, no RNG state threading, no grad-mode change to
-    replay. (Its one remaining act, running the graph with grad mode off, does not concern an
-    executable that records no autograd history.)"""
+    graph of `dynamo_inputs` inputs) would only call it: the Dynamo inputs themselves in order,
+    no output that is a view of an input or aliases an intermediate (one that is an input itself,
+    `returned_inputs`, the caller returns), input mutations all inside the graph, no effect
+    tokens, no RNG state threading, no grad-mode change to replay. (Its remaining acts: running
+    the graph with grad mode off, which does not concern an executable that records no autograd
+    history, and marking outputs' symbolic dims for Dynamo, which `Direct` does.)"""
     meta = getattr(torch._guards.TracingContext.try_get(), "fw_metadata", None)
     if (
         meta is None
@@ -39,7 +42,6 @@ def wrapper_free(aten_gm: torch.fx.GraphModule, dynamo_inputs: int) -> bool:
         or meta.is_rng_op_functionalized
         or meta.num_graphsafe_rng_states
         or meta.grad_enabled_mutation is not None
-        or meta.dynamic_outputs
     ):
         return False
     placeholders = aten_gm.graph.find_nodes(op="placeholder")
@@ -58,24 +60,48 @@ def wrapper_free(aten_gm: torch.fx.GraphModule, dynamo_inputs: int) -> bool:
     )
 
 
+def returned_inputs() -> tuple[tuple[int, int], ...]:
+    """`(output, input)` for each output of the graph `wrapper_free` approved that is one of
+    its inputs."""
+    meta = torch._guards.TracingContext.get().fw_metadata
+    return tuple((o, info.base_idx) for o, info in enumerate(meta.output_info) if info.output_type == OutputType.is_input)
+
+
 def with_returned_inputs(converted: Converted) -> Converted:
     """`converted` (of the graph `wrapper_free` approved) with the outputs that are its inputs."""
+    return dataclasses.replace(converted, returned_inputs=returned_inputs())
+
+
+def dynamic_dims() -> tuple[tuple[int, set[int]], ...]:
+    """`(output, dims)` for each output of the graph `wrapper_free` approved whose sizes along
+    `dims` are symbolic: Dynamo reads them off the tensor when the output is traced again (a
+    dynamic cache's K/V in the next step), to keep those dims symbolic rather than recompile."""
     meta = torch._guards.TracingContext.get().fw_metadata
-    returned = tuple((o, info.base_idx) for o, info in enumerate(meta.output_info)
-                     if info.output_type == OutputType.is_input)
-    return dataclasses.replace(converted, returned_inputs=returned)
+    return tuple((o, info.dynamic_dims) for o, info in enumerate(meta.output_info) if info.dynamic_dims)
 
 
 class Direct:
     """What Dynamo's bytecode calls, with the graph's inputs as arguments. Nothing wraps it, so
-    its executable bumps the version of every input it updates itself."""
+    its executables bump the version of every input they update themselves."""
 
-    def __init__(self, native: _native.CompiledGraph, converted: Converted) -> None:
-        self.executable = Executable(native, converted)
-        self.returned_inputs = converted.returned_inputs
+    def __init__(
+        self,
+        run: Callable[[list[Any]], tuple[Any, ...]],
+        returned: tuple[tuple[int, int], ...] = (),
+        dynamic: tuple[tuple[int, set[int]], ...] = (),
+    ) -> None:
+        """`run`: the graph's call on a list of its inputs (an `Executable`, or a symbolic
+        graph's `PerShape`); `returned`, `dynamic`: see `returned_inputs`, `dynamic_dims`."""
+        self.run, self.returned_inputs, self.dynamic_dims = run, returned, dynamic
 
-    def __call__(self, *args: Any) -> tuple[torch.Tensor | None, ...]:
-        outs = self.executable(list(args))
+    @classmethod
+    def of(cls, native: _native.CompiledGraph, converted: Converted) -> Direct:
+        return cls(Executable(native, converted), converted.returned_inputs)
+
+    def __call__(self, *args: Any) -> tuple[Any, ...]:
+        outs = self.run(list(args))
+        for o, dims in self.dynamic_dims:
+            mark_dynamo_propagated_dynamic_indices(outs[o], dims)
         if not self.returned_inputs:
             return outs
         returned = list(outs)
@@ -97,7 +123,7 @@ class Loading(Direct):
         self.converted = converted
 
     def __call__(self, *args: Any) -> tuple[torch.Tensor | None, ...]:
-        Direct.__init__(self, self.loading.result(), self.converted)
+        Direct.__init__(self, Executable(self.loading.result(), self.converted), self.converted.returned_inputs)
         del self.loading, self.converted
         self.__class__ = Direct
         return Direct.__call__(self, *args)
