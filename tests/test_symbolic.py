@@ -229,3 +229,22 @@ def test_a_symbolic_graph_is_called_without_aotautograds_wrapper(monkeypatch):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
     assert got._dynamo_propagated_dynamic_indices == {0}
     assert stat("symbolic_graphs") == (1,)
+
+
+def test_a_symbolic_graph_returning_an_input_it_updates_returns_that_tensor():
+    """With symbolic sizes too, an output that is an input updated in place (a static cache's
+    `index_copy_`) is that very tensor, marked like the graph's other symbolic outputs."""
+
+    def update(cache, position, x):
+        return cache.index_copy_(0, position, x), cache.sum(0)
+
+    step = compile_tpu(update, dynamic=True)
+    with torch.no_grad():
+        for rows in (4, 6, 9):
+            cache, position, x = torch.randn(rows, 8), torch.tensor([1]), torch.randn(1, 8)
+            want = cache.clone().index_copy_(0, position, x)
+            got, total = step(cache, position, x)
+            assert got is cache and 0 in got._dynamo_propagated_dynamic_indices
+            torch.testing.assert_close(cache, want)
+            torch.testing.assert_close(total, want.sum(0))
+    assert stat("symbolic_graphs") == (1,)

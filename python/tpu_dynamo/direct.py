@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import torch.fx
 from torch._functorch._aot_autograd.descriptors import PlainAOTInput
-from torch._functorch._aot_autograd.runtime_wrappers import mark_dynamo_propagated_dynamic_indices
 from torch._functorch._aot_autograd.schemas import MutationType, OutputType
 
 from . import _native
@@ -92,7 +91,11 @@ class Direct:
     ) -> None:
         """`run`: the graph's call on a list of its inputs (an `Executable`, or a symbolic
         graph's `PerShape`); `returned`, `dynamic`: see `returned_inputs`, `dynamic_dims`."""
+        # Imported here: at this module's import, before Dynamo's, it would be a circular import.
+        from torch._functorch._aot_autograd.runtime_wrappers import mark_dynamo_propagated_dynamic_indices
+
         self.run, self.returned_inputs, self.dynamic_dims = run, returned, dynamic
+        self.mark_dynamic = mark_dynamo_propagated_dynamic_indices
 
     @classmethod
     def of(cls, native: _native.CompiledGraph, converted: Converted) -> Direct:
@@ -100,14 +103,14 @@ class Direct:
 
     def __call__(self, *args: Any) -> tuple[Any, ...]:
         outs = self.run(list(args))
+        if self.returned_inputs:
+            returned = list(outs)
+            for o, i in self.returned_inputs:
+                returned[o] = args[i]
+            outs = tuple(returned)
         for o, dims in self.dynamic_dims:
-            mark_dynamo_propagated_dynamic_indices(outs[o], dims)
-        if not self.returned_inputs:
-            return outs
-        returned = list(outs)
-        for o, i in self.returned_inputs:
-            returned[o] = args[i]
-        return tuple(returned)
+            self.mark_dynamic(outs[o], dims)
+        return outs
 
 
 class Loading(Direct):
