@@ -126,11 +126,11 @@ def _aot_compile(
     unwrapped: list[direct.Direct] = []
 
     def compiler(aten_gm: torch.fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
-        kinds, bumps = _aot_kinds(aten_gm, dynamo_kinds), _versions_bumped_by_aot()
         free = direct.wrapper_free(aten_gm, len(args))
+        # Called directly, a graph bumps the versions AOTAutograd's wrapper would have.
+        kinds, bumps = _aot_kinds(aten_gm, dynamo_kinds), frozenset() if free else _versions_bumped_by_aot()
         if symbolic:
-            # Called directly, it bumps the versions AOTAutograd's wrapper would have.
-            per_shape = PerShape(aten_gm, kinds, opts, frozenset() if free else bumps)
+            per_shape = PerShape(aten_gm, kinds, opts, bumps)
             if free:
                 unwrapped.append(direct.Direct(per_shape, direct.returned_inputs(), direct.dynamic_dims()))
             return per_shape
@@ -139,7 +139,7 @@ def _aot_compile(
         executable.native.warm_up()
         if free:
             converted = direct.with_returned_inputs(executable.converted)
-            unwrapped.append(direct.Direct.of(executable.native, converted))
+            unwrapped.append(direct.Direct(executable, converted.returned_inputs))
             # Set by Dynamo only under `caching_precompile`.
             precompile.record(getattr(gm, "_backend_id", None), converted)
             if graph_key is not None:

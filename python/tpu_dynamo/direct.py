@@ -97,10 +97,6 @@ class Direct:
         self.run, self.returned_inputs, self.dynamic_dims = run, returned, dynamic
         self.mark_dynamic = mark_dynamo_propagated_dynamic_indices
 
-    @classmethod
-    def of(cls, native: _native.CompiledGraph, converted: Converted) -> Direct:
-        return cls(Executable(native, converted), converted.returned_inputs)
-
     def __call__(self, *args: Any) -> tuple[Any, ...]:
         outs = self.run(list(args))
         if self.returned_inputs:
