@@ -166,3 +166,94 @@ def test_a_model_forward_loads_without_tracing(tmp_path, name):
     assert (second["graphs_traced"], second["compiles"]) == (0, 0)
     for r in (first, second):
         assert r["diff"] <= 1e-4
+
+
+SYMBOLIC = textwrap.dedent(
+    """
+    import json, sys, torch
+    torch._dynamo.config.caching_precompile = True
+    import tpu_dynamo
+    from torch._dynamo.utils import counters
+
+    def step(x, cache):
+        cache.mul_(0.5)  # an input updated in place and returned
+        y = torch.cat([cache, x], dim=0)
+        return torch.tanh(y) * 2, y.shape[0] + 1, cache  # a number output from the sizes
+
+    f = torch.compile(step, backend="tpu", fullgraph=True, dynamic=True)
+    torch.manual_seed(0)
+    diffs, numbers, same = [], [], []
+    for rows in map(int, sys.argv[2].split(",")):
+        x, cache = torch.randn(rows, 8), torch.randn(rows + 2, 8)
+        want_cache = cache.clone()
+        want = step(x, want_cache)
+        got = f(x, cache)
+        diffs.append(max((got[0] - want[0]).abs().max().item(), (cache - want_cache).abs().max().item()))
+        numbers.append([got[1], want[1]])
+        same.append(got[2] is cache)
+    if sys.argv[1] == "save":
+        torch.compiler.save_cache_artifacts()
+    print(json.dumps({
+        "diff": max(diffs), "numbers": numbers, "returns_the_input": all(same),
+        "graphs_traced": counters["stats"]["unique_graphs"],
+        "compiles": tpu_dynamo.stats()["compiles"],
+    }))
+    """
+)
+
+
+def test_a_symbolic_graph_loads_without_tracing(tmp_path):
+    """A graph traced with symbolic sizes is stored as its `symbolic.Traced`: the second process
+    traces nothing, finds the executables of the sizes the first one ran, compiles only a new
+    size, and returns the size it computes and the input it updates, as eager does."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "torch"), "TPU_DYNAMO_CACHE_DIR": str(tmp_path / "tpu")}
+    first = _run_args(["save", "3,5"], env, SYMBOLIC)
+    second = _run_args(["load", "3,5,9"], env, SYMBOLIC)
+    assert (first["graphs_traced"], first["compiles"]) == (1, 2)
+    assert (second["graphs_traced"], second["compiles"]) == (0, 1)
+    for r in (first, second):
+        assert r["diff"] <= 1e-6
+        assert all(got == want for got, want in r["numbers"]) and r["returns_the_input"]
+    assert [n for n, _ in second["numbers"]] == [9, 13, 21]
+
+
+GENERATE = textwrap.dedent(
+    """
+    import json, sys, torch
+    torch._dynamo.config.caching_precompile = True
+    import tpu_dynamo
+    from torch._dynamo.utils import counters
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 128, (1, 5))
+    def generate():
+        return model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = generate()
+        model.compile(backend="tpu", fullgraph=True)
+        got = generate()
+    if sys.argv[1] == "save":
+        torch.compiler.save_cache_artifacts()
+    print(json.dumps({
+        "same": torch.equal(got, want),
+        "graphs_traced": counters["stats"]["unique_graphs"],
+        "compiles": tpu_dynamo.stats()["compiles"],
+    }))
+    """
+)
+
+
+def test_a_dynamic_cache_generate_loads_without_tracing(tmp_path):
+    """`generate()` with the default dynamic cache: the prompt's and first step's graphs are
+    static, the later steps' one symbolic. All three load in a new process, which neither
+    traces nor compiles (bench/RESULTS.md, seventeenth session: its first generate 5 s → 0.1-0.2)."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "torch"), "TPU_DYNAMO_CACHE_DIR": str(tmp_path / "tpu")}
+    first = _run("save", env, GENERATE)
+    second = _run("load", env, GENERATE)
+    assert first["graphs_traced"] == 3 and first["compiles"] > 3
+    assert (second["graphs_traced"], second["compiles"]) == (0, 0)
+    assert first["same"] and second["same"]

@@ -6,6 +6,7 @@ entry point (looked up only when the name is not registered yet) is the only col
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from collections.abc import Callable, Mapping, Sequence
@@ -21,7 +22,7 @@ from . import _native, debug, direct, graph_cache, precompile
 from . import options as options_mod
 from .convert import InputKind
 from .executable import compile_graph
-from .symbolic import PerShape
+from .symbolic import PerShape, Traced
 
 
 # Core ATen ops lowered as themselves when the compiler has a rule: core's decomposition of `take`
@@ -130,9 +131,13 @@ def _aot_compile(
         # Called directly, a graph bumps the versions AOTAutograd's wrapper would have.
         kinds, bumps = _aot_kinds(aten_gm, dynamo_kinds), frozenset() if free else _versions_bumped_by_aot()
         if symbolic:
-            per_shape = PerShape(aten_gm, kinds, opts, bumps)
+            traced = Traced.of(aten_gm, kinds, opts, bumps)
+            per_shape = PerShape(traced, aten_gm, opts)
             if free:
-                unwrapped.append(direct.Direct(per_shape, direct.returned_inputs(), direct.dynamic_dims()))
+                traced = dataclasses.replace(traced, returned=direct.returned_inputs(), dynamic=direct.dynamic_dims())
+                unwrapped.append(direct.Direct(per_shape, traced.returned, traced.dynamic))
+                if traced.converted is not None:
+                    precompile.record(getattr(gm, "_backend_id", None), traced)
             return per_shape
         executable = compile_graph(aten_gm, kinds, opts, bumps)
         # Dynamo builds the frame's guards and code before the first call: time for a warm-up.

@@ -206,20 +206,25 @@ def compile_graph(
     start = time.perf_counter()
     converted = convert(gm, kinds) if resolve is None else convert(gm, kinds, resolve)
     native = _native.compile(converted.json, need_stablehlo=debug.wanted(options))
-    return wrap(native, gm, converted, options, caller_bumps, start)
+    return wrap(native, op_sequence(gm), gm.code, converted, options, caller_bumps, start)
+
+
+def op_sequence(gm: torch.fx.GraphModule) -> tuple[str, ...]:
+    """The graph's ops in order, shape-free: it tells "new graph" from "new shape"."""
+    return tuple(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
 
 
 def wrap(
     native: _native.CompiledGraph,
-    gm: torch.fx.GraphModule,
+    ops: tuple[str, ...],
+    fx_code: str,
     converted: Converted,
     options: Options,
     caller_bumps: frozenset[int],
     start: float,
 ) -> Executable:
-    """Logs and reports how `native` (compiled from `gm`, starting at `start`) was obtained."""
-    code = gm.code
-    ops = tuple(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+    """Logs and reports how `native` (compiled from the FX graph `fx_code` of `ops`, starting at
+    `start`) was obtained."""
     if native.memory_hit:
         debug.log.info("%s: reused a compiled executable from memory", options.name or "graph")
     elif native.disk_hit:
@@ -238,5 +243,5 @@ def wrap(
             len(ops),
         )
     _seen_op_sequences.add(ops)
-    debug.report(options, fx_code=code, stablehlo=native.stablehlo, graph_hash=native.graph_hash)
+    debug.report(options, fx_code=fx_code, stablehlo=native.stablehlo, graph_hash=native.graph_hash)
     return Executable(native, converted, caller_bumps)

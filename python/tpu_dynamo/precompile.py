@@ -9,7 +9,9 @@ another thread while Dynamo builds the frame's guards (`Loading`), so the first 
 guards and runs.
 
 Stored are the graphs the backend already calls without AOTAutograd's runtime wrapper
-(`direct.wrapper_free`): nothing of AOTAutograd is needed to call them again. For any other
+(`direct.wrapper_free`): nothing of AOTAutograd is needed to call them again. A graph with
+symbolic sizes (a dynamic-cache decode step) is stored as its `symbolic.Traced`, and each of its
+executables is found in our disk cache at its first call of a signature. For any other
 graph no artifact is recorded, so Dynamo stores no entry for its frame and traces it as before.
 Nor for a frame Dynamo could not load again (`_reloadable`).
 
@@ -31,16 +33,17 @@ from torch._dynamo.symbolic_convert import InstructionTranslator
 
 from . import _native
 from .convert import Converted
-from .direct import Loading
+from .direct import Direct, Loading
+from .symbolic import PerShape, Traced
 
 
-def record(backend_id: str | None, converted: Converted) -> None:
-    """Records `converted`, a graph called without AOTAutograd's wrapper (direct.py), as the
-    artifact of Dynamo's backend call `backend_id` (set on the graph Dynamo hands the backend
-    only under caching precompile)."""
+def record(backend_id: str | None, graph: Converted | Traced) -> None:
+    """Records `graph`, called without AOTAutograd's wrapper (direct.py), as the artifact of
+    Dynamo's backend call `backend_id` (set on the graph Dynamo hands the backend only under
+    caching precompile): a converted graph, or a symbolic graph's `Traced`."""
     if backend_id is None or not _reloadable():
         return
-    PrecompileContext.record_artifact(TpuArtifact(key=backend_id, content=pickle.dumps(converted)))
+    PrecompileContext.record_artifact(TpuArtifact(key=backend_id, content=pickle.dumps(graph)))
 
 
 def _reloadable() -> bool:
@@ -105,4 +108,7 @@ class TpuArtifact(BackendCacheArtifact[Any]):
     """A converted graph; deserialized, it is the callable Dynamo's bytecode calls."""
 
     def after_deserialization(self) -> Any:
-        return Loading(pickle.loads(self.content))
+        graph = pickle.loads(self.content)
+        if isinstance(graph, Traced):
+            return Direct(PerShape(graph), graph.returned, graph.dynamic)
+        return Loading(graph)

@@ -30,8 +30,8 @@ import torch
 import torch.fx
 
 from . import _native, debug
-from .convert import InputKind, convert_symbolic
-from .executable import CallSizes, Executable, compile_graph, wrap
+from .convert import Converted, InputKind, convert_symbolic
+from .executable import CallSizes, Executable, compile_graph, op_sequence, wrap
 from .options import Buckets, Options, PowersOfTwo
 
 # Graph outputs that are numbers rather than tensors (`bool` is an `int`).
@@ -41,44 +41,111 @@ _NUMBERS = (int, float, torch.SymInt, torch.SymFloat, torch.SymBool)
 SIZES_BEFORE_WARNING = 8
 
 
-def _bindings(placeholders: list[torch.fx.Node], args: list[Any]) -> dict[sympy.Symbol, int]:
+@dataclasses.dataclass(frozen=True)
+class _Scalar:
+    """A symbolic number: its sympy expression and Python type."""
+
+    expr: Any
+    kind: type
+
+    def value(self, bindings: dict[sympy.Symbol, int]) -> Any:
+        """The number for the sizes `bindings`."""
+        value = sympy.sympify(sympy.sympify(self.expr).xreplace(bindings))
+        if value.free_symbols:
+            raise NotImplementedError(
+                f"tpu_dynamo: size {self.expr} depends on {sorted(map(str, value.free_symbols))},"
+                " which no input size determines (data-dependent shapes are not supported)"
+            )
+        return self.kind(value)
+
+
+_KINDS = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}
+
+
+def _abstract(val: Any) -> Any:
+    """A traced value as `Traced` keeps it: a tensor's sizes (ints, or sympy expressions where
+    symbolic), a symbolic number as a `_Scalar`, any other value as it is."""
+    if isinstance(val, torch.Tensor):
+        return tuple(d.node.expr if isinstance(d, torch.SymInt) else int(d) for d in val.shape)
+    kind = _KINDS.get(type(val))
+    return val if kind is None else _Scalar(val.node.expr, kind)
+
+
+def _is_symbolic(abstract: Any) -> bool:
+    """Whether a placeholder (`_abstract`) has a symbolic size or is a symbolic number."""
+    if isinstance(abstract, tuple):
+        return any(not isinstance(d, int) for d in abstract)
+    return isinstance(abstract, _Scalar)
+
+
+def _bindings(placeholders: tuple[Any, ...], args: list[Any]) -> dict[sympy.Symbol, int]:
     """Each size symbol that appears as a whole input size (or SymInt input) -> its value now."""
     out: dict[sympy.Symbol, int] = {}
-    for n, a in zip(placeholders, args):
-        val = n.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            pairs = zip(val.shape, a.shape)
-        elif isinstance(val, torch.SymInt):
-            pairs = zip([val], [a])
+    for abstract, a in zip(placeholders, args):
+        if isinstance(abstract, tuple):
+            pairs = zip(abstract, a.shape)
+        elif isinstance(abstract, _Scalar) and abstract.kind is int:
+            pairs = zip([abstract.expr], [a])
         else:
             continue
         for sym, concrete in pairs:
-            if isinstance(sym, torch.SymInt) and isinstance(sym.node.expr, sympy.Symbol):
-                out[sym.node.expr] = int(concrete)
+            if isinstance(sym, sympy.Symbol):
+                out[sym] = int(concrete)
     return out
-
-
-def _is_symbolic(val: Any) -> bool:
-    """Whether a placeholder's traced value has a symbolic size or is a symbolic scalar."""
-    if isinstance(val, torch.Tensor):
-        return any(isinstance(d, torch.SymInt) for d in val.shape)
-    return isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
 def _resolver(bindings: dict[sympy.Symbol, int]):
     def resolve(x: Any) -> Any:
-        if not isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            return x
-        expr = sympy.sympify(sympy.sympify(x.node.expr).xreplace(bindings))
-        if expr.free_symbols:
-            raise NotImplementedError(
-                f"tpu_dynamo: size {x.node.expr} depends on {sorted(map(str, expr.free_symbols))},"
-                " which no input size determines (data-dependent shapes are not supported)"
-            )
-        kind = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}[type(x)]
-        return kind(expr)
+        kind = _KINDS.get(type(x))
+        return x if kind is None else _Scalar(x.node.expr, kind).value(bindings)
 
     return resolve
+
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """What `PerShape` takes from AOTAutograd's symbolic graph, picklable: a later process
+    calls the graph again from it without tracing (precompile.py stores it)."""
+
+    converted: Converted | None
+    """The symbolic IR's graph; None where the IR cannot express its sizes, so each signature
+    is converted from the FX graph in Python and nothing can be stored."""
+    kinds: tuple[InputKind, ...]
+    options: Options
+    """Without a `debug_callback` (a process's own)."""
+    caller_bumps: frozenset[int]
+    placeholders: tuple[Any, ...]
+    """Per placeholder, its traced value (`_abstract`)."""
+    number_outputs: tuple[tuple[int, Any], ...]
+    """Graph outputs that are numbers computed from the inputs' sizes (a cache's new length): not
+    results of the executable, but the same for every call of a signature (`_abstract`)."""
+    ops: tuple[str, ...]
+    fx_code: str
+    returned: tuple[tuple[int, int], ...] = ()
+    dynamic: tuple[tuple[int, set[int]], ...] = ()
+    """`returned`, `dynamic`: how `direct.Direct` calls the graph (set where it does)."""
+
+    @staticmethod
+    def of(gm: torch.fx.GraphModule, kinds: list[InputKind], options: Options, caller_bumps: frozenset[int]) -> Traced:
+        try:
+            converted: Converted | None = convert_symbolic(gm, kinds)
+        except (NotImplementedError, ValueError) as e:
+            debug.log.info("%s: specializing per shape in Python: %s", options.name or "graph", e)
+            converted = None
+        return Traced(
+            converted,
+            tuple(kinds),
+            dataclasses.replace(options, debug_callback=None),
+            caller_bumps,
+            tuple(_abstract(n.meta.get("val")) for n in gm.graph.find_nodes(op="placeholder")),
+            tuple(
+                (i, _abstract(o.meta["val"]))
+                for i, o in enumerate(gm.graph.output_node().args[0])
+                if isinstance(o, torch.fx.Node) and isinstance(o.meta.get("val"), _NUMBERS)
+            ),
+            op_sequence(gm),
+            gm.code,
+        )
 
 
 class _Plan(NamedTuple):
@@ -107,18 +174,11 @@ class PerShape:
 
     _boxed_call = True
 
-    def __init__(
-        self, gm: torch.fx.GraphModule, kinds: list[InputKind], options: Options, caller_bumps: frozenset[int]
-    ) -> None:
-        self.gm, self.kinds, self.options, self.caller_bumps = gm, kinds, options, caller_bumps
-        self.placeholders = gm.graph.find_nodes(op="placeholder")
-        # Outputs that are numbers computed from the inputs' sizes (a cache's new length): not
-        # results of the executable, but the same for every call of a signature.
-        self.number_outputs = [
-            (i, o.meta["val"])
-            for i, o in enumerate(gm.graph.output_node().args[0])
-            if isinstance(o, torch.fx.Node) and isinstance(o.meta.get("val"), _NUMBERS)
-        ]
+    def __init__(self, traced: Traced, gm: torch.fx.GraphModule | None = None, options: Options | None = None) -> None:
+        """`gm`: the graph `traced` is of, needed only where the IR cannot express its sizes
+        (`traced.converted` None); `options`: this process's, by default `traced.options`."""
+        self.traced, self.gm = traced, gm
+        self.options = options = options or traced.options
         self.compiled: dict[tuple[Any, ...], Executable | _Padded | _WithNumbers] = {}
         self.padded: dict[tuple[Any, ...], Executable] = {}
         self.compile_seconds = 0.0
@@ -126,20 +186,18 @@ class PerShape:
         # Integer arguments the executable reads at run time (used only as numbers): their
         # values key nothing.
         self.number_args: tuple[int, ...] = ()
-        try:
-            self.converted = convert_symbolic(gm, kinds)
-            self.symbolic: _native.SymbolicGraph | None = _native.SymbolicGraph(self.converted.json)
+        self.symbolic: _native.SymbolicGraph | None = None
+        if traced.converted is not None:
+            self.converted = traced.converted
+            self.symbolic = _native.SymbolicGraph(self.converted.json)
             self.number_args = tuple(self.converted.scalar_args[p] for p in self.symbolic.number_scalars)
-        except (NotImplementedError, ValueError) as e:
-            debug.log.info("%s: specializing per shape in Python: %s", name, e)
-            self.symbolic = None
         # The inputs whose sizes or values can differ between calls and key the executable:
         # Dynamo's guards pin every other input's dtype and shape.
         self.varying = [
-            i for i, n in enumerate(self.placeholders) if _is_symbolic(n.meta.get("val")) and i not in self.number_args
+            i for i, p in enumerate(traced.placeholders) if _is_symbolic(p) and i not in self.number_args
         ]
         # Symbol -> the argument carrying it, for the numbers read at run time.
-        self.number_symbols = {self.placeholders[i].meta["val"].node.expr: i for i in self.number_args}
+        self.number_symbols = {traced.placeholders[i].expr: i for i in self.number_args}
         self.plan: _Plan | None = None
         # The graph `plan` is for, and the sizes it keeps exact (symbol -> value): this graph
         # with those fixed when only the others can be padded (`_adopt_padding`).
@@ -163,8 +221,9 @@ class PerShape:
                 self._adopt_padding(args)
             start = time.perf_counter()
             exe = self._compile(args)
-            if self.number_outputs:
-                exe = _WithNumbers(exe, self.number_outputs, _bindings(self.placeholders, args), self.number_symbols)
+            if self.traced.number_outputs:
+                bindings = _bindings(self.traced.placeholders, args)
+                exe = _WithNumbers(exe, self.traced.number_outputs, bindings, self.number_symbols)
             self.compile_seconds += time.perf_counter() - start
             self.compiled[signature] = exe
             if len(self.compiled) == SIZES_BEFORE_WARNING and self.plan is None:
@@ -263,8 +322,9 @@ class PerShape:
                 return self._bucketed(args, true)
             debug.log.info("%s: buckets: sizes differ from what the padding assumes; compiling exact shapes", self.name)
         if self.symbolic is None:
-            resolve = _resolver(_bindings(self.placeholders, args))
-            return compile_graph(self.gm, self.kinds, self.options, self.caller_bumps, resolve)
+            assert self.gm is not None  # `Traced` is stored only with the IR's graph
+            resolve = _resolver(_bindings(self.traced.placeholders, args))
+            return compile_graph(self.gm, list(self.traced.kinds), self.options, self.traced.caller_bumps, resolve)
         c = self.converted
         shapes = [list(args[i].shape) for i in c.tensor_args] + [list(t.shape) for t in c.constants]
         return self._specialize(shapes, self._scalars(args))
@@ -308,7 +368,8 @@ class PerShape:
                 + (InputKind.USER,) * numbers
                 + c.kinds[at:],
             )
-        return wrap(native, self.gm, c, self.options, self.caller_bumps, start)
+        t = self.traced
+        return wrap(native, t.ops, t.fx_code, c, self.options, t.caller_bumps, start)
 
     def _bucketed(self, args: list[Any], true: dict[int, int]) -> _Padded:
         """The call for `args`' sizes (`true`): the executable of their buckets, shared by every
@@ -403,16 +464,15 @@ class _WithNumbers:
     def __init__(
         self,
         call: Executable | _Padded,
-        outputs: list[tuple[int, Any]],
+        outputs: tuple[tuple[int, Any], ...],
         bindings: dict[sympy.Symbol, int],
         number_symbols: dict[sympy.Symbol, int],
     ) -> None:
         def per_call(val: Any) -> bool:
-            return isinstance(val, torch.SymInt) and not val.node.expr.free_symbols.isdisjoint(number_symbols)
+            return isinstance(val, _Scalar) and val.kind is int and not val.expr.free_symbols.isdisjoint(number_symbols)
 
-        resolve = _resolver(bindings)
         self.call, self.bindings, self.number_symbols = call, bindings, number_symbols
-        self.numbers = [(i, resolve(val)) for i, val in outputs if not per_call(val)]
+        self.numbers = [(i, val.value(bindings) if isinstance(val, _Scalar) else val) for i, val in outputs if not per_call(val)]
         self.per_call = [(i, val) for i, val in outputs if per_call(val)]
 
     def __call__(self, args: list[Any]) -> tuple[Any, ...]:
@@ -421,8 +481,8 @@ class _WithNumbers:
         for i, value in self.numbers:
             outs[i] = value
         if self.per_call:
-            resolve = _resolver({**self.bindings, **now})
+            bindings = {**self.bindings, **now}
             for i, val in self.per_call:
-                outs[i] = resolve(val)
+                outs[i] = val.value(bindings)
         return tuple(outs)
 
