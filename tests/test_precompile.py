@@ -250,7 +250,7 @@ GENERATE = textwrap.dedent(
 def test_a_dynamic_cache_generate_loads_without_tracing(tmp_path):
     """`generate()` with the default dynamic cache: the prompt's and first step's graphs are
     static, the later steps' one symbolic. All three load in a new process, which neither
-    traces nor compiles (bench/RESULTS.md, seventeenth session: its first generate 5 s → 0.1-0.2)."""
+    traces nor compiles (bench/RESULTS.md, seventeenth session: the bench's first generate 4.1-4.3 s → 0.52-0.73)."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "torch"), "TPU_DYNAMO_CACHE_DIR": str(tmp_path / "tpu")}
     first = _run("save", env, GENERATE)
     second = _run("load", env, GENERATE)
