@@ -177,3 +177,49 @@ def test_readonly_cache_serves_graphs_and_writes_none(monkeypatch, caplog):
         run_fresh(mlp, x, w)
     assert graph_stats() == (0, 0, 0) and tpu_dynamo.stats()["disk_hits"] == 1
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def cache_step(x, cache):
+    cache.mul_(0.5)  # an input updated in place and returned
+    y = torch.cat([cache, x], dim=0)
+    return torch.tanh(y) * 2, y.shape[0] + 1, cache  # a number output from the sizes
+
+
+def test_symbolic_graph_is_found_without_aotautograd(traced):
+    """A graph traced with symbolic sizes is stored as its `symbolic.Traced`: found again, it
+    serves sizes never seen, returns the size it computes and the input it updates."""
+    def run(rows):
+        x, cache = torch.randn(rows, 8), torch.randn(rows + 2, 8)
+        want_cache = cache.clone()
+        want = cache_step(x, want_cache)
+        torch._dynamo.reset()
+        with torch.no_grad():
+            got = compile_tpu(cache_step, dynamic=True)(x, cache)
+        torch.testing.assert_close(got[0], want[0], **F32)
+        torch.testing.assert_close(cache, want_cache)
+        assert got[1] == want[1] == 2 * rows + 3 and got[2] is cache
+
+    tpu_dynamo.reset_stats()
+    run(3)
+    assert graph_stats()[:2] == (0, 1) and len(traced) == 1
+    for rows in (3, 5):
+        tpu_dynamo.reset_stats()
+        run(rows)
+        assert graph_stats() == (1, 0, 1 if rows == 5 else 0) and len(traced) == 1
+
+
+def test_symbolic_graph_whose_trace_guards_its_sizes_is_traced_every_time(traced):
+    """AOTAutograd's decomposition of `chunk` guards the chunk sizes (e.g. `(s0 + 1)//2 != 1`),
+    which Dynamo's frame guards include only when AOTAutograd ran: not stored."""
+    def halves_swapped(x):
+        return torch.cat(torch.chunk(x, 2, 0)[::-1])
+
+    for rows in (6, 6):
+        x = torch.randn(rows, 4)
+        torch._dynamo.reset()
+        tpu_dynamo.reset_stats()
+        with torch.no_grad():
+            got = compile_tpu(halves_swapped, dynamic=True)(x)
+        torch.testing.assert_close(got, halves_swapped(x))
+        assert graph_stats()[:2] == (0, 0)
+    assert len(traced) == 2

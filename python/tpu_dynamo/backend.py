@@ -119,12 +119,13 @@ def _aot_compile(
     gm: torch.fx.GraphModule, args: Sequence[Any], dynamo_kinds: list[InputKind], opts: options_mod.Options
 ) -> Callable[..., Any]:
     symbolic = _is_symbolic(args)
-    graph_key = None if symbolic else graph_cache.key(gm, args, dynamo_kinds, opts)
-    if graph_key is not None and (converted := graph_cache.load(graph_key)) is not None:
+    graph_key = graph_cache.key(gm, args, dynamo_kinds, opts)
+    if graph_key is not None and (stored := graph_cache.load(graph_key)) is not None:
         debug.log.info("%s: found its converted graph in the disk cache", opts.name or "graph")
-        precompile.record(getattr(gm, "_backend_id", None), converted)
-        return direct.Loading(converted)
+        precompile.record(getattr(gm, "_backend_id", None), stored)
+        return direct.found(stored, opts)
     unwrapped: list[direct.Direct] = []
+    shape_facts = graph_cache.shape_facts()
 
     def compiler(aten_gm: torch.fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
         free = direct.wrapper_free(aten_gm, len(args))
@@ -138,6 +139,9 @@ def _aot_compile(
                 unwrapped.append(direct.Direct(per_shape, traced.returned, traced.dynamic))
                 if traced.converted is not None:
                     precompile.record(getattr(gm, "_backend_id", None), traced)
+                    # Found again, AOTAutograd's guards on the sizes would be missing.
+                    if graph_key is not None and graph_cache.shape_facts() == shape_facts:
+                        graph_cache.store(graph_key, traced)
             return per_shape
         executable = compile_graph(aten_gm, kinds, opts, bumps)
         # Dynamo builds the frame's guards and code before the first call: time for a warm-up.

@@ -23,6 +23,8 @@ from torch._functorch._aot_autograd.schemas import MutationType, OutputType
 from . import _native
 from .convert import Converted
 from .executable import Executable
+from .options import Options
+from .symbolic import PerShape, Traced
 
 
 def wrapper_free(aten_gm: torch.fx.GraphModule, dynamo_inputs: int) -> bool:
@@ -107,6 +109,14 @@ class Direct:
         for o, dims in self.dynamic_dims:
             self.mark_dynamic(outs[o], dims)
         return outs
+
+
+def found(graph: Converted | Traced, options: Options | None = None) -> Direct:
+    """The call of a graph an earlier process stored (graph_cache.py, precompile.py); `options`:
+    this process's."""
+    if isinstance(graph, Traced):
+        return Direct(PerShape(graph, options=options), graph.returned, graph.dynamic)
+    return Loading(graph)
 
 
 class Loading(Direct):

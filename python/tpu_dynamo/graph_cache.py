@@ -3,17 +3,20 @@ neither runs AOTAutograd nor converts: of a warm first call (our executables on 
 ~20-35 % (gpt2-b1 0.45 of 2.0 s, sd3 0.9 of 2.5, the UNet 1.6 of 4.8), Dynamo's tracing the rest.
 
 Only graphs the backend calls without AOTAutograd's wrapper are stored (`direct.wrapper_free`:
-a converted graph is all a call needs), with static shapes and no debug output wanted. The key
-is a digest of everything AOTAutograd's output and our conversion depend on, and a graph
-whose dependencies it cannot name is not stored:
+a converted graph is all a call needs, or for a graph with symbolic sizes its `symbolic.Traced`)
+with no debug output wanted. The key is a digest of everything AOTAutograd's output and our
+conversion depend on, and a graph whose dependencies it cannot name is not stored:
 
 - the Dynamo graph's code, and what each call in it names (the ATen/prims op, or the torch or
   builtin function, as AOTAutograd's own cache accepts them: `check_node_safe`). Graphs with
   submodules, attributes (constants, subgraphs) or ops of other namespaces (custom ops, whose
   Python may change between processes) are left out;
 - per input: type, where it comes from (parameter, buffer, constant, user), dtype, device,
-  layout, sizes, strides, storage offset, grad and inference flags, and which earlier input
-  shares its storage;
+  layout, sizes, strides, storage offset (symbolic where traced so), grad and inference flags,
+  and which earlier input shares its storage; a size argument's symbol;
+- what the trace knows of its size symbols (`shape_facts`). A symbolic graph is stored only where
+  AOTAutograd added nothing to that (no guard of its own): a process that finds the graph skips
+  AOTAutograd, so Dynamo's guards for the frame are built without it;
 - the state AOTAutograd traces under: grad and inference mode, autocast per device type,
   deterministic algorithms, the default dtype, the SDPA backend switches, functorch's config;
 - this build (the compiler's source hash, the version, every source file of this package),
@@ -39,6 +42,7 @@ import torch.fx
 from . import _native, debug
 from .convert import Converted, InputKind
 from .options import Options
+from .symbolic import Traced
 
 try:
     from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache, check_node_safe
@@ -71,31 +75,55 @@ def key(
                 return None
             field((node.name, target))
     storages: dict[int, int] = {}
-    for i, (x, kind) in enumerate(zip(example_inputs, kinds, strict=True)):
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    for i, (x, kind, node) in enumerate(zip(example_inputs, kinds, placeholders, strict=True)):
+        if isinstance(x, torch.SymInt):
+            field(("SymInt", str(x.node.expr)))
+            continue
         if type(x) not in (torch.Tensor, torch.nn.Parameter):
             return None
         shared = storages.setdefault(x.untyped_storage().data_ptr(), i) if x.numel() else i
-        field((type(x).__name__, kind.value, x.dtype, x.device, x.layout, tuple(x.shape), x.stride(),
-               x.storage_offset(), x.requires_grad, x.is_inference(), shared))
+        # Traced with symbolic sizes, the graph's sizes are its placeholders' (`s0`, `2*s0`).
+        traced = node.meta.get("example_value", x)
+        field((type(x).__name__, kind.value, x.dtype, x.device, x.layout, str(traced.shape), str(traced.stride()),
+               str(traced.storage_offset()), x.requires_grad, x.is_inference(), shared))
+    field(shape_facts())
     field(_tracing_state())
     field((options.name, options.buckets))
     return digest.digest()
 
 
-def load(graph_key: bytes) -> Converted | None:
+def shape_facts() -> tuple[str, ...]:
+    """What the trace being compiled knows of its size symbols (their ranges, replacements,
+    guards, divisibility and deferred assertions): AOTAutograd traces a symbolic graph under
+    them, and Dynamo builds the frame's guards from them after the backend returns."""
+    context = torch._guards.TracingContext.try_get()
+    env = getattr(getattr(context, "fake_mode", None), "shape_env", None)
+    if env is None:
+        return ()
+    return (
+        str(sorted((str(k), str(v)) for k, v in env.var_to_range.items())),
+        str(sorted((str(k), str(v)) for k, v in env.replacements.items())),
+        str([str(g.expr) for g in env.guards]),
+        str(sorted(map(str, env.divisible))),
+        str(sorted((str(k), [str(a.expr) for a in v]) for k, v in env.deferred_runtime_asserts.items())),
+    )
+
+
+def load(graph_key: bytes) -> Converted | Traced | None:
     payload = _native.graph_get(graph_key)
     if payload is None:
         return None
     try:
-        converted = pickle.loads(payload)
+        graph = pickle.loads(payload)
     except Exception as e:  # written by this build (the key says so), so only damage gets here
         debug.log.warning("disk cache: converted graph unreadable (%s); converting again", e)
         return None
-    return converted if isinstance(converted, Converted) else None
+    return graph if isinstance(graph, (Converted, Traced)) else None
 
 
-def store(graph_key: bytes, converted: Converted) -> None:
-    _native.graph_put(graph_key, pickle.dumps(converted, protocol=pickle.HIGHEST_PROTOCOL))
+def store(graph_key: bytes, graph: Converted | Traced) -> None:
+    _native.graph_put(graph_key, pickle.dumps(graph, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def _target_name(node: torch.fx.Node) -> str | None:

@@ -33,8 +33,8 @@ from torch._dynamo.symbolic_convert import InstructionTranslator
 
 from . import _native
 from .convert import Converted
-from .direct import Direct, Loading
-from .symbolic import PerShape, Traced
+from .direct import found
+from .symbolic import Traced
 
 
 def record(backend_id: str | None, graph: Converted | Traced) -> None:
@@ -108,7 +108,4 @@ class TpuArtifact(BackendCacheArtifact[Any]):
     """A converted graph; deserialized, it is the callable Dynamo's bytecode calls."""
 
     def after_deserialization(self) -> Any:
-        graph = pickle.loads(self.content)
-        if isinstance(graph, Traced):
-            return Direct(PerShape(graph), graph.returned, graph.dynamic)
-        return Loading(graph)
+        return found(pickle.loads(self.content))
