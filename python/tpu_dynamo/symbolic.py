@@ -105,7 +105,7 @@ def _resolver(bindings: dict[sympy.Symbol, int]):
 @dataclasses.dataclass(frozen=True)
 class Traced:
     """What `PerShape` takes from AOTAutograd's symbolic graph, picklable: a later process
-    calls the graph again from it without tracing (precompile.py stores it)."""
+    calls the graph again from it without tracing (precompile.py and graph_cache.py store it)."""
 
     converted: Converted | None
     """The symbolic IR's graph; None where the IR cannot express its sizes, so each signature
