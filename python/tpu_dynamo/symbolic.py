@@ -64,11 +64,13 @@ _KINDS = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}
 
 def _abstract(val: Any) -> Any:
     """A traced value as `Traced` keeps it: a tensor's sizes (ints, or sympy expressions where
-    symbolic), a symbolic number as a `_Scalar`, any other value as it is."""
+    symbolic), a symbolic number as a `_Scalar`, a plain number as it is, anything else None."""
     if isinstance(val, torch.Tensor):
         return tuple(d.node.expr if isinstance(d, torch.SymInt) else int(d) for d in val.shape)
     kind = _KINDS.get(type(val))
-    return val if kind is None else _Scalar(val.node.expr, kind)
+    if kind is not None:
+        return _Scalar(val.node.expr, kind)
+    return val if isinstance(val, (int, float)) else None
 
 
 def _is_symbolic(abstract: Any) -> bool:
