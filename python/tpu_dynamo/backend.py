@@ -119,13 +119,13 @@ def _aot_compile(
     gm: torch.fx.GraphModule, args: Sequence[Any], dynamo_kinds: list[InputKind], opts: options_mod.Options
 ) -> Callable[..., Any]:
     symbolic = _is_symbolic(args)
-    graph_key = graph_cache.key(gm, args, dynamo_kinds, opts)
+    shape_facts = graph_cache.shape_facts()
+    graph_key = graph_cache.key(gm, args, dynamo_kinds, opts, shape_facts)
     if graph_key is not None and (stored := graph_cache.load(graph_key)) is not None:
         debug.log.info("%s: found its converted graph in the disk cache", opts.name or "graph")
         precompile.record(getattr(gm, "_backend_id", None), stored)
         return direct.found(stored, opts)
     unwrapped: list[direct.Direct] = []
-    shape_facts = graph_cache.shape_facts()
 
     def compiler(aten_gm: torch.fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
         free = direct.wrapper_free(aten_gm, len(args))
@@ -135,9 +135,10 @@ def _aot_compile(
             traced = Traced.of(aten_gm, kinds, opts, bumps)
             per_shape = PerShape(traced, aten_gm, opts)
             if free:
-                traced = dataclasses.replace(traced, returned=direct.returned_inputs(), dynamic=direct.dynamic_dims())
-                unwrapped.append(direct.Direct(per_shape, traced.returned, traced.dynamic))
+                unwrapped.append(direct.Direct(per_shape, direct.returned_inputs(), direct.dynamic_dims()))
                 if traced.converted is not None:
+                    converted = direct.with_returned_inputs(traced.converted)
+                    traced = dataclasses.replace(traced, converted=converted, dynamic=direct.dynamic_dims())
                     precompile.record(getattr(gm, "_backend_id", None), traced)
                     # Found again, AOTAutograd's guards on the sizes would be missing.
                     if graph_key is not None and graph_cache.shape_facts() == shape_facts:

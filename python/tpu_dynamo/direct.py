@@ -5,9 +5,9 @@ and metadata changes, regenerates outputs that alias inputs or intermediates, th
 tokens and runs the graph under the right grad mode: about a dozen frames per call. An inference
 graph with none of these needs (`wrapper_free`) gets none of that work from it, only its cost,
 so the backend hands Dynamo the executable itself (`Direct`), or for a graph with symbolic
-sizes its per-shape dispatcher. Dynamo's caching precompile stores the static graphs
-(precompile.py), and so does the disk cache by their Dynamo graph (graph_cache.py); either kind
-found again is called the same way (`Loading`).
+sizes its per-shape dispatcher. Dynamo's caching precompile stores these graphs (precompile.py),
+and so does the disk cache by their Dynamo graph (graph_cache.py); found again, either kind is
+called the same way (`found`).
 """
 from __future__ import annotations
 
@@ -115,7 +115,8 @@ def found(graph: Converted | Traced, options: Options | None = None) -> Direct:
     """The call of a graph an earlier process stored (graph_cache.py, precompile.py); `options`:
     this process's."""
     if isinstance(graph, Traced):
-        return Direct(PerShape(graph, options=options), graph.returned, graph.dynamic)
+        assert graph.converted is not None  # stored only with the IR's graph
+        return Direct(PerShape(graph, options=options), graph.converted.returned_inputs, graph.dynamic)
     return Loading(graph)
 
 

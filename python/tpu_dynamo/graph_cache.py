@@ -53,9 +53,14 @@ _NAMESPACES = ("aten", "prims")
 
 
 def key(
-    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], kinds: Sequence[InputKind], options: Options
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    kinds: Sequence[InputKind],
+    options: Options,
+    facts: tuple[str, ...],
 ) -> bytes | None:
-    """The graph's key, or None where it must be traced (see the module docs)."""
+    """The graph's key, or None where it must be traced (see the module docs); `facts`: the
+    trace's `shape_facts`."""
     if check_node_safe is None or debug.wanted(options):
         return None
     digest = hashlib.blake2b(_salt(), digest_size=32)
@@ -87,7 +92,7 @@ def key(
         traced = node.meta.get("example_value", x)
         field((type(x).__name__, kind.value, x.dtype, x.device, x.layout, str(traced.shape), str(traced.stride()),
                str(traced.storage_offset()), x.requires_grad, x.is_inference(), shared))
-    field(shape_facts())
+    field(facts)
     field(_tracing_state())
     field((options.name, options.buckets))
     return digest.digest()

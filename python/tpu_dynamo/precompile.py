@@ -105,7 +105,8 @@ _REPAIRED = _repair_dynamo_packages()
 
 @dataclasses.dataclass
 class TpuArtifact(BackendCacheArtifact[Any]):
-    """A converted graph; deserialized, it is the callable Dynamo's bytecode calls."""
+    """A converted graph or a symbolic graph's `Traced`; deserialized, it is the callable
+    Dynamo's bytecode calls."""
 
     def after_deserialization(self) -> Any:
         return found(pickle.loads(self.content))

@@ -50,13 +50,13 @@ class _Scalar:
 
     def value(self, bindings: dict[sympy.Symbol, int]) -> Any:
         """The number for the sizes `bindings`."""
-        value = sympy.sympify(sympy.sympify(self.expr).xreplace(bindings))
-        if value.free_symbols:
+        number = sympy.sympify(sympy.sympify(self.expr).xreplace(bindings))
+        if number.free_symbols:
             raise NotImplementedError(
-                f"tpu_dynamo: size {self.expr} depends on {sorted(map(str, value.free_symbols))},"
+                f"tpu_dynamo: size {self.expr} depends on {sorted(map(str, number.free_symbols))},"
                 " which no input size determines (data-dependent shapes are not supported)"
             )
-        return self.kind(value)
+        return self.kind(number)
 
 
 _KINDS = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}
@@ -123,9 +123,9 @@ class Traced:
     results of the executable, but the same for every call of a signature (`_abstract`)."""
     ops: tuple[str, ...]
     fx_code: str
-    returned: tuple[tuple[int, int], ...] = ()
     dynamic: tuple[tuple[int, set[int]], ...] = ()
-    """`returned`, `dynamic`: how `direct.Direct` calls the graph (set where it does)."""
+    """Where `direct.Direct` calls the graph, the outputs' symbolic dims it marks (`converted`
+    names the outputs it returns as inputs)."""
 
     @staticmethod
     def of(gm: torch.fx.GraphModule, kinds: list[InputKind], options: Options, caller_bumps: frozenset[int]) -> Traced:
