@@ -204,6 +204,35 @@ def test_embedding_max_norm(norm_type):
     torch.testing.assert_close(w_tpu, w_eager, rtol=1e-5, atol=1e-5)  # the renorm is in place
 
 
+WINDOW_CASES = [
+    ("hann", {}),
+    ("hann", {"periodic": False}),
+    ("hamming", {}),
+    ("hamming", {"periodic": True, "alpha": 0.6}),
+    ("hamming", {"periodic": False, "alpha": 0.5, "beta": 0.3}),
+    ("blackman", {}),
+    ("blackman", {"periodic": False}),
+    ("bartlett", {}),
+    ("bartlett", {"periodic": False}),
+    ("kaiser", {}),
+    ("kaiser", {"periodic": False, "beta": 5.0}),
+]
+
+
+# Tolerances: f32 and f64 a few ulps of the window's values (at most 1); bf16 0.05, since eager
+# rounds every step to bf16 (its arange, the scaled argument of the cosine) and we round once.
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.float64, 1e-12), (torch.bfloat16, 5e-2)],
+                         ids=["f32", "f64", "bf16"])
+@pytest.mark.parametrize("length", [0, 1, 6, 17])
+@pytest.mark.parametrize("name,kwargs", WINDOW_CASES, ids=[f"{n}-{'-'.join(map(str, k.values()))}" for n, k in WINDOW_CASES])
+def test_window_functions_match_eager(name, kwargs, length, dtype, tol):
+    """A window made inside the compiled function, as `torch.stft(x, n, window=...)` in a
+    forward makes it: every factory, overload, and the special lengths 0 and 1."""
+    torch.manual_seed(0)
+    make = getattr(torch, f"{name}_window")
+    check(lambda x: x * make(length, dtype=dtype, **kwargs), rand(length).to(dtype), tol=tol)
+
+
 def test_squeeze_empty_dims_keeps_shape():
     check(lambda x: x.squeeze(()) * 2, rand(1, 3, 1))
 

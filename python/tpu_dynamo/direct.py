@@ -94,10 +94,14 @@ class Direct:
         """`run`: the graph's call on a list of its inputs (an `Executable`, or a symbolic
         graph's `PerShape`); `returned`, `dynamic`: see `returned_inputs`, `dynamic_dims`."""
         # Imported here: at this module's import, before Dynamo's, it would be a circular import.
-        from torch._functorch._aot_autograd.runtime_wrappers import mark_dynamo_propagated_dynamic_indices
+        from torch._functorch._aot_autograd import runtime_wrappers
 
         self.run, self.returned_inputs, self.dynamic_dims = run, returned, dynamic
-        self.mark_dynamic = mark_dynamo_propagated_dynamic_indices
+        # The wrapper's own helper, so the marks are the ones this torch's Dynamo reads (torch
+        # 2.15 renamed it and its attribute).
+        self.mark_dynamic = getattr(runtime_wrappers, "mark_dynamo_propagated_dynamic_indices", None) or (
+            runtime_wrappers.maybe_mark_dynamic_helper
+        )
 
     def __call__(self, *args: Any) -> tuple[Any, ...]:
         outs = self.run(list(args))

@@ -21,6 +21,7 @@ mod sampling;
 mod sorting;
 mod special;
 mod view;
+mod window;
 
 use crate::ir::{self, Arg, DType, Graph, TensorType};
 use builder::{mlir_type, type_str, Builder, Operand, Scalar, Val, R};
@@ -159,6 +160,7 @@ fn registry() -> &'static Registry {
         sorting::register(&mut r);
         special::register(&mut r);
         view::register(&mut r);
+        window::register(&mut r);
         r
     })
 }

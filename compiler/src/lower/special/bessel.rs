@@ -91,7 +91,7 @@ fn i_args<'a>(o: &Ops<'_, 'a>, ax: &Val<'a>) -> R<(Val<'a>, Val<'a>, Val<'a>)> {
 }
 
 /// I0 (`scaled`: times exp(|x|), as `i0`/`modified_bessel_i0`; else `i0e`).
-fn i0<'a>(b: &Builder<'a>, x: &Val<'a>, unscaled: bool) -> R<Val<'a>> {
+pub(in crate::lower) fn i0<'a>(b: &Builder<'a>, x: &Val<'a>, unscaled: bool) -> R<Val<'a>> {
     let o = Ops { b, like: x.clone() };
     let ax = b.unary("abs", x)?;
     let (near, ys, yl) = i_args(&o, &ax)?;

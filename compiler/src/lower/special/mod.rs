@@ -17,6 +17,8 @@ mod gamma;
 mod igamma;
 mod polynomial;
 
+pub(super) use bessel::i0;
+
 use super::builder::{opmath, Builder, Combiner, Scalar, Val, R};
 use super::{NodeCtx, Registry};
 use crate::ir::DType;
