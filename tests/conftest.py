@@ -42,6 +42,17 @@ def compiled(monkeypatch):
     return calls
 
 
+# The suite runs on torch 2.15 (CI) and, by scripts/test-torch.sh, on older releases; a test
+# of what only torch 2.15's Dynamo does is skipped there and says why.
+TORCH_BEFORE_2_15 = torch.torch_version.TorchVersion(torch.__version__) < (2, 15)
+
+
+def dynamic_marks(t):
+    """The dims Dynamo treats as symbolic when `t` comes back as an input (torch 2.15 renamed
+    the attribute AOTAutograd's wrapper sets)."""
+    return getattr(t, "_dynamo_propagated_dynamic_indices", None) or getattr(t, "_dynamo_weak_dynamic_indices", set())
+
+
 def compile_tpu(fn, **kwargs):
     return torch.compile(fn, backend="tpu", fullgraph=True, **kwargs)
 

@@ -1,4 +1,6 @@
 """Issue #7: LLM generation (StaticCache decode loop, dynamic cache) and input mutation."""
+import re
+
 import pytest
 import torch
 import transformers
@@ -257,16 +259,19 @@ def test_buckets_serve_every_step_of_a_dynamic_cache_decode(caplog):
     # The prompt (7 tokens) and the first step (8) as Dynamo's static graphs; then the step
     # graph for lengths 8-16 in the bucket of 16 and 17-25 in that of 32.
     assert tpu_dynamo.stats()["compiles"] == 4
-    assert "sizes [25, 25, 25, 25] run padded to [32, 32, 32, 32]" in caplog.text
+    # One size per K/V length symbol: torch 2.15's Dynamo gives each layer's K and V its own, 2.11 fewer.
+    padded = re.search(r"sizes \[25((, 25)*)\] run padded to \[32(, 32)*\]", caplog.text)
+    assert padded
+    lengths = 1 + padded.group(1).count(",")
     # The cut K/V come back contiguous, as eager's: a strided view would fail Dynamo's stride
     # guards next step and cost a fourth trace.
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3
-    # A step reads its true length once per layer's K and V (4 inputs, one value): one resident
-    # 0-d tensor per value, uploaded once per step and shared by the other three inputs.
+    # A step reads its true length once per length symbol (4 inputs in torch 2.15, one value): one
+    # resident 0-d tensor per value, uploaded once per step and shared by the other inputs.
     before = tpu_dynamo.stats()
     assert torch.equal(generate(model, IDS, 20), got.sequences)
     after = tpu_dynamo.stats()
-    assert after["resident_shared_hits"] - before["resident_shared_hits"] == 3 * 19  # 19 steps
+    assert after["resident_shared_hits"] - before["resident_shared_hits"] == (lengths - 1) * 19  # 19 steps
 
 
 def test_a_dynamic_cache_decode_pads_to_powers_of_two_once_it_feeds_back_its_cache(caplog):

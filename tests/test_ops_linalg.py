@@ -8,7 +8,7 @@ products that are sign-free and by magnitude.
 import pytest
 import torch
 
-from conftest import compile_tpu
+from conftest import TORCH_BEFORE_2_15, compile_tpu
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 
@@ -94,7 +94,8 @@ CASES = [
     ("matrix_rank", torch.linalg.matrix_rank, [rnd(5, 2) @ rnd(2, 4)]),
     ("matrix_norm_2", lambda a: torch.linalg.matrix_norm(a, 2), [rnd(2, 4, 3)]),
     ("matrix_norm_nuc", lambda a: torch.linalg.matrix_norm(a, "nuc"), [rnd(3, 4)]),
-    ("polar", torch.linalg.polar, [rnd(2, 4, 4)]),
+    # torch.linalg.polar is new in torch 2.15 (scripts/test-torch.sh runs older releases).
+    *([("polar", torch.linalg.polar, [rnd(2, 4, 4)])] if hasattr(torch.linalg, "polar") else []),
     ("matrix_exp", torch.linalg.matrix_exp, [rnd(2, 4, 4)]),
     ("matrix_exp_scaled", torch.linalg.matrix_exp, [rnd(3, 3) * 3]),
     ("ldl_factor", torch.linalg.ldl_factor_ex, [sym(2, 6, 6)]),
@@ -119,6 +120,7 @@ def test_linalg_matches_eager(name, fn, args):
     torch.testing.assert_close(got, want, **TOL)
 
 
+@pytest.mark.skipif(TORCH_BEFORE_2_15, reason="torch 2.11's AOTAutograd drops the check for every backend")
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "symbolic"])
 def test_singular_inverse_raises_like_eager(dynamic):
     """`linalg.inv`'s error check (`with_effects`) raises PyTorch's own error from `info`."""

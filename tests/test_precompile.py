@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import TORCH_BEFORE_2_15
+
 SCRIPT = textwrap.dedent(
     """
     import json, sys, torch
@@ -116,6 +118,9 @@ DECORATED = textwrap.dedent(
 )
 
 
+# torch 2.11's caching precompile traces these frames again (or, for generate(), fails to
+# serialize a CLASS_MATCH guard) whatever the backend; torch 2.15 stores them.
+@pytest.mark.skipif(TORCH_BEFORE_2_15, reason="Dynamo stores these frames from torch 2.15 on")
 def test_a_decorated_forward_loads_without_tracing(tmp_path):
     """torch 2.15 would reinstall this frame's graph into the module named by `__module__`, not
     the one whose globals the frame reads (`NameError: __compiled_fn_…`), and would not bind again
@@ -154,6 +159,9 @@ MODEL = textwrap.dedent(
 )
 
 
+# torch 2.11's caching precompile traces these frames again (or, for generate(), fails to
+# serialize a CLASS_MATCH guard) whatever the backend; torch 2.15 stores them.
+@pytest.mark.skipif(TORCH_BEFORE_2_15, reason="Dynamo stores these frames from torch 2.15 on")
 @pytest.mark.parametrize("name", ["llama-b1", "sd3"])
 def test_a_model_forward_loads_without_tracing(tmp_path, name):
     """Transformers' and diffusers' decorated forwards, whole: the second process's first call
@@ -247,6 +255,9 @@ GENERATE = textwrap.dedent(
 )
 
 
+# torch 2.11's caching precompile traces these frames again (or, for generate(), fails to
+# serialize a CLASS_MATCH guard) whatever the backend; torch 2.15 stores them.
+@pytest.mark.skipif(TORCH_BEFORE_2_15, reason="Dynamo stores these frames from torch 2.15 on")
 def test_a_dynamic_cache_generate_loads_without_tracing(tmp_path):
     """`generate()` with the default dynamic cache: the prompt's and first step's graphs are
     static, the later steps' one symbolic. All three load in a new process, which neither

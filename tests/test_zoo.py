@@ -3,7 +3,7 @@ compared with eager. Metric: max|eager - ours| / max|eager| over every output te
 import pytest
 import torch
 
-from conftest import compile_tpu
+from conftest import TORCH_BEFORE_2_15, compile_tpu
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
@@ -153,7 +153,13 @@ def qwen_image():
 
 
 MODELS = [gpt2, llama, qwen3, qwen3_moe, bert, vit, t5, whisper, gemma3, sd3, flux, unet, vae_decoder, qwen_image]
-CASES = [(m, torch.float32) for m in MODELS] + [(llama, torch.bfloat16), (sd3, torch.bfloat16)]
+# Transformers' T5 and Whisper deep-copy their config in the forward, which Dynamo traces from
+# torch 2.15 on (torch 2.11: `Unsupported: copy.deepcopy()`, whatever the backend).
+_DEEPCOPY = pytest.mark.skipif(TORCH_BEFORE_2_15, reason="Dynamo traces copy.deepcopy from torch 2.15 on")
+CASES = [
+    pytest.param(m, d, marks=_DEEPCOPY if m in (t5, whisper) else (), id=f"{m.__name__}-{str(d).removeprefix('torch.')}")
+    for m, d in [(m, torch.float32) for m in MODELS] + [(llama, torch.bfloat16), (sd3, torch.bfloat16)]
+]
 
 
 def _tensors(out):
@@ -173,8 +179,7 @@ def relative_error(want, got) -> float:
     return max((w.double() - g.double()).abs().max().item() for w, g in zip(want, got)) / scale
 
 
-@pytest.mark.parametrize("build,dtype", CASES,
-                         ids=[f"{m.__name__}-{str(d).removeprefix('torch.')}" for m, d in CASES])
+@pytest.mark.parametrize("build,dtype", CASES)
 def test_zoo_model_matches_eager(build, dtype):
     torch.manual_seed(0)
     model, inputs = build()
