@@ -11,6 +11,10 @@ import pytest
 
 from conftest import TORCH_BEFORE_2_15
 
+# torch 2.11's caching precompile traces these frames again (or, for generate(), fails to
+# serialize a CLASS_MATCH guard) whatever the backend; torch 2.15's stores them.
+_STORED_BY_TORCH_2_15 = pytest.mark.skipif(TORCH_BEFORE_2_15, reason="needs torch 2.15's caching precompile")
+
 SCRIPT = textwrap.dedent(
     """
     import json, sys, torch
@@ -118,9 +122,7 @@ DECORATED = textwrap.dedent(
 )
 
 
-# torch 2.11's caching precompile traces these frames again (or, for generate(), fails to
-# serialize a CLASS_MATCH guard) whatever the backend; torch 2.15 stores them.
-@pytest.mark.skipif(TORCH_BEFORE_2_15, reason="Dynamo stores these frames from torch 2.15 on")
+@_STORED_BY_TORCH_2_15
 def test_a_decorated_forward_loads_without_tracing(tmp_path):
     """torch 2.15 would reinstall this frame's graph into the module named by `__module__`, not
     the one whose globals the frame reads (`NameError: __compiled_fn_…`), and would not bind again
@@ -159,9 +161,7 @@ MODEL = textwrap.dedent(
 )
 
 
-# torch 2.11's caching precompile traces these frames again (or, for generate(), fails to
-# serialize a CLASS_MATCH guard) whatever the backend; torch 2.15 stores them.
-@pytest.mark.skipif(TORCH_BEFORE_2_15, reason="Dynamo stores these frames from torch 2.15 on")
+@_STORED_BY_TORCH_2_15
 @pytest.mark.parametrize("name", ["llama-b1", "sd3"])
 def test_a_model_forward_loads_without_tracing(tmp_path, name):
     """Transformers' and diffusers' decorated forwards, whole: the second process's first call
@@ -255,9 +255,7 @@ GENERATE = textwrap.dedent(
 )
 
 
-# torch 2.11's caching precompile traces these frames again (or, for generate(), fails to
-# serialize a CLASS_MATCH guard) whatever the backend; torch 2.15 stores them.
-@pytest.mark.skipif(TORCH_BEFORE_2_15, reason="Dynamo stores these frames from torch 2.15 on")
+@_STORED_BY_TORCH_2_15
 def test_a_dynamic_cache_generate_loads_without_tracing(tmp_path):
     """`generate()` with the default dynamic cache: the prompt's and first step's graphs are
     static, the later steps' one symbolic. All three load in a new process, which neither
