@@ -3,7 +3,7 @@ compared with eager. Metric: max|eager - ours| / max|eager| over every output te
 import pytest
 import torch
 
-from conftest import TORCH_BEFORE_2_15, compile_tpu
+from conftest import TORCH_VERSION, compile_tpu
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
@@ -153,9 +153,9 @@ def qwen_image():
 
 
 MODELS = [gpt2, llama, qwen3, qwen3_moe, bert, vit, t5, whisper, gemma3, sd3, flux, unet, vae_decoder, qwen_image]
-# Transformers' T5 and Whisper deep-copy their config in the forward, which torch 2.15's Dynamo
-# traces (torch 2.11's: `Unsupported: copy.deepcopy()`, whatever the backend).
-_DEEPCOPY = pytest.mark.skipif(TORCH_BEFORE_2_15, reason="needs torch 2.15's Dynamo to trace copy.deepcopy")
+# Transformers' T5 and Whisper deep-copy their config in the forward, which Dynamo traces in torch
+# 2.13 and 2.15 (torch 2.11's: `Unsupported: copy.deepcopy()`, whatever the backend).
+_DEEPCOPY = pytest.mark.skipif(TORCH_VERSION < (2, 13), reason="needs a Dynamo that traces copy.deepcopy")
 CASES = [
     pytest.param(m, d, marks=_DEEPCOPY if m in (t5, whisper) else (), id=f"{m.__name__}-{str(d).removeprefix('torch.')}")
     for m, d in [(m, torch.float32) for m in MODELS] + [(llama, torch.bfloat16), (sd3, torch.bfloat16)]
