@@ -40,7 +40,6 @@ fn window(n: NodeCtx<'_>) -> Res<'_> {
         return Err(format!("window_length must be non-negative, got {len}"));
     }
     let out = n.out_dtype()?;
-    let ty = TensorType::new(opmath(out), vec![len]);
     let b = &n.b;
     // Lengths 0 and 1 are special-cased by PyTorch (an empty window, and [1]).
     if len <= 1 {
@@ -48,16 +47,16 @@ fn window(n: NodeCtx<'_>) -> Res<'_> {
     }
     let periodic = n.bool_or(1, "periodic", true)?;
     let spacing = (if periodic { len } else { len - 1 }) as f64;
-    let k = b.iota(&ty, 0)?;
-    let num = |v: f64| b.splat(Scalar::Float(v), &ty);
+    let k = b.iota(&TensorType::new(opmath(out), vec![len]), 0)?;
+    let num = |v: f64| b.full_like(Scalar::Float(v), &k);
     let name = n.op.trim_start_matches("aten.");
     let name = &name[..name.find('.').unwrap_or(name.len())];
     let w = match name {
-        "hann_window" => cosine_sum(b, &k, 2.0 * PI / spacing, 0.5, 0.5, &num)?,
+        "hann_window" => cosine_sum(b, &k, 2.0 * PI / spacing, 0.5, 0.5)?,
         "hamming_window" => {
             let alpha = n.float_or(2, "alpha", 0.54)?;
             let beta = n.float_or(3, "beta", 0.46)?;
-            cosine_sum(b, &k, 2.0 * PI / spacing, alpha, beta, &num)?
+            cosine_sum(b, &k, 2.0 * PI / spacing, alpha, beta)?
         }
         "blackman_window" => {
             // 0.42 - 0.5 cos(2 pi k / D) + 0.08 cos(4 pi k / D), as PyTorch orders it.
@@ -90,14 +89,8 @@ fn window(n: NodeCtx<'_>) -> Res<'_> {
 
 /// `alpha - beta cos(step k)`, as `cos(step k) * -beta + alpha` (PyTorch's hamming, and hann with
 /// alpha = beta = 0.5).
-fn cosine_sum<'a>(
-    b: &Builder<'a>,
-    k: &Val<'a>,
-    step: f64,
-    alpha: f64,
-    beta: f64,
-    num: &dyn Fn(f64) -> R<Val<'a>>,
-) -> R<Val<'a>> {
+fn cosine_sum<'a>(b: &Builder<'a>, k: &Val<'a>, step: f64, alpha: f64, beta: f64) -> R<Val<'a>> {
+    let num = |v: f64| b.full_like(Scalar::Float(v), k);
     let c = b.unary("cosine", &b.mul(k, &num(step)?)?)?;
     b.add(&b.mul(&c, &num(-beta)?)?, &num(alpha)?)
 }
