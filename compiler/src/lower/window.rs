@@ -43,7 +43,9 @@ fn window(n: NodeCtx<'_>) -> Res<'_> {
     let b = &n.b;
     // Lengths 0 and 1 are special-cased by PyTorch (an empty window, and [1]).
     if len <= 1 {
-        return Ok(vec![b.splat(Scalar::Int(1), &TensorType::new(out, vec![len]))?]);
+        return Ok(vec![
+            b.splat(Scalar::Int(1), &TensorType::new(out, vec![len]))?
+        ]);
     }
     let periodic = n.bool_or(1, "periodic", true)?;
     let spacing = (if periodic { len } else { len - 1 }) as f64;
