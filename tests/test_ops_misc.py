@@ -323,6 +323,33 @@ def test_layers_sharing_a_causal_mask_do_not_materialize_it_per_head(compiled):
     assert 0 <= graph.temp_bytes < 2 * mask_bytes, graph.temp_bytes
 
 
+VECTOR_TIMES_MATRIX = {
+    "mm": (lambda x, w, b: x @ w.t(), (1, 576)),
+    "linear_one_token": (lambda x, w, b: torch.nn.functional.linear(x, w), (1, 1, 576)),
+    "linear_with_bias": (lambda x, w, b: torch.nn.functional.linear(x, w, b), (1, 576)),
+    "vector_1d": (lambda x, w, b: x @ w.t(), (576,)),
+}
+
+
+@pytest.mark.parametrize("name", VECTOR_TIMES_MATRIX)
+def test_a_bf16_vector_times_a_matrix_converts_no_matrix_to_f32(name, compiled):
+    """A linear layer on one token (a decode step at batch 1, an LM head) in bf16: XLA:CPU
+    computed a vector-matrix product in f32 after converting the whole matrix to f32 on every
+    call (its bf16 GEMM takes no vectors), scratch of 4 bytes per weight; the rule makes it a
+    product of two equal rows. Values as eager's within one bf16 step, 2^-7 relative (both
+    accumulate in f32; eager's addmm rounds the product before adding the bias, ours after);
+    scratch under the bf16 matrix's own size."""
+    fn, shape = VECTOR_TIMES_MATRIX[name]
+    torch.manual_seed(0)
+    w, b = torch.randn(1536, 576, dtype=torch.bfloat16), torch.randn(1536, dtype=torch.bfloat16)
+    x = torch.randn(shape, dtype=torch.bfloat16)
+    with torch.no_grad():
+        got, want = compile_tpu(fn)(x, w, b), fn(x, w, b)
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=0)
+    ((_, graph),) = compiled
+    assert 0 <= graph.temp_bytes < w.nbytes, graph.temp_bytes
+
+
 def test_softmax_rows_with_nan_and_infinities_match_eager():
     """The softmax rules take the row max without a NaN pass of their own (NaN still reaches
     every output of its row through the sum) and tell masked rows by their sum: each edge row
