@@ -6,6 +6,8 @@
         # PJRT plugin TPU_DYNAMO_PJRT_PLUGIN names, fed CPU tensors (host->device->host included)
     python bench/bench.py --models gpt2-124m-b1 smollm-135m-b1 --calls 20 --label full-size
         # real models' sizes (random weights): bench/RESULTS-full-size.md
+    python bench/bench.py --models smollm-135m-decode --dtype bf16 --calls 20 --processes 1 --no-cold \
+        --label cpu-bf16-decode-full-size   # its greedy decode in bf16
 
 Steady state: after warm-up, the median of `--calls` calls per backend, torch threads fixed, in
 `--processes` processes per model (every model in turn, then again); each backend's lowest

@@ -38,7 +38,7 @@ def _gpt2_124m() -> Case:
     return Case(GPT2LMHeadModel(config), (torch.randint(0, config.vocab_size, (1, SEQ)),))
 
 
-def _smollm_135m() -> Case:
+def _smollm_135m_model() -> torch.nn.Module:
     """A Llama of SmolLM-135M's configuration (135 M parameters, grouped-query attention)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -47,7 +47,15 @@ def _smollm_135m() -> Case:
         num_key_value_heads=3, vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=True,
         rms_norm_eps=1e-5,
     )
-    return Case(LlamaForCausalLM(config), (torch.randint(0, config.vocab_size, (1, SEQ)),))
+    return LlamaForCausalLM(config)
+
+
+def _smollm_135m() -> Case:
+    return Case(_smollm_135m_model(), (torch.randint(0, 49152, (1, SEQ)),))
+
+
+def _smollm_135m_decode() -> Case:
+    return Case(_Greedy(_smollm_135m_model()), (torch.randint(0, 49152, (1, PROMPT)),), decode=True)
 
 
 def _llama_model() -> torch.nn.Module:
@@ -160,11 +168,13 @@ MODELS: dict[str, Callable[[], Case]] = {
     "micro": _micro,
     "gpt2-124m-b1": _gpt2_124m,
     "smollm-135m-b1": _smollm_135m,
+    "smollm-135m-decode": _smollm_135m_decode,
 }
 
 # Real models' sizes, random weights: not in a default run (each call takes ~0.3 s here); run them
-# with `--models gpt2-124m-b1 smollm-135m-b1 --label full-size`.
-FULL_SIZE = ["gpt2-124m-b1", "smollm-135m-b1"]
+# with `--models gpt2-124m-b1 smollm-135m-b1 --label full-size` (the decode: `--models
+# smollm-135m-decode --dtype bf16`).
+FULL_SIZE = ["gpt2-124m-b1", "smollm-135m-b1", "smollm-135m-decode"]
 
 # Cold first calls are timed once per model (not per batch size): each Inductor one takes ~15 s.
 # The decode's is its first generate(), whose three graphs (the prompt's, the first step's, the

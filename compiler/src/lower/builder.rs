@@ -976,30 +976,20 @@ impl<'a> Builder<'a> {
         contract: (&[i64], &[i64]),
         out: DType,
     ) -> R<Val<'a>> {
-        if !is_bf16_vector_times_matrix(a, b, batch, contract, out) {
-            return self.dot_general_as_is(a, b, batch, contract, out);
+        if is_bf16_vector_times_matrix(a, b, batch, contract, out) {
+            // XLA:CPU gives a bf16 product to its bf16 GEMM (YNNPACK) only when neither side is
+            // a vector; a vector times a matrix (a linear layer at batch 1 and one token, a
+            // decode step's) it computes in f32 after converting the whole matrix to f32, on
+            // every call. Two equal rows make it a GEMM: a bf16 LM head of 49152 x 576 took
+            // 9.5-10.2 ms that way, 3.7-3.9 ms as two rows (PyTorch's 2.8-3.2 ms). The first row
+            // is the product.
+            let rows: Vec<i64> = std::iter::once(2).chain(a.shape().iter().copied()).collect();
+            let a2 = self.broadcast_in_dim(a, &rows, &(1..rows.len()).collect::<Vec<_>>())?;
+            let contract2: Vec<i64> = contract.0.iter().map(|d| d + 1).collect();
+            let both = self.dot_general(&a2, b, batch, (&contract2, contract.1), out)?;
+            let first = self.slice_dim(&both, 0, 0, 1, 1)?;
+            return self.reshape(&first, &both.shape()[1..]);
         }
-        // XLA:CPU gives a bf16 product to its bf16 GEMM (YNNPACK) only when neither side is a
-        // vector; a vector times a matrix (a linear layer at batch 1 and one token, a decode
-        // step's) it computes in f32 after converting the whole matrix to f32, on every call.
-        // Two equal rows make it a GEMM: a bf16 LM head of 49152 x 576 took 9.5-10.2 ms that
-        // way, 3.7-3.9 ms as two rows (PyTorch's 2.8-3.2 ms). The first row is the product.
-        let rows: Vec<i64> = std::iter::once(2).chain(a.shape().iter().copied()).collect();
-        let a2 = self.broadcast_in_dim(a, &rows, &(1..rows.len()).collect::<Vec<_>>())?;
-        let contract2: Vec<i64> = contract.0.iter().map(|d| d + 1).collect();
-        let both = self.dot_general_as_is(&a2, b, batch, (&contract2, contract.1), out)?;
-        let first = self.slice_dim(&both, 0, 0, 1, 1)?;
-        self.reshape(&first, &both.shape()[1..])
-    }
-
-    fn dot_general_as_is(
-        &self,
-        a: &Val<'a>,
-        b: &Val<'a>,
-        batch: (&[i64], &[i64]),
-        contract: (&[i64], &[i64]),
-        out: DType,
-    ) -> R<Val<'a>> {
         let (a, a_batch, a_contract) = fold_transpose(a, batch.0, contract.0);
         let (b, b_batch, b_contract) = fold_transpose(b, batch.1, contract.1);
         let (a, b) = (&a, &b);
