@@ -16,7 +16,7 @@ stamp=$(cat requirements.txt requirements-nodeps.txt | sha256sum | cut -d' ' -f1
 if [ "$(cat "$venv/.requirements.sha256" 2>/dev/null)" != "$stamp" ]; then
   echo "test-torch: installing torch $version and the requirements into $venv"
   "$venv/bin/python" -m pip install -q --upgrade pip
-  "$venv/bin/python" -m pip install -q -r requirements.txt -c <(echo "torch==$version")
+  "$venv/bin/python" -m pip install -q -r <(grep -v "^torch==" requirements.txt) "torch==$version"
   "$venv/bin/python" -m pip install -q --no-deps -r requirements-nodeps.txt
   echo "$stamp" > "$venv/.requirements.sha256"
 fi

@@ -337,8 +337,8 @@ def test_a_bf16_vector_times_a_matrix_converts_no_matrix_to_f32(name, compiled):
     computed a vector-matrix product in f32 after converting the whole matrix to f32 on every
     call (its bf16 GEMM takes no vectors), scratch of 4 bytes per weight; the rule makes it a
     product of two equal rows. Values as eager's within one bf16 step, 2^-7 relative (both
-    accumulate in f32; eager's addmm rounds the product before adding the bias, ours after);
-    scratch under the bf16 matrix's own size."""
+    accumulate in f32; with a bias, one element in 1536 rounds the other way); scratch under the
+    bf16 matrix's own size."""
     fn, shape = VECTOR_TIMES_MATRIX[name]
     torch.manual_seed(0)
     w, b = torch.randn(1536, 576, dtype=torch.bfloat16), torch.randn(1536, dtype=torch.bfloat16)

@@ -982,7 +982,8 @@ impl<'a> Builder<'a> {
             // decode step's) it computes in f32 after converting the whole matrix to f32, on
             // every call. Two equal rows make it a GEMM: a bf16 LM head of 49152 x 576 took
             // 9.5-10.2 ms that way, 3.7-3.9 ms as two rows (PyTorch's 2.8-3.2 ms). The first row
-            // is the product.
+            // is the product. Other plugins get the same two rows: a product this size is bound by
+            // reading the matrix, which two rows read once as one does.
             let rows: Vec<i64> = std::iter::once(2).chain(a.shape().iter().copied()).collect();
             let a2 = self.broadcast_in_dim(a, &rows, &(1..rows.len()).collect::<Vec<_>>())?;
             let contract2: Vec<i64> = contract.0.iter().map(|d| d + 1).collect();
