@@ -996,15 +996,9 @@ impl<'a> Builder<'a> {
         let (a, b) = (&a, &b);
         let batch = (a_batch.as_slice(), b_batch.as_slice());
         let contract = (a_contract.as_slice(), b_contract.as_slice());
-        let free = |x: &Val, bd: &[i64], cd: &[i64]| -> Vec<i64> {
-            (0..x.rank() as i64)
-                .filter(|i| !bd.contains(i) && !cd.contains(i))
-                .map(|i| x.shape()[i as usize])
-                .collect()
-        };
         let mut shape: Vec<i64> = batch.0.iter().map(|&i| a.shape()[i as usize]).collect();
-        shape.extend(free(a, batch.0, contract.0));
-        shape.extend(free(b, batch.1, contract.1));
+        shape.extend(free_sizes(a, batch.0, contract.0));
+        shape.extend(free_sizes(b, batch.1, contract.1));
         for (&i, &j) in contract
             .0
             .iter()
@@ -1175,16 +1169,22 @@ fn is_bf16_vector_times_matrix(
     contract: (&[i64], &[i64]),
     out: DType,
 ) -> bool {
-    let free = |x: &Val, contract: &[i64]| -> i64 {
-        (0..x.rank() as i64).filter(|d| !contract.contains(d)).map(|d| x.shape()[d as usize]).product()
-    };
     a.dtype() == DType::Bf16
         && b.dtype() == DType::Bf16
         && out == DType::F32
         && batch.0.is_empty()
-        && free(a, contract.0) == 1
-        && free(b, contract.1) > 1
+        && free_sizes(a, batch.0, contract.0).iter().product::<i64>() == 1
+        && free_sizes(b, batch.1, contract.1).iter().product::<i64>() > 1
         && b.ty.numel() >= 1 << 16
+}
+
+/// The sizes of a dot operand's free dims (neither batch nor contracting), in order: the
+/// product's dims after the batch dims.
+fn free_sizes(x: &Val<'_>, batch: &[i64], contract: &[i64]) -> Vec<i64> {
+    (0..x.rank() as i64)
+        .filter(|d| !batch.contains(d) && !contract.contains(d))
+        .map(|d| x.shape()[d as usize])
+        .collect()
 }
 
 /// A dot operand `x` as the value it was transposed from, with `x`'s batch and contracting dims
