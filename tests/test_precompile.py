@@ -139,6 +139,74 @@ def test_a_decorated_forward_loads_without_tracing(tmp_path):
         assert r["type"] == "OrderedDict" and r["diff"] <= 1e-6
 
 
+# A module of a class defined inside a function, held in a plain dict attribute and called
+# through it, as transformers >= 5.25 holds kernels' hub-kernel wrapper `Func` of
+# `apply_rotary_pos_emb` in every attention layer; the class pickles its instances itself, by
+# a module-level rebuild function.
+LOCAL_CLASS = textwrap.dedent(
+    """
+    import json, sys, torch
+    torch._dynamo.config.caching_precompile = True
+    import tpu_dynamo
+    from torch._dynamo.utils import counters
+
+    def wrap(fn):
+        class Func(torch.nn.Module):
+            def forward(self, *args):
+                return fn(*args)
+
+            def __reduce__(self):
+                return rebuild, (fn.__name__,)
+        return Func
+
+    def rebuild(name):
+        return KERNELS[name]()
+
+    def rotate(x):
+        return torch.cat([-x[..., 1::2], x[..., ::2]], dim=-1)
+
+    KERNELS = {"rotate": wrap(rotate)}
+
+    class Attention(torch.nn.Linear):
+        def __init__(self):
+            super().__init__(16, 16)
+            self._kernel_funcs = {"rotate": KERNELS["rotate"]()}
+
+        def forward(self, x):
+            return self._kernel_funcs["rotate"](super().forward(x))
+
+    torch.manual_seed(0)
+    m = Attention()
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        got = torch.compile(m, backend="tpu", fullgraph=True)(x)
+        want = rotate(torch.nn.functional.linear(x, m.weight, m.bias))
+    if sys.argv[1] == "save":
+        torch.compiler.save_cache_artifacts()
+    print(json.dumps({
+        "diff": (got - want).abs().max().item(),
+        "graphs_traced": counters["stats"]["unique_graphs"],
+        "compiles": tpu_dynamo.stats()["compiles"],
+    }))
+    """
+)
+
+
+@_STORED_BY_TORCH_2_15
+def test_a_module_of_a_class_defined_in_a_function_loads_without_tracing(tmp_path):
+    """torch 2.15 saves no frame with a type guard on a class defined inside a function ("defined
+    in local scope": a package bypass), and would load such a module as a plain `nn.Module`;
+    precompile._repair_dynamo_packages saves one that pickles itself back into its class by its
+    own reduce, so the second process neither traces nor compiles."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "torch"), "TPU_DYNAMO_CACHE_DIR": str(tmp_path / "tpu")}
+    first = _run("save", env, LOCAL_CLASS)
+    second = _run("load", env, LOCAL_CLASS)
+    assert (first["graphs_traced"], first["compiles"]) == (1, 1)
+    assert (second["graphs_traced"], second["compiles"]) == (0, 0)
+    for r in (first, second):
+        assert r["diff"] <= 1e-6
+
+
 MODEL = textwrap.dedent(
     """
     import json, sys, torch

@@ -15,19 +15,21 @@ executables is found in our disk cache at its first call of a signature. For any
 graph no artifact is recorded, so Dynamo stores no entry for its frame and traces it as before.
 Nor for a frame Dynamo could not load again (`_reloadable`).
 
-Importing this module repairs two bugs of torch 2.15's packages that made every decorated model
-forward (transformers' and diffusers' are) fail to load (`_repair_dynamo_packages`).
+Importing this module repairs three bugs of torch 2.15's packages that made every decorated model
+forward (transformers' and diffusers' are), and any transformers model from 5.25 on, fail to load
+or be saved (`_repair_dynamo_packages`).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pickle
 import sys
 import types
 from typing import Any
 
 import torch
-from torch._dynamo import codegen, package
+from torch._dynamo import codegen, guards, package
 from torch._dynamo.precompile_context import BackendCacheArtifact, PrecompileContext
 from torch._dynamo.symbolic_convert import InstructionTranslator
 
@@ -73,10 +75,19 @@ def _repair_dynamo_packages() -> bool:
        which the package does not save: the loaded bytecode then fails on that name. Recorded
        now as one of the package's import aliases, which a loading process binds again.
 
+    3. A guard on the type of an object whose class is defined inside a function stops the frame
+       from being saved, and such a module is saved as a plain `nn.Module`. Transformers 5.25 and
+       later give every attention layer one (kernels' `Func`, the hub-kernel wrapper of
+       `apply_rotary_pos_emb`), which pickles itself through its own `__reduce__`: an object that
+       a pickle round trip gives back as an instance of the same class is now saved that way,
+       and its type guard kept.
+
     Returns False, leaving torch as it is, where these internals are not the ones repaired."""
     add_function = getattr(package.CompilePackage, "_add_function", None)
     load_module = getattr(codegen.PyCodegen, "create_load_python_module", None)
-    if add_function is None or load_module is None or not all(
+    type_match = getattr(guards.GuardBuilder, "TYPE_MATCH", None)
+    reducer_override = getattr(getattr(guards, "GuardsStatePickler", None), "reducer_override", None)
+    if add_function is None or load_module is None or type_match is None or reducer_override is None or not all(
             hasattr(package.CompilePackage, name) for name in ("add_import_source", "current_entry")):
         return False
 
@@ -95,9 +106,36 @@ def _repair_dynamo_packages() -> bool:
             pkg.add_import_source(instruction.argval, mod.__name__)
         return instruction
 
+    @functools.wraps(type_match)  # keeps its name and the check spec Dynamo attached to it
+    def TYPE_MATCH(self: Any, guard: Any) -> None:  # noqa: N802 (Dynamo's name)
+        type_match(self, guard)
+        if getattr(guard, "_unserializable", None) is not None and _pickles_itself(self.get(guard)):
+            guard._unserializable = None
+
+    def reducer_override_(self: Any, obj: Any) -> Any:
+        if (isinstance(obj, torch.nn.Module) and id(obj) in getattr(self, "guard_tree_values", ())
+                and id(obj) not in getattr(self, "empty_values", ()) and id(obj) not in getattr(self, "missing_values", ())
+                and _pickles_itself(obj)):
+            return NotImplemented
+        return reducer_override(self, obj)
+
     package.CompilePackage._add_function = _add_function
     codegen.PyCodegen.create_load_python_module = create_load_python_module
+    guards.GuardBuilder.TYPE_MATCH = TYPE_MATCH
+    guards.GuardsStatePickler.reducer_override = reducer_override_
     return True
+
+
+def _pickles_itself(value: Any) -> bool:
+    """Whether `value`, of a class defined inside a function, has its own reduce that a new process
+    can follow back to that class: a pickle round trip returns an instance of the same class."""
+    cls = type(value)
+    if cls.__qualname__ == cls.__name__ or (cls.__reduce__ is object.__reduce__ and cls.__reduce_ex__ is object.__reduce_ex__):
+        return False
+    try:
+        return type(pickle.loads(pickle.dumps(value))) is cls
+    except Exception:  # noqa: BLE001 (any failure means it cannot)
+        return False
 
 
 _REPAIRED = _repair_dynamo_packages()
