@@ -6,7 +6,8 @@
 //! order: env `TPU_DYNAMO_SITE_PACKAGES` (':'-separated, set by the Python shell, which knows
 //! `sys.path`), `$VIRTUAL_ENV`, and the `.venv` of the current directory and each parent.
 //! A path named explicitly or by `TPU_DYNAMO_PJRT_PLUGIN` is final: if it is missing we fail
-//! rather than silently run somewhere else.
+//! rather than silently run somewhere else. A variable set to the empty string counts as unset
+//! (`TPU_DYNAMO_PJRT_PLUGIN= python …` is how a shell clears one for a command).
 
 use crate::error::{Error, Result};
 use crate::plugin::Plugin;
@@ -72,12 +73,17 @@ struct Search<'a> {
 }
 
 impl Search<'_> {
+    /// A variable's value, None when it is unset or empty.
+    fn var(&self, name: &str) -> Option<OsString> {
+        (self.env)(name).filter(|value| !value.is_empty())
+    }
+
     /// The plugin path to load, or every place looked at.
     fn locate(&self, explicit: Option<&Path>) -> std::result::Result<PathBuf, Vec<String>> {
         let mut searched = Vec::new();
         let named = explicit
             .map(|p| (p.to_path_buf(), "explicit path"))
-            .or_else(|| (self.env)(PLUGIN_ENV).map(|p| (PathBuf::from(p), PLUGIN_ENV)));
+            .or_else(|| self.var(PLUGIN_ENV).map(|p| (PathBuf::from(p), PLUGIN_ENV)));
         if let Some((path, source)) = named {
             return if path.is_file() {
                 Ok(path)
@@ -86,7 +92,7 @@ impl Search<'_> {
             };
         }
         let sites = self.site_packages(&mut searched);
-        let libtpu = (self.env)("TPU_LIBRARY_PATH")
+        let libtpu = self.var("TPU_LIBRARY_PATH")
             .map(PathBuf::from)
             .into_iter()
             .chain(sites.iter().map(|site| site.join(LIBTPU_IN_SITE)));
@@ -114,14 +120,14 @@ impl Search<'_> {
 
     /// Site-packages directories to look in, without duplicates; notes venvs that have none.
     fn site_packages(&self, searched: &mut Vec<String>) -> Vec<PathBuf> {
-        let mut sites: Vec<PathBuf> = (self.env)(SITE_PACKAGES_ENV)
+        let mut sites: Vec<PathBuf> = self.var(SITE_PACKAGES_ENV)
             .map(|list| {
                 std::env::split_paths(&list)
                     .filter(|p| !p.as_os_str().is_empty())
                     .collect()
             })
             .unwrap_or_default();
-        let venvs = (self.env)("VIRTUAL_ENV")
+        let venvs = self.var("VIRTUAL_ENV")
             .map(PathBuf::from)
             .into_iter()
             .chain(
@@ -247,6 +253,13 @@ mod tests {
             locate(&env, &cwd, true, Some(&t.0.join(venv_cpu))).unwrap(),
             t.0.join(venv_cpu)
         );
+        // An empty variable is unset: discovery goes on.
+        let unset = [
+            (PLUGIN_ENV, PathBuf::new()),
+            ("TPU_LIBRARY_PATH", PathBuf::new()),
+            ("VIRTUAL_ENV", PathBuf::new()),
+        ];
+        assert_eq!(locate(&unset, &cwd, false, None).unwrap(), t.0.join(venv_cpu));
         // A named but missing path is an error, not a fallback.
         let missing = locate(&[(PLUGIN_ENV, t.0.join("nope.so"))], &cwd, false, None).unwrap_err();
         assert!(missing[0].contains("nope.so"), "{missing:?}");
