@@ -196,7 +196,7 @@ LOCAL_CLASS = textwrap.dedent(
 def test_a_module_of_a_class_defined_in_a_function_loads_without_tracing(tmp_path):
     """torch 2.15 saves no frame with a type guard on a class defined inside a function ("defined
     in local scope": a package bypass), and would load such a module as a plain `nn.Module`;
-    precompile._repair_dynamo_packages saves one that pickles itself back into its class by its
+    precompile._repair_local_class_guards saves one that pickles itself back into its class by its
     own reduce, so the second process neither traces nor compiles."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "torch"), "TPU_DYNAMO_CACHE_DIR": str(tmp_path / "tpu")}
     first = _run("save", env, LOCAL_CLASS)

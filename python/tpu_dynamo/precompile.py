@@ -16,8 +16,8 @@ graph no artifact is recorded, so Dynamo stores no entry for its frame and trace
 Nor for a frame Dynamo could not load again (`_reloadable`).
 
 Importing this module repairs three bugs of torch 2.15's packages that made every decorated model
-forward (transformers' and diffusers' are), and any transformers model from 5.25 on, fail to load
-or be saved (`_repair_dynamo_packages`).
+forward (transformers' and diffusers' are) fail to load (`_repair_dynamo_packages`), and any
+transformers model from 5.25 on go unsaved (`_repair_local_class_guards`).
 """
 from __future__ import annotations
 
@@ -75,19 +75,10 @@ def _repair_dynamo_packages() -> bool:
        which the package does not save: the loaded bytecode then fails on that name. Recorded
        now as one of the package's import aliases, which a loading process binds again.
 
-    3. A guard on the type of an object whose class is defined inside a function stops the frame
-       from being saved, and such a module is saved as a plain `nn.Module`. Transformers 5.25 and
-       later give every attention layer one (kernels' `Func`, the hub-kernel wrapper of
-       `apply_rotary_pos_emb`), which pickles itself through its own `__reduce__`: an object that
-       a pickle round trip gives back as an instance of the same class is now saved that way,
-       and its type guard kept.
-
     Returns False, leaving torch as it is, where these internals are not the ones repaired."""
     add_function = getattr(package.CompilePackage, "_add_function", None)
     load_module = getattr(codegen.PyCodegen, "create_load_python_module", None)
-    type_match = getattr(guards.GuardBuilder, "TYPE_MATCH", None)
-    reducer_override = getattr(getattr(guards, "GuardsStatePickler", None), "reducer_override", None)
-    if add_function is None or load_module is None or type_match is None or reducer_override is None or not all(
+    if add_function is None or load_module is None or not all(
             hasattr(package.CompilePackage, name) for name in ("add_import_source", "current_entry")):
         return False
 
@@ -106,24 +97,39 @@ def _repair_dynamo_packages() -> bool:
             pkg.add_import_source(instruction.argval, mod.__name__)
         return instruction
 
+    package.CompilePackage._add_function = _add_function
+    codegen.PyCodegen.create_load_python_module = create_load_python_module
+    return True
+
+
+def _repair_local_class_guards() -> None:
+    """Saves a frame that guards the type of an object whose class is defined inside a function
+    (torch 2.15; also for Inductor's). Transformers 5.25 and later give every attention layer one
+    (kernels' `Func`, the hub-kernel wrapper of `apply_rotary_pos_emb`). Dynamo refuses to save
+    such a type guard (a package bypass: the frame is traced again in every new process), and
+    would save the module as a plain `nn.Module` that fails the rebuilt guards. `Func` pickles
+    itself through its own `__reduce__`: an object that a pickle round trip gives back as an
+    instance of the same class is now saved that way, and its type guard kept."""
+    type_match = getattr(guards.GuardBuilder, "TYPE_MATCH", None)
+    reducer_override = getattr(getattr(guards, "GuardsStatePickler", None), "reducer_override", None)
+    if type_match is None or reducer_override is None:
+        return
+
     @functools.wraps(type_match)  # keeps its name and the check spec Dynamo attached to it
     def TYPE_MATCH(self: Any, guard: Any) -> None:  # noqa: N802 (Dynamo's name)
         type_match(self, guard)
         if getattr(guard, "_unserializable", None) is not None and _pickles_itself(self.get(guard)):
             guard._unserializable = None
 
-    def reducer_override_(self: Any, obj: Any) -> Any:
+    def by_own_reduce(self: Any, obj: Any) -> Any:
         if (isinstance(obj, torch.nn.Module) and id(obj) in getattr(self, "guard_tree_values", ())
                 and id(obj) not in getattr(self, "empty_values", ()) and id(obj) not in getattr(self, "missing_values", ())
                 and _pickles_itself(obj)):
             return NotImplemented
         return reducer_override(self, obj)
 
-    package.CompilePackage._add_function = _add_function
-    codegen.PyCodegen.create_load_python_module = create_load_python_module
     guards.GuardBuilder.TYPE_MATCH = TYPE_MATCH
-    guards.GuardsStatePickler.reducer_override = reducer_override_
-    return True
+    guards.GuardsStatePickler.reducer_override = by_own_reduce
 
 
 def _pickles_itself(value: Any) -> bool:
@@ -139,6 +145,7 @@ def _pickles_itself(value: Any) -> bool:
 
 
 _REPAIRED = _repair_dynamo_packages()
+_repair_local_class_guards()
 
 
 @dataclasses.dataclass
