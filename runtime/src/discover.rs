@@ -92,7 +92,8 @@ impl Search<'_> {
             };
         }
         let sites = self.site_packages(&mut searched);
-        let libtpu = self.var("TPU_LIBRARY_PATH")
+        let libtpu = self
+            .var("TPU_LIBRARY_PATH")
             .map(PathBuf::from)
             .into_iter()
             .chain(sites.iter().map(|site| site.join(LIBTPU_IN_SITE)));
@@ -109,7 +110,10 @@ impl Search<'_> {
                 ));
             }
         }
-        for path in CPU_IN_SITE.iter().flat_map(|file| sites.iter().map(move |site| site.join(file))) {
+        for path in CPU_IN_SITE
+            .iter()
+            .flat_map(|file| sites.iter().map(move |site| site.join(file)))
+        {
             if path.is_file() {
                 return Ok(path);
             }
@@ -120,14 +124,16 @@ impl Search<'_> {
 
     /// Site-packages directories to look in, without duplicates; notes venvs that have none.
     fn site_packages(&self, searched: &mut Vec<String>) -> Vec<PathBuf> {
-        let mut sites: Vec<PathBuf> = self.var(SITE_PACKAGES_ENV)
+        let mut sites: Vec<PathBuf> = self
+            .var(SITE_PACKAGES_ENV)
             .map(|list| {
                 std::env::split_paths(&list)
                     .filter(|p| !p.as_os_str().is_empty())
                     .collect()
             })
             .unwrap_or_default();
-        let venvs = self.var("VIRTUAL_ENV")
+        let venvs = self
+            .var("VIRTUAL_ENV")
             .map(PathBuf::from)
             .into_iter()
             .chain(
@@ -236,8 +242,15 @@ mod tests {
         );
         let sites = std::env::join_paths([both.0.join("a"), both.0.join("b")]).unwrap();
         assert_eq!(
-            locate(&[(SITE_PACKAGES_ENV, PathBuf::from(sites))], &both.0, false, None).unwrap(),
-            both.0.join("b/lammps_jax_pjrt_cpu/pjrt_c_api_cpu_plugin.so")
+            locate(
+                &[(SITE_PACKAGES_ENV, PathBuf::from(sites))],
+                &both.0,
+                false,
+                None
+            )
+            .unwrap(),
+            both.0
+                .join("b/lammps_jax_pjrt_cpu/pjrt_c_api_cpu_plugin.so")
         );
         let cwd = t.0.join("proj/sub");
         let venv = t.0.join(".venv");
@@ -259,7 +272,10 @@ mod tests {
             ("TPU_LIBRARY_PATH", PathBuf::new()),
             ("VIRTUAL_ENV", PathBuf::new()),
         ];
-        assert_eq!(locate(&unset, &cwd, false, None).unwrap(), t.0.join(venv_cpu));
+        assert_eq!(
+            locate(&unset, &cwd, false, None).unwrap(),
+            t.0.join(venv_cpu)
+        );
         // A named but missing path is an error, not a fallback.
         let missing = locate(&[(PLUGIN_ENV, t.0.join("nope.so"))], &cwd, false, None).unwrap_err();
         assert!(missing[0].contains("nope.so"), "{missing:?}");
