@@ -118,7 +118,9 @@ def _repair_local_class_guards() -> None:
     @functools.wraps(type_match)  # keeps its name and the check spec Dynamo attached to it
     def TYPE_MATCH(self: Any, guard: Any) -> None:  # noqa: N802 (Dynamo's name)
         type_match(self, guard)
-        if getattr(guard, "_unserializable", None) is not None and _pickles_itself(self.get(guard)):
+        # Only where the guards are being saved: the round trip is no work for other compiles.
+        if (getattr(self, "save_guards", True) and getattr(guard, "_unserializable", None) is not None
+                and _pickles_itself(self.get(guard))):
             guard._unserializable = None
 
     def by_own_reduce(self: Any, obj: Any) -> Any:
