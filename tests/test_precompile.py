@@ -57,21 +57,22 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _run(mode, env, script=SCRIPT):
-    return _run_args([mode], env, script)
+def _save_then_load(tmp_path, script=SCRIPT, save=("save",), load=("load",)):
+    """The reports of `script` run with arguments `save`, then in a new process with `load`, on
+    the same Dynamo and tpu_dynamo caches under `tmp_path`."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "torch"), "TPU_DYNAMO_CACHE_DIR": str(tmp_path / "tpu")}
+    return _run(save, env, script), _run(load, env, script)
 
 
-def _run_args(args, env, script):
+def _run(args, env, script):
     out = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_second_process_loads_precompiled_frames_without_tracing_or_compiling(tmp_path):
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "torch"), "TPU_DYNAMO_CACHE_DIR": str(tmp_path / "tpu")}
-    first = _run("save", env)
+    first, second = _save_then_load(tmp_path)
     assert first["dynamo_cache"] == {"dynamo_cache_miss": 1} and first["compiles"] == 1
-    second = _run("load", env)
     assert second["dynamo_cache"] == {"dynamo_cache_hit": 1}
     # Nothing traced; the executable came from our disk cache.
     assert (second["graphs_traced"], second["compiles"]) == (0, 0)
@@ -130,13 +131,26 @@ def test_a_decorated_forward_loads_without_tracing(tmp_path):
     the global through which the frame reaches `collections` (`NameError: ___module_collections_…`);
     precompile._repair_dynamo_packages fixes both, so the second process neither traces nor
     compiles."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "torch"), "TPU_DYNAMO_CACHE_DIR": str(tmp_path / "tpu")}
-    first = _run("save", env, DECORATED)
-    second = _run("load", env, DECORATED)
+    first, second = _save_then_load(tmp_path, DECORATED)
     assert (first["graphs_traced"], first["compiles"]) == (1, 1)
     assert (second["graphs_traced"], second["compiles"]) == (0, 0)
     for r in (first, second):
         assert r["type"] == "OrderedDict" and r["diff"] <= 1e-6
+
+
+# The end of a script that compared `got` with `want`: saves Dynamo's cache in the first process
+# and reports what each process traced and compiled.
+REPORT = textwrap.dedent(
+    """
+    if sys.argv[1] == "save":
+        torch.compiler.save_cache_artifacts()
+    print(json.dumps({
+        "diff": (got - want).abs().max().item(),
+        "graphs_traced": counters["stats"]["unique_graphs"],
+        "compiles": tpu_dynamo.stats()["compiles"],
+    }))
+    """
+)
 
 
 # A module of a class defined inside a function, held in a plain dict attribute and called
@@ -181,15 +195,8 @@ LOCAL_CLASS = textwrap.dedent(
     with torch.no_grad():
         got = torch.compile(m, backend="tpu", fullgraph=True)(x)
         want = rotate(torch.nn.functional.linear(x, m.weight, m.bias))
-    if sys.argv[1] == "save":
-        torch.compiler.save_cache_artifacts()
-    print(json.dumps({
-        "diff": (got - want).abs().max().item(),
-        "graphs_traced": counters["stats"]["unique_graphs"],
-        "compiles": tpu_dynamo.stats()["compiles"],
-    }))
     """
-)
+) + REPORT
 
 
 @_STORED_BY_TORCH_2_15
@@ -198,9 +205,7 @@ def test_a_module_of_a_class_defined_in_a_function_loads_without_tracing(tmp_pat
     in local scope": a package bypass), and would load such a module as a plain `nn.Module`;
     precompile._repair_local_class_guards saves one that pickles itself back into its class by its
     own reduce, so the second process neither traces nor compiles."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "torch"), "TPU_DYNAMO_CACHE_DIR": str(tmp_path / "tpu")}
-    first = _run("save", env, LOCAL_CLASS)
-    second = _run("load", env, LOCAL_CLASS)
+    first, second = _save_then_load(tmp_path, LOCAL_CLASS)
     assert (first["graphs_traced"], first["compiles"]) == (1, 1)
     assert (second["graphs_traced"], second["compiles"]) == (0, 0)
     for r in (first, second):
@@ -219,15 +224,8 @@ MODEL = textwrap.dedent(
     with torch.no_grad():
         want = bench._tensor(case.module(*case.inputs))
         got = bench._tensor(bench._compiled(case, "tpu")())
-    if sys.argv[1] == "save":
-        torch.compiler.save_cache_artifacts()
-    print(json.dumps({
-        "diff": (got - want).abs().max().item(),
-        "graphs_traced": counters["stats"]["unique_graphs"],
-        "compiles": tpu_dynamo.stats()["compiles"],
-    }))
     """
-)
+) + REPORT
 
 
 @_STORED_BY_TORCH_2_15
@@ -235,10 +233,8 @@ MODEL = textwrap.dedent(
 def test_a_model_forward_loads_without_tracing(tmp_path, name):
     """Transformers' and diffusers' decorated forwards, whole: the second process's first call
     is a guard check and a load (bench/RESULTS.md, run M: 0.08-0.12x the cold first call)."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "torch"), "TPU_DYNAMO_CACHE_DIR": str(tmp_path / "tpu")}
     bench_dir = str(Path(__file__).parents[1] / "bench")
-    first = _run_args(["save", name, bench_dir], env, MODEL)
-    second = _run_args(["load", name, bench_dir], env, MODEL)
+    first, second = _save_then_load(tmp_path, MODEL, ("save", name, bench_dir), ("load", name, bench_dir))
     assert (first["graphs_traced"], first["compiles"]) == (1, 1)
     assert (second["graphs_traced"], second["compiles"]) == (0, 0)
     for r in (first, second):
@@ -283,9 +279,7 @@ def test_a_symbolic_graph_loads_without_tracing(tmp_path):
     """A graph traced with symbolic sizes is stored as its `symbolic.Traced`: the second process
     traces nothing, finds the executables of the sizes the first one ran, compiles only a new
     size, and returns the size it computes and the input it updates, as eager does."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "torch"), "TPU_DYNAMO_CACHE_DIR": str(tmp_path / "tpu")}
-    first = _run_args(["save", "3,5"], env, SYMBOLIC)
-    second = _run_args(["load", "3,5,9"], env, SYMBOLIC)
+    first, second = _save_then_load(tmp_path, SYMBOLIC, ("save", "3,5"), ("load", "3,5,9"))
     assert (first["graphs_traced"], first["compiles"]) == (1, 2)
     assert (second["graphs_traced"], second["compiles"]) == (0, 1)
     for r in (first, second):
@@ -329,9 +323,7 @@ def test_a_dynamic_cache_generate_loads_without_tracing(tmp_path):
     """`generate()` with the default dynamic cache: the prompt's and first step's graphs are
     static, the later steps' one symbolic. All three load in a new process, which neither
     traces nor compiles (bench/RESULTS.md, seventeenth session: the bench's first generate 4.1-4.3 s → 0.52-0.73)."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "torch"), "TPU_DYNAMO_CACHE_DIR": str(tmp_path / "tpu")}
-    first = _run("save", env, GENERATE)
-    second = _run("load", env, GENERATE)
+    first, second = _save_then_load(tmp_path, GENERATE)
     assert first["graphs_traced"] == 3 and first["compiles"] > 3
     assert (second["graphs_traced"], second["compiles"]) == (0, 0)
     assert first["same"] and second["same"]
