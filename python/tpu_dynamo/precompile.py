@@ -104,7 +104,7 @@ def _repair_dynamo_packages() -> bool:
 
 def _repair_local_class_guards() -> None:
     """Saves a frame that guards the type of an object whose class is defined inside a function
-    (torch 2.15; also for Inductor's). Transformers 5.25 and later give every attention layer one
+    (torch 2.15; also Inductor's, once backend="tpu" is loaded). Transformers 5.25 and later give every attention layer one
     (kernels' `Func`, the hub-kernel wrapper of `apply_rotary_pos_emb`). Dynamo refuses to save
     such a type guard (a package bypass: the frame is traced again in every new process), and
     would save the module as a plain `nn.Module` that fails the rebuilt guards. `Func` pickles
