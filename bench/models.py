@@ -51,11 +51,13 @@ def _smollm_135m_model() -> torch.nn.Module:
 
 
 def _smollm_135m() -> Case:
-    return Case(_smollm_135m_model(), (torch.randint(0, 49152, (1, SEQ)),))
+    model = _smollm_135m_model()
+    return Case(model, (torch.randint(0, model.config.vocab_size, (1, SEQ)),))
 
 
 def _smollm_135m_decode() -> Case:
-    return Case(_Greedy(_smollm_135m_model()), (torch.randint(0, 49152, (1, PROMPT)),), decode=True)
+    model = _smollm_135m_model()
+    return Case(_Greedy(model), (torch.randint(0, model.config.vocab_size, (1, PROMPT)),), decode=True)
 
 
 def _llama_model() -> torch.nn.Module:
