@@ -9,9 +9,10 @@
     python bench/bench.py --models smollm-135m-decode --dtype bf16 --calls 20 --processes 1 --no-cold \
         --label cpu-bf16-decode-full-size   # its greedy decode in bf16
 
-Steady state: after warm-up, the median of `--calls` calls per backend, torch threads fixed, in
-`--processes` processes per model (every model in turn, then again); each backend's lowest
-median counts (this VM's slow phases land on one backend's block of one process).
+Steady state: after warm-up, the median of `--calls` calls per backend, torch threads fixed, the
+backends taking turns in blocks of 5 calls (this VM's slow phases, seconds to minutes, then slow
+every backend alike), in `--processes` processes per model (every model in turn, then again);
+each backend's lowest median counts.
 Cold first call (compile included): a fresh process per backend and model, each with an empty
 cache (TORCHINDUCTOR_CACHE_DIR, TPU_DYNAMO_CACHE_DIR), imports and model build before the clock;
 warm first call: one more process of ours on the cache the cold one filled (the disk cache of
@@ -52,6 +53,8 @@ from models import COLD, FULL_SIZE, MODELS, NEW_TOKENS, Case, build  # noqa: E40
 HERE = Path(__file__).parent
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 WARMUP = 5
+# Consecutive timed calls of one backend before the next takes its turn (`interleaved_ms`).
+BLOCK = 5
 TIMES = ("eager_ms", "inductor_ms", "tpu_ms", "inside_ms", "raw_ms")
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
@@ -73,6 +76,12 @@ def median_ms(
 ) -> float:
     """Median of `calls` timed calls of `fn` (warmed up by the caller), each after an untimed
     `before()`."""
+    return statistics.median(_timed(fn, calls, sync, before)) * 1e3
+
+
+def _timed(
+    fn: Callable[[], Any], calls: int, sync: Callable[[], None], before: Callable[[], Any] = lambda: None
+) -> list[float]:
     times = []
     for _ in range(calls):
         before()
@@ -81,7 +90,18 @@ def median_ms(
         fn()
         sync()
         times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return times
+
+
+def interleaved_ms(fns: dict[str, tuple[Callable[[], Any], Callable[[], None]]], calls: int) -> dict[str, float]:
+    """Median of `calls` timed calls of each `fn` of `fns` (`key: (fn, sync)`, warmed up by the
+    caller), taken in blocks of BLOCK calls that take turns: a slow phase of this VM (seconds to
+    minutes) then slows every backend's calls alike instead of landing on one backend's block."""
+    times: dict[str, list[float]] = {key: [] for key in fns}
+    while any(len(t) < calls for t in times.values()):
+        for key, (fn, sync) in fns.items():
+            times[key] += _timed(fn, min(BLOCK, calls - len(times[key])), sync)
+    return {key: statistics.median(t) * 1e3 for key, t in times.items()}
 
 
 def _tensor(out: Any) -> torch.Tensor:
@@ -98,7 +118,6 @@ def _call(case: Case, fn: Callable[..., Any]) -> Callable[[], Any]:
 
 def _compiled(case: Case, backend: str) -> Callable[[], Any]:
     """Compiles as a user would: the model's forward (for decode, the model under generate())."""
-    torch._dynamo.reset()
     if case.decode:
         case.module.model.compile(backend=backend, fullgraph=True)
         return _call(case, case.module)
@@ -173,21 +192,25 @@ def steady(name: str, device: str, dtype: torch.dtype, calls: int) -> dict[str, 
         eager_fn = _call(case, case.module)
         reference = _tensor(eager_fn())
         warm_up(eager_fn)
-        row["eager_ms"] = median_ms(eager_fn, calls, sync)
-        inductor_fn = _compiled(case, "inductor")
+        torch._dynamo.reset()
+        # A decode compiles the model itself (`model.compile()`), so each backend gets its own copy
+        # (same seed, same weights); ours takes CPU tensors: on another device it runs on a CPU copy.
+        inductor_fn = _compiled(build(name, device, dtype) if case.decode else case, "inductor")
         inductor_fn()
         warm_up(inductor_fn)
-        row["inductor_ms"] = median_ms(inductor_fn, calls, sync)
-
-        # Ours takes CPU tensors: on another device it runs on a CPU copy of the same model.
-        ours = case if device == "cpu" else build(name, "cpu", dtype)
+        # The sizes Dynamo saw change (automatic dynamic) are kept per code object, for every
+        # backend: ours starts from none, as in a process of its own, with Inductor's graphs kept.
+        torch._dynamo.pgo.reset_code_state()
+        ours = case if device == "cpu" and not case.decode else build(name, "cpu", dtype)
         tpu_fn = _compiled(ours, "tpu")
         out = _tensor(tpu_fn())
         # Executables obtained after the warm-up (whether compiled or found in the memory or disk
         # cache): a decode's second generate still specializes its first step once.
         warm_up(tpu_fn)
         executables = _executables_obtained()
-        row["tpu_ms"] = median_ms(tpu_fn, calls, lambda: None)
+        # Ours needs no sync: its results are CPU tensors whatever the device.
+        backends = {"eager_ms": (eager_fn, sync), "inductor_ms": (inductor_fn, sync), "tpu_ms": (tpu_fn, lambda: None)}
+        row.update(interleaved_ms(backends, calls))
         row["recompiles"] = _executables_obtained() - executables
         row["graphs"] = executables
         if case.decode:
@@ -240,9 +263,9 @@ def _child(args: argparse.Namespace, *what: str, env: dict[str, str] | None = No
 
 
 def _lowest(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One model's row from its processes: per backend the lowest median (this VM has slow
-    phases of seconds to minutes that land on one backend's block in one process, seldom on the
-    same block in every process), the checks from the worst process, and every process's times."""
+    """One model's row from its processes: per backend the lowest median (a phase of this VM
+    slower than the whole process slows its every backend, seldom every process), the checks
+    from the worst process, and every process's times."""
     errors = [r for r in runs if "error" in r]
     if errors:
         return errors[0]
@@ -360,9 +383,9 @@ def header(args: argparse.Namespace) -> str:
         f"- versions: python {platform.python_version()}, torch {torch.__version__}, transformers "
         f"{transformers.__version__}, diffusers {diffusers.__version__}, tpu_dynamo {tpu_dynamo.__version__}",
         f"- PJRT plugin: `{info['identity']}`; ours: {ours}",
-        f"- steady state: median of {args.calls} calls after {WARMUP} warm-up calls, in each of "
-        f"{args.processes} processes per model (every model in turn, then again); per backend the lowest "
-        "median; ms per call",
+        f"- steady state: median of {args.calls} calls after {WARMUP} warm-up calls, the backends taking "
+        f"turns in blocks of {BLOCK} calls, in each of {args.processes} processes per model (every model "
+        "in turn, then again); per backend the lowest median; ms per call",
     ])
 
 
