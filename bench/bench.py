@@ -10,8 +10,8 @@
         --label cpu-bf16-decode-full-size   # its greedy decode in bf16
 
 Steady state: after warm-up, the median of `--calls` calls per backend, torch threads fixed, the
-backends taking turns in blocks of 5 calls (this VM's slow phases, seconds to minutes, then slow
-every backend alike), in `--processes` processes per model (every model in turn, then again);
+backends taking turns in blocks of 5 calls, each after one untimed call (this VM's slow phases,
+seconds to minutes, then slow every backend alike), in `--processes` processes per model (every model in turn, then again);
 each backend's lowest median counts.
 Cold first call (compile included): a fresh process per backend and model, each with an empty
 cache (TORCHINDUCTOR_CACHE_DIR, TPU_DYNAMO_CACHE_DIR), imports and model build before the clock;
@@ -96,10 +96,14 @@ def _timed(
 def interleaved_ms(fns: dict[str, tuple[Callable[[], Any], Callable[[], None]]], calls: int) -> dict[str, float]:
     """Median of `calls` timed calls of each `fn` of `fns` (`key: (fn, sync)`, warmed up by the
     caller), taken in blocks of BLOCK calls that take turns: a slow phase of this VM (seconds to
-    minutes) then slows every backend's calls alike instead of landing on one backend's block."""
+    minutes) then slows every backend's calls alike instead of landing on one backend's block.
+    Each block starts with one untimed call: the first call after another backend's runs 20-40 %
+    slower (caches and thread pools left by the other), which is not the steady state."""
     times: dict[str, list[float]] = {key: [] for key in fns}
     while any(len(t) < calls for t in times.values()):
         for key, (fn, sync) in fns.items():
+            fn()
+            sync()
             times[key] += _timed(fn, min(BLOCK, calls - len(times[key])), sync)
     return {key: statistics.median(t) * 1e3 for key, t in times.items()}
 
@@ -384,8 +388,8 @@ def header(args: argparse.Namespace) -> str:
         f"{transformers.__version__}, diffusers {diffusers.__version__}, tpu_dynamo {tpu_dynamo.__version__}",
         f"- PJRT plugin: `{info['identity']}`; ours: {ours}",
         f"- steady state: median of {args.calls} calls after {WARMUP} warm-up calls, the backends taking "
-        f"turns in blocks of {BLOCK} calls, in each of {args.processes} processes per model (every model "
-        "in turn, then again); per backend the lowest median; ms per call",
+        f"turns in blocks of {BLOCK} calls (each after one untimed call), in each of {args.processes} "
+        "processes per model (every model in turn, then again); per backend the lowest median; ms per call",
     ])
 
 
