@@ -11,8 +11,8 @@
 
 Steady state: after warm-up, the median of `--calls` calls per backend, torch threads fixed, the
 backends taking turns in blocks of 5 calls, each after one untimed call (this VM's slow phases,
-seconds to minutes, then slow every backend alike), in `--processes` processes per model (every model in turn, then again);
-each backend's lowest median counts.
+seconds to minutes, then slow every backend alike), in `--processes` processes per model (every
+model in turn, then again); each backend's lowest median counts.
 Cold first call (compile included): a fresh process per backend and model, each with an empty
 cache (TORCHINDUCTOR_CACHE_DIR, TPU_DYNAMO_CACHE_DIR), imports and model build before the clock;
 warm first call: one more process of ours on the cache the cold one filled (the disk cache of
@@ -93,7 +93,9 @@ def _timed(
     return times
 
 
-def interleaved_ms(fns: dict[str, tuple[Callable[[], Any], Callable[[], None]]], calls: int) -> dict[str, float]:
+def interleaved_ms(
+    fns: dict[str, tuple[Callable[[], Any], Callable[[], None]]], calls: int
+) -> dict[str, float]:
     """Median of `calls` timed calls of each `fn` of `fns` (`key: (fn, sync)`, warmed up by the
     caller), taken in blocks of BLOCK calls that take turns: a slow phase of this VM (seconds to
     minutes) then slows every backend's calls alike instead of landing on one backend's block.
@@ -213,8 +215,12 @@ def steady(name: str, device: str, dtype: torch.dtype, calls: int) -> dict[str, 
         warm_up(tpu_fn)
         executables = _executables_obtained()
         # Ours needs no sync: its results are CPU tensors whatever the device.
-        backends = {"eager_ms": (eager_fn, sync), "inductor_ms": (inductor_fn, sync), "tpu_ms": (tpu_fn, lambda: None)}
-        row.update(interleaved_ms(backends, calls))
+        row.update(
+            interleaved_ms(
+                {"eager_ms": (eager_fn, sync), "inductor_ms": (inductor_fn, sync), "tpu_ms": (tpu_fn, lambda: None)},
+                calls,
+            )
+        )
         row["recompiles"] = _executables_obtained() - executables
         row["graphs"] = executables
         if case.decode:
@@ -267,9 +273,9 @@ def _child(args: argparse.Namespace, *what: str, env: dict[str, str] | None = No
 
 
 def _lowest(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One model's row from its processes: per backend the lowest median (a phase of this VM
-    slower than the whole process slows its every backend, seldom every process), the checks
-    from the worst process, and every process's times."""
+    """One model's row from its processes: per backend the lowest median (a slow phase of this VM
+    that outlasts a process slows all of its backends, seldom every process), the checks from the
+    worst process, and every process's times."""
     errors = [r for r in runs if "error" in r]
     if errors:
         return errors[0]
