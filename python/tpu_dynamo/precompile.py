@@ -104,12 +104,12 @@ def _repair_dynamo_packages() -> bool:
 
 def _repair_local_class_guards() -> None:
     """Saves a frame that guards the type of an object whose class is defined inside a function
-    (torch 2.15; also Inductor's, once backend="tpu" is loaded). Transformers 5.25 and later give every attention layer one
-    (kernels' `Func`, the hub-kernel wrapper of `apply_rotary_pos_emb`). Dynamo refuses to save
-    such a type guard (a package bypass: the frame is traced again in every new process), and
-    would save the module as a plain `nn.Module` that fails the rebuilt guards. `Func` pickles
-    itself through its own `__reduce__`: an object that a pickle round trip gives back as an
-    instance of the same class is now saved that way, and its type guard kept."""
+    (torch 2.15; also Inductor's, once backend="tpu" is loaded). Transformers 5.25 and later give
+    every attention layer one (kernels' `Func`, the hub-kernel wrapper of `apply_rotary_pos_emb`).
+    Dynamo refuses to save such a type guard (a package bypass: the frame is traced again in
+    every new process), and would save the module as a plain `nn.Module` that fails the rebuilt
+    guards. `Func` pickles itself through its own `__reduce__`: an object that a pickle round trip
+    gives back as an instance of the same class is now saved that way, and its type guard kept."""
     type_match = getattr(guards.GuardBuilder, "TYPE_MATCH", None)
     reducer_override = getattr(getattr(guards, "GuardsStatePickler", None), "reducer_override", None)
     if type_match is None or reducer_override is None:
@@ -125,7 +125,8 @@ def _repair_local_class_guards() -> None:
 
     def by_own_reduce(self: Any, obj: Any) -> Any:
         if (isinstance(obj, torch.nn.Module) and id(obj) in getattr(self, "guard_tree_values", ())
-                and id(obj) not in getattr(self, "empty_values", ()) and id(obj) not in getattr(self, "missing_values", ())
+                and id(obj) not in getattr(self, "empty_values", ())
+                and id(obj) not in getattr(self, "missing_values", ())
                 and _pickles_itself(obj)):
             return NotImplemented
         return reducer_override(self, obj)
@@ -138,7 +139,8 @@ def _pickles_itself(value: Any) -> bool:
     """Whether `value`, of a class defined inside a function, has its own reduce that a new process
     can follow back to that class: a pickle round trip returns an instance of the same class."""
     cls = type(value)
-    if cls.__qualname__ == cls.__name__ or (cls.__reduce__ is object.__reduce__ and cls.__reduce_ex__ is object.__reduce_ex__):
+    own_reduce = cls.__reduce__ is not object.__reduce__ or cls.__reduce_ex__ is not object.__reduce_ex__
+    if cls.__qualname__ == cls.__name__ or not own_reduce:
         return False
     try:
         return type(pickle.loads(pickle.dumps(value))) is cls
