@@ -301,6 +301,44 @@ def test_buckets_pad_a_causal_prefill():
     assert tpu_dynamo.stats()["compiles"] == 1
 
 
+def test_buckets_pad_a_long_causal_attention_run_in_row_blocks():
+    """From 512 queries a causal attention runs in blocks of 128 rows, each over the keys its
+    last query sees; padded to the bucket of 768, queries and keys alike, each true query
+    still sees its true keys only. Tolerance 1e-5."""
+
+    def f(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    run = compile_tpu(f, options={"bucket_size": 256})
+    for s in (520, 600, 700):
+        q, k, v = (torch.randn(1, 2, s, 8) for _ in range(3))
+        for t in (q, k, v):
+            torch._dynamo.mark_dynamic(t, 2)
+        torch.testing.assert_close(run(q, k, v), f(q, k, v), rtol=1e-5, atol=1e-5)
+    assert tpu_dynamo.stats()["compiles"] == 1
+
+
+def test_padded_keys_are_hidden_from_a_long_causal_attention_run_in_row_blocks():
+    """520 causal queries over a cache of 301-400 keys plus a new one, padded to the bucket
+    of 512: the row blocks read key prefixes of 128-512, which cut through the padding, and
+    each hides what lies past the true count. Tolerance 1e-5."""
+
+    def f(q, k, v, new):
+        k, v = torch.cat([k, new], 2), torch.cat([v, new], 2)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), k
+
+    run = compile_tpu(f, options={"bucket_size": 256})
+    q = torch.randn(1, 2, 520, 8)
+    for s in (300, 350, 400):
+        k, v, new = torch.randn(1, 2, s, 8), torch.randn(1, 2, s, 8), torch.randn(1, 2, 1, 8)
+        for t in (k, v):
+            torch._dynamo.mark_dynamic(t, 2)
+        for g, w in zip(run(q, k, v, new), f(q, k, v, new)):
+            assert g.shape == w.shape
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert tpu_dynamo.stats()["compiles"] == 1
+
+
 def sdpa(q, k, v):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v)
 

@@ -64,28 +64,111 @@ fn flash_attention_for_cpu(n: NodeCtx<'_>) -> Res<'_> {
     };
     let b = &n.b;
     let f = opmath(q.dtype());
-    let group = heads / kv_heads;
-    // Grouped query heads share their key/value head's batch entry: [B, Hkv, group * L, E].
     // Scaled before the product: fewer multiplies than on the scores, and none that XLA:CPU
     // would feed to the product's fusion as a materialized [L, S] broadcast of the scale.
-    let q = b.reshape(
-        &b.mul_scalar(&b.convert(&q, f)?, scale)?,
-        &[batch, kv_heads, group * len_q, dim],
-    )?;
+    let q = b.mul_scalar(&b.convert(&q, f)?, scale)?;
     let (k, mut v) = (b.convert(&k, f)?, b.convert(&v, f)?);
     let visible = keys_visible(&n, len_kv)?;
     if let Some(visible) = &visible {
         // Padding may hold anything, and 0 * inf is NaN: hidden values become 0 too.
         v = b.select(&b.reshape(visible, &[len_kv, 1])?, &v, &b.scalar(Scalar::Float(0.0), f)?)?;
     }
-    let scores = b.dot_general(&q, &k, (&[0, 1], &[0, 1]), (&[3], &[3]), f)?;
+    let mask = mask.map(|m| b.convert(&m, f)).transpose()?;
+    let (mut outs, mut lses) = (vec![], vec![]);
+    for rows in row_blocks(causal, mask.is_some(), len_q, len_kv) {
+        let (out, lse) = attend(
+            b,
+            &b.slice_dim(&q, 2, rows.start, rows.end, 1)?,
+            (&b.slice_dim(&k, 2, 0, rows.keys, 1)?, &b.slice_dim(&v, 2, 0, rows.keys, 1)?),
+            visible.as_ref().map(|m| b.slice_dim(m, 0, 0, rows.keys, 1)).transpose()?,
+            mask.as_ref().map(|m| mask_block(b, m, &rows, len_q, len_kv)).transpose()?,
+            causal.then_some(rows.start),
+        )?;
+        outs.push(out);
+        lses.push(lse);
+    }
+    let out = b.concat(&outs.iter().collect::<Vec<_>>(), 2)?;
+    let lse = b.reshape(&b.concat(&lses.iter().collect::<Vec<_>>(), 2)?, &[batch, heads, len_q])?;
+    Ok(vec![
+        b.convert(&out, n.out(0)?.dtype)?,
+        b.convert(&lse, n.out(1)?.dtype)?,
+    ])
+}
+
+/// Queries per block of a long masked or causal attention (`row_blocks`), and the fewest
+/// queries that are split. Measured on the CPU plugin, `[1, 9, L, 64]` queries over 3 key
+/// heads, causal, eager's flash kernel at 1.0: one block 1.2-1.4 (L = 512), 2.5 (1024), 3.6-3.9
+/// (2048), 3.8-4.7 (4096); blocks of 128 rows 0.9-1.3, 0.95, 0.92-1.03, 1.0-1.04 (of 64 and
+/// 256 rows about the same; at L = 256-384 neither better nor worse than one block). With a
+/// `[L, S]` mask (a padded batch's) and no causal flag: 1.4-2.0 -> 1.1-1.3 at L = 2048.
+const ROW_BLOCK: i64 = 128;
+const BLOCKED_FROM: i64 = 512;
+
+/// Queries `start..end` and the keys `0..keys` they attend to.
+struct Rows {
+    start: i64,
+    end: i64,
+    keys: i64,
+}
+
+/// The blocks of queries an attention is computed in. A long attention with a mask (causal or
+/// given) is split by rows, so that each block's scores, and the part of the mask every head
+/// adds to them, stay in cache across heads, where the whole `[H, L, S]` scores were written
+/// out and read back from memory and the `[L, S]` mask read once per head; a causal block also
+/// reads only the keys its last query sees (query `i` sees keys up to `i`), about half the
+/// products and exponentials in all. Otherwise one block.
+fn row_blocks(causal: bool, masked: bool, len_q: i64, len_kv: i64) -> Vec<Rows> {
+    if !(causal || masked) || len_q < BLOCKED_FROM {
+        return vec![Rows { start: 0, end: len_q, keys: len_kv }];
+    }
+    (0..len_q)
+        .step_by(ROW_BLOCK as usize)
+        .map(|start| {
+            let end = (start + ROW_BLOCK).min(len_q);
+            Rows { start, end, keys: if causal { end.min(len_kv) } else { len_kv } }
+        })
+        .collect()
+}
+
+/// The part of `mask` (broadcastable to `[B, H, L, S]`) that applies to `rows`.
+fn mask_block<'a>(b: &Builder<'a>, mask: &Val<'a>, rows: &Rows, len_q: i64, len_kv: i64) -> R<Val<'a>> {
+    let rank = mask.rank();
+    let mut m = mask.clone();
+    if rank >= 2 && m.shape()[rank - 2] == len_q && len_q != 1 {
+        m = b.slice_dim(&m, rank - 2, rows.start, rows.end, 1)?;
+    }
+    if rank >= 1 && m.shape()[rank - 1] == len_kv && len_kv != 1 {
+        m = b.slice_dim(&m, rank - 1, 0, rows.keys, 1)?;
+    }
+    Ok(m)
+}
+
+/// `(output [B, H, l, E], logsumexp [B, H, l, 1])` of queries `q` `[B, H, l, E]` (scaled, in
+/// `f`) over keys and values `[B, Hkv, s, E]`; `visible`: `[s]`, the keys below a padded
+/// graph's true count; `mask`: broadcastable to the scores; `causal_from`: the index of the
+/// first query when causal.
+fn attend<'a>(
+    b: &Builder<'a>,
+    q: &Val<'a>,
+    (k, v): (&Val<'a>, &Val<'a>),
+    visible: Option<Val<'a>>,
+    mask: Option<Val<'a>>,
+    causal_from: Option<i64>,
+) -> R<(Val<'a>, Val<'a>)> {
+    let [batch, heads, len_q, dim] = [0, 1, 2, 3].map(|i| q.shape()[i]);
+    let (kv_heads, len_kv) = (k.shape()[1], k.shape()[2]);
+    let f = q.dtype();
+    let group = heads / kv_heads;
+    // Grouped query heads share their key/value head's batch entry: [B, Hkv, group * l, E].
+    let q = b.reshape(q, &[batch, kv_heads, group * len_q, dim])?;
+    let scores = b.dot_general(&q, k, (&[0, 1], &[0, 1]), (&[3], &[3]), f)?;
     let full = [batch, heads, len_q, len_kv];
     let mut scores = b.reshape(&scores, &full)?;
     if let Some(visible) = &visible {
         scores = b.select(visible, &scores, &b.scalar(Scalar::Float(f64::NEG_INFINITY), f)?)?;
     }
     let masked = mask.is_some();
-    let mut bias = bias(b, mask, causal, len_q, len_kv, f)?;
+    let mut bias = bias(b, mask, causal_from, len_q, len_kv, f)?;
     if let (Some(mask), Some(visible)) = (&bias, &visible) {
         // A mask padded along the keys holds anything there (-inf + inf would be NaN); hidden
         // keys read as masked, so a row whose true keys are all masked is still found below.
@@ -101,7 +184,7 @@ fn flash_attention_for_cpu(n: NodeCtx<'_>) -> Res<'_> {
     let rows = exponentials(b, &scores, 3, false)?;
 
     let e = b.reshape(&rows.e, &[batch, kv_heads, group * len_q, len_kv])?;
-    let weighted = b.dot_general(&e, &v, (&[0, 1], &[0, 1]), (&[3], &[2]), f)?;
+    let weighted = b.dot_general(&e, v, (&[0, 1], &[0, 1]), (&[3], &[2]), f)?;
     let weighted = b.reshape(&weighted, &[batch, heads, len_q, dim])?;
     let mut out = b.div(&weighted, &rows.total)?;
     let mut lse = b.add(&rows.shift, &b.unary("log", &rows.total)?)?;
@@ -117,11 +200,7 @@ fn flash_attention_for_cpu(n: NodeCtx<'_>) -> Res<'_> {
         )?;
         (out, lse) = (zero_rows(b, &hidden, &out)?, zero_rows(b, &hidden, &lse)?);
     }
-    let lse = b.reshape(&lse, &[batch, heads, len_q])?;
-    Ok(vec![
-        b.convert(&out, n.out(0)?.dtype)?,
-        b.convert(&lse, n.out(1)?.dtype)?,
-    ])
+    Ok((out, lse))
 }
 
 /// `x` with its positions along `dim` at or past the keys' count set to `fill`, when the graph
@@ -149,21 +228,23 @@ fn keys_visible<'a>(n: &NodeCtx<'a>, len_kv: i64) -> R<Option<Val<'a>>> {
 
 /// What the masks add to the scores, `[L, S]` or the mask's own shape (broadcast to the
 /// scores by the caller): the float mask as it is, and for the causal mask -inf where key `j`
-/// is hidden from query `i` (`j > i`). Added rather than selected, the mask keeps the max,
-/// shift and exponential in one fusion with the product that makes the scores (XLA:CPU's
-/// library fusions take elementwise adds, not selects: causal GPT-2 attention at 4x128x128 ran
-/// 114-133 -> 58-67 us), and the select runs once per mask, not once per head.
+/// is hidden from query `i` (`j > i`; `i` counted from `causal_from`). Added rather than
+/// selected, the mask keeps the max, shift and exponential in one fusion with the product that
+/// makes the scores (XLA:CPU's library fusions take elementwise adds, not selects: causal GPT-2
+/// attention at 4x128x128 ran 114-133 -> 58-67 us), and the select runs once per mask, not once
+/// per head.
 fn bias<'a>(
     b: &Builder<'a>,
     mask: Option<Val<'a>>,
-    causal: bool,
+    causal_from: Option<i64>,
     len_q: i64,
     len_kv: i64,
     f: DType,
 ) -> R<Option<Val<'a>>> {
-    let causal = if causal {
+    let causal = if let Some(first) = causal_from {
         let grid = TensorType::new(DType::I64, vec![len_q, len_kv]);
-        let visible = b.compare(&b.iota(&grid, 1)?, &b.iota(&grid, 0)?, "LE")?;
+        let query = b.add(&b.iota(&grid, 0)?, &b.splat(Scalar::Int(first), &grid)?)?;
+        let visible = b.compare(&b.iota(&grid, 1)?, &query, "LE")?;
         let ty = TensorType::new(f, vec![len_q, len_kv]);
         Some(b.select(
             &visible,
@@ -173,7 +254,6 @@ fn bias<'a>(
     } else {
         None
     };
-    let mask = mask.map(|m| b.convert(&m, f)).transpose()?;
     match (causal, mask) {
         (Some(c), Some(m)) => {
             let shape = broadcast_shapes(c.shape(), m.shape())?;

@@ -704,7 +704,7 @@ impl<'a> Builder<'a> {
         )
     }
 
-    /// Slice `[start, limit)` with `step` along one dim.
+    /// Slice `[start, limit)` with `step` along one dim; `x` itself when that is all of it.
     pub fn slice_dim(
         &self,
         x: &Val<'a>,
@@ -713,6 +713,9 @@ impl<'a> Builder<'a> {
         limit: i64,
         step: i64,
     ) -> R<Val<'a>> {
+        if (start, limit, step) == (0, x.shape()[dim], 1) {
+            return Ok(x.clone());
+        }
         let mut starts = vec![0; x.rank()];
         let mut limits = x.shape().to_vec();
         let mut strides = vec![1; x.rank()];
