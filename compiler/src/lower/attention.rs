@@ -131,7 +131,13 @@ fn row_blocks(causal: bool, masked: bool, len_q: i64, len_kv: i64) -> Vec<Rows> 
 }
 
 /// The part of `mask` (broadcastable to `[B, H, L, S]`) that applies to `rows`.
-fn mask_block<'a>(b: &Builder<'a>, mask: &Val<'a>, rows: &Rows, len_q: i64, len_kv: i64) -> R<Val<'a>> {
+fn mask_block<'a>(
+    b: &Builder<'a>,
+    mask: &Val<'a>,
+    rows: &Rows,
+    len_q: i64,
+    len_kv: i64,
+) -> R<Val<'a>> {
     let rank = mask.rank();
     let mut m = mask.clone();
     if rank >= 2 && m.shape()[rank - 2] == len_q && len_q != 1 {
