@@ -8,6 +8,8 @@
         # real models' sizes (random weights): bench/RESULTS-full-size.md
     python bench/bench.py --models smollm-135m-decode --dtype bf16 --calls 20 --processes 1 --no-cold \
         --label cpu-bf16-decode-full-size   # its greedy decode in bf16
+    python bench/bench.py --models gpt2-124m-1k smollm-135m-1k --calls 10 --processes 1 --label long-prompt
+        # the same two forwards on a 1024-token prompt: bench/RESULTS-long-prompt.md
 
 Steady state: after warm-up, the median of `--calls` calls per backend, torch threads fixed, the
 backends taking turns in blocks of 5 calls, each after one untimed call (this VM's slow phases,

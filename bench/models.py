@@ -9,6 +9,8 @@ from typing import Any
 import torch
 
 SEQ = 128
+# A long prompt's tokens (`-1k` models): where attention's [L, L] scores outgrow the caches.
+LONG = 1024
 PROMPT, NEW_TOKENS = 16, 32
 
 
@@ -30,12 +32,12 @@ def _gpt2(batch: int) -> Case:
     return Case(model, (torch.randint(0, config.vocab_size, (batch, SEQ)),))
 
 
-def _gpt2_124m() -> Case:
+def _gpt2_124m(seq: int = SEQ) -> Case:
     """GPT-2 small's architecture (124 M parameters: transformers' GPT2Config defaults)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config()
-    return Case(GPT2LMHeadModel(config), (torch.randint(0, config.vocab_size, (1, SEQ)),))
+    return Case(GPT2LMHeadModel(config), (torch.randint(0, config.vocab_size, (1, seq)),))
 
 
 def _smollm_135m_model() -> torch.nn.Module:
@@ -50,9 +52,9 @@ def _smollm_135m_model() -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
-def _smollm_135m() -> Case:
+def _smollm_135m(seq: int = SEQ) -> Case:
     model = _smollm_135m_model()
-    return Case(model, (torch.randint(0, model.config.vocab_size, (1, SEQ)),))
+    return Case(model, (torch.randint(0, model.config.vocab_size, (1, seq)),))
 
 
 def _smollm_135m_decode() -> Case:
@@ -171,12 +173,15 @@ MODELS: dict[str, Callable[[], Case]] = {
     "gpt2-124m-b1": _gpt2_124m,
     "smollm-135m-b1": _smollm_135m,
     "smollm-135m-decode": _smollm_135m_decode,
+    "gpt2-124m-1k": lambda: _gpt2_124m(LONG),
+    "smollm-135m-1k": lambda: _smollm_135m(LONG),
 }
 
 # Real models' sizes, random weights: not in a default run (each call takes ~0.3 s here); run them
 # with `--models gpt2-124m-b1 smollm-135m-b1 --label full-size` (the decode: `--models
-# smollm-135m-decode --dtype bf16`).
-FULL_SIZE = ["gpt2-124m-b1", "smollm-135m-b1", "smollm-135m-decode"]
+# smollm-135m-decode --dtype bf16`; a 1024-token prompt: `--models gpt2-124m-1k smollm-135m-1k
+# --label long-prompt`).
+FULL_SIZE = ["gpt2-124m-b1", "smollm-135m-b1", "smollm-135m-decode", "gpt2-124m-1k", "smollm-135m-1k"]
 
 # Cold first calls are timed once per model (not per batch size): each Inductor one takes ~15 s.
 # The decode's is its first generate(), whose three graphs (the prompt's, the first step's, the

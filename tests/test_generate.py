@@ -327,16 +327,22 @@ def test_padded_keys_are_hidden_from_a_long_causal_attention_run_in_row_blocks()
         k, v = torch.cat([k, new], 2), torch.cat([v, new], 2)
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), k
 
-    run = compile_tpu(f, options={"bucket_size": 256})
     q = torch.randn(1, 2, 520, 8)
-    for s in (300, 350, 400):
-        k, v, new = torch.randn(1, 2, s, 8), torch.randn(1, 2, s, 8), torch.randn(1, 2, 1, 8)
+    calls = ((q, torch.randn(1, 2, s, 8), torch.randn(1, 2, s, 8), torch.randn(1, 2, 1, 8)) for s in (300, 350, 400))
+    _matches_eager_as_the_keys_grow(f, 256, calls)
+    assert tpu_dynamo.stats()["compiles"] == 1
+
+
+def _matches_eager_as_the_keys_grow(f, bucket_size, calls):
+    """Runs `f(q, k, v, new)` compiled with buckets on each of `calls`, k and v marked dynamic
+    along their keys; every output as eager's within 1e-5."""
+    run = compile_tpu(f, options={"bucket_size": bucket_size})
+    for q, k, v, new in calls:
         for t in (k, v):
             torch._dynamo.mark_dynamic(t, 2)
         for g, w in zip(run(q, k, v, new), f(q, k, v, new)):
             assert g.shape == w.shape
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
-    assert tpu_dynamo.stats()["compiles"] == 1
 
 
 def sdpa(q, k, v):
@@ -360,16 +366,11 @@ def test_padded_keys_are_hidden_even_where_padding_turns_non_finite(attend):
         v = 1 / torch.cat([v, new], 2)
         return attend(q, k, v), k, v
 
-    run = compile_tpu(f, options={"bucket_size": 8})
-    for s in (3, 5, 6, 7, 9):
-        q = torch.randn(1, 2, 1, 4)
-        k, v = torch.rand(1, 2, s, 4) + 0.5, torch.rand(1, 2, s, 4) + 0.5
-        new = torch.rand(1, 2, 1, 4) + 0.5
-        for t in (k, v):
-            torch._dynamo.mark_dynamic(t, 2)
-        for g, w in zip(run(q, k, v, new), f(q, k, v, new)):
-            assert g.shape == w.shape
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    calls = (
+        (torch.randn(1, 2, 1, 4), torch.rand(1, 2, s, 4) + 0.5, torch.rand(1, 2, s, 4) + 0.5, torch.rand(1, 2, 1, 4) + 0.5)
+        for s in (3, 5, 6, 7, 9)
+    )
+    _matches_eager_as_the_keys_grow(f, 8, calls)
     # 3-7 share the bucket of 8 (keys 4-8), 9 that of 16.
     assert tpu_dynamo.stats()["compiles"] == 2
 
