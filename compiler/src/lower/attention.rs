@@ -130,7 +130,8 @@ fn row_blocks(causal: bool, masked: bool, len_q: i64, len_kv: i64) -> Vec<Rows> 
         .collect()
 }
 
-/// The part of `mask` (broadcastable to `[B, H, L, S]`) that applies to `rows`.
+/// The part of `mask` (broadcastable to `[B, H, L, S]`) that applies to `rows`: its query and
+/// key dims sliced where they are not broadcast (a slice of all of a dim is no slice).
 fn mask_block<'a>(
     b: &Builder<'a>,
     mask: &Val<'a>,
@@ -140,10 +141,10 @@ fn mask_block<'a>(
 ) -> R<Val<'a>> {
     let rank = mask.rank();
     let mut m = mask.clone();
-    if rank >= 2 && m.shape()[rank - 2] == len_q && len_q != 1 {
+    if rank >= 2 && m.shape()[rank - 2] == len_q {
         m = b.slice_dim(&m, rank - 2, rows.start, rows.end, 1)?;
     }
-    if rank >= 1 && m.shape()[rank - 1] == len_kv && len_kv != 1 {
+    if rank >= 1 && m.shape()[rank - 1] == len_kv {
         m = b.slice_dim(&m, rank - 1, 0, rows.keys, 1)?;
     }
     Ok(m)
