@@ -12,7 +12,7 @@ use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 
 use pyo3::ffi;
 use pyo3::prelude::*;
-use tpu_dynamo_runtime::{Buffer, DType, TensorSpec};
+use tpu_dynamo_runtime::{Buffer, DType, Error as RtError, TensorSpec};
 
 use crate::weak_map::WeakMap;
 
@@ -115,6 +115,43 @@ impl Memory {
     /// A zeroed host allocation for `nbytes`, for a result the host cannot address in place.
     pub fn copied(nbytes: usize) -> Memory {
         Memory::Copied(vec![0; nbytes.div_ceil(16)])
+    }
+
+    /// `nbytes` of new host memory laid out by `runs`, which reports copies `(from, to, len)`
+    /// of `src[from..from + len]` to offset `to`, in increasing `to` order (a corner of a larger
+    /// or smaller array: `TensorSpec::corner_runs`); the bytes no copy covers are zeroed. Every
+    /// byte is written once: a decode step pads and cuts each layer's K and V, and zeroing the
+    /// whole allocation before copying into it wrote half as much again.
+    pub fn from_runs(
+        nbytes: usize,
+        src: &[u8],
+        runs: impl FnOnce(&mut dyn FnMut(usize, usize, usize)) -> Result<(), RtError>,
+    ) -> Result<Memory, RtError> {
+        let mut v: Vec<u128> = Vec::with_capacity(nbytes.div_ceil(16));
+        let capacity = v.capacity() * 16;
+        let dst: *mut u8 = v.as_mut_ptr().cast();
+        let (mut filled, mut in_order) = (0, true);
+        runs(&mut |from, to, len| {
+            in_order &= to >= filled && to + len <= nbytes && from + len <= src.len();
+            if in_order {
+                // SAFETY: `filled <= to`, `to + len <= nbytes <= capacity` and `from + len <=
+                // src.len()` (checked above); `src` is not `v`.
+                unsafe {
+                    dst.add(filled).write_bytes(0, to - filled);
+                    std::ptr::copy_nonoverlapping(src.as_ptr().add(from), dst.add(to), len);
+                }
+                filled = to + len;
+            }
+        })?;
+        if !in_order {
+            return Err(RtError::InvalidArgument("host copy: runs out of order or out of bounds".into()));
+        }
+        // SAFETY: bytes `..filled` are written above, the rest here, so all of `v` is initialized.
+        unsafe {
+            dst.add(filled).write_bytes(0, capacity - filled);
+            v.set_len(v.capacity());
+        }
+        Ok(Memory::Copied(v))
     }
 
     pub fn bytes_mut(&mut self, nbytes: usize) -> Option<&mut [u8]> {

@@ -43,9 +43,8 @@ impl PaddedInput {
     /// `data`, a dense array of type `given`, zero-padded to `spec` and uploaded.
     pub fn upload(target: &Target, data: &[u8], given: &TensorSpec, spec: &TensorSpec) -> Result<PaddedInput, RtError> {
         let nbytes = spec.byte_size()?;
-        let mut host = Memory::copied(nbytes);
+        let mut host = Memory::from_runs(nbytes, data, |copy| given.corner_runs(spec, copy))?;
         let padded = host.bytes_mut(nbytes).expect("host memory");
-        given.corner_runs(spec, |small, big, len| padded[big..big + len].copy_from_slice(&data[small..small + len]))?;
         let buffer = if target.host_memory {
             // SAFETY: `host` outlives `buffer` (dropped after it) and is not written again.
             unsafe { target.client.buffer_over_host(padded, spec, &target.device)? }
@@ -71,9 +70,6 @@ pub fn cut_output(result: &Buffer, address: Option<usize>, spec: &TensorSpec, cu
             &downloaded
         }
     };
-    let nbytes = cut.byte_size()?;
-    let mut memory = Memory::copied(nbytes);
-    let small = memory.bytes_mut(nbytes).expect("host memory");
-    cut.corner_runs(spec, |s, b, len| small[s..s + len].copy_from_slice(&full[b..b + len]))?;
-    Ok(memory)
+    // Each run of the cut array is a copy from the full one, in the cut array's order.
+    Memory::from_runs(cut.byte_size()?, full, |copy| cut.corner_runs(spec, |small, big, len| copy(big, small, len)))
 }
