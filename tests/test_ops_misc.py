@@ -434,3 +434,43 @@ def test_attention_op_returns_eagers_logsumexp_too(causal, masked):
             out, lse = fn(q, k, v)
         assert out[0, :, 3].eq(0).all() and lse[0, :, 3].eq(0).all()
     check(fn, q, k, v)
+
+
+# (name, input shape, weight shape, stride, padding, dilation, lowered as the windows' product)
+CONVOLUTION_CASES = [
+    ("2d", (2, 16, 5, 5), (64, 16, 3, 3), 1, 1, 1, True),
+    ("2d_strided_dilated_uneven", (1, 8, 9, 7), (48, 8, 3, 2), (2, 1), (1, 0), (2, 1), True),
+    ("2d_1x1", (2, 32, 4, 4), (40, 32, 1, 1), 1, 0, 1, True),
+    ("1d", (2, 8, 10), (32, 8, 5), 1, 2, 1, True),
+    ("3d", (1, 4, 3, 4, 4), (64, 4, 3, 3, 3), 1, 1, 1, True),
+    ("2d_wide_input", (2, 8, 16, 16), (8, 8, 3, 3), 1, 1, 1, False),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", CONVOLUTION_CASES, ids=[c[0] for c in CONVOLUTION_CASES])
+def test_a_convolution_whose_weight_outweighs_its_windows_is_one_product(case, dtype):
+    """Where a convolution's output positions (batch x spatial) are no more than its output
+    channels, the weight as it lies ([O, C*K]) times the input's stacked windows ([C*K, N*P]):
+    XLA:CPU's convolution transposes the whole weight every call and ran 2-3x eager at a UNet's
+    1280 channels on 8x8 (bench/RESULTS.md, "Twenty-third session"). Every spatial rank, stride,
+    padding and dilation; eager's values within 1e-5 (f32) or bf16's own tolerance, and the
+    StableHLO holds a convolution only where the windows would outgrow the weight."""
+    _name, x_shape, w_shape, stride, padding, dilation, as_product = case
+    torch.manual_seed(0)
+    x, w, bias = rand(*x_shape).to(dtype), rand(*w_shape).to(dtype), rand(w_shape[0]).to(dtype)
+    conv = getattr(torch.nn.functional, f"conv{len(x_shape) - 2}d")
+
+    def fn(x, w, bias):
+        return conv(x, w, bias, stride=stride, padding=padding, dilation=dilation)
+
+    modules = []
+    with torch.no_grad():
+        got = compile_tpu(fn, options={"debug_callback": lambda d: modules.append(d["stablehlo"])})(x, w, bias)
+        want = fn(x, w, bias)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    else:
+        torch.testing.assert_close(got, want)
+    (text,) = modules
+    assert ("stablehlo.convolution" in text) != as_product

@@ -1,8 +1,8 @@
-//! Matrix products (and `_trilinear`) and convolution. Half-precision operands accumulate in f32 (the dot or
-//! convolution yields f32, rounded once), which is what PyTorch's CPU GEMMs do.
+//! Matrix products (and `_trilinear`). Half-precision operands accumulate in f32 (the dot yields
+//! f32, rounded once), which is what PyTorch's CPU GEMMs do.
 
 use super::builder::{
-    broadcast_shapes, i64_array, norm_dim, opmath, padding_attr, Builder, Combiner, Scalar, Val, R,
+    broadcast_shapes, norm_dim, opmath, Builder, Combiner, Scalar, Val, R,
 };
 use super::reduction::sum_to;
 use super::attention::hide_padded_keys;
@@ -20,7 +20,6 @@ pub fn register(r: &mut Registry) {
         ],
         matmul,
     );
-    r.add(&["aten.convolution.default"], convolution);
     r.add(&["transformers.grouped_mm_fallback.default"], grouped_mm);
     r.add(&["aten._cdist_forward.default"], cdist);
     r.add(&["aten._pdist_forward.default"], pdist);
@@ -115,102 +114,6 @@ fn matmul(n: NodeCtx<'_>) -> Res<'_> {
         bias
     };
     Ok(vec![bd.convert(&bd.add(&prod, &bias)?, out)?])
-}
-
-/// An int-list argument with one entry per spatial dim (a single value applies to all).
-fn per_dim(n: &NodeCtx<'_>, pos: usize, name: &str, dims: usize, default: i64) -> R<Vec<i64>> {
-    let v = n.ints(pos, name)?;
-    Ok(match v.len() {
-        0 => vec![default; dims],
-        1 => vec![v[0]; dims],
-        _ => v,
-    })
-}
-
-/// `convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding,
-/// groups)` for any number of spatial dims, NCHW / OIHW layout.
-fn convolution(n: NodeCtx<'_>) -> Res<'_> {
-    let (x, w) = (n.tensor(0, "input")?, n.tensor(1, "weight")?);
-    let spatial = x
-        .rank()
-        .checked_sub(2)
-        .ok_or("convolution input needs a batch and a channel dim")?;
-    let stride = per_dim(&n, 3, "stride", spatial, 1)?;
-    let padding = per_dim(&n, 4, "padding", spatial, 0)?;
-    let dilation = per_dim(&n, 5, "dilation", spatial, 1)?;
-    let transposed = n.bool_or(6, "transposed", false)?;
-    let out_pad = per_dim(&n, 7, "output_padding", spatial, 0)?;
-    let groups = n.int_or(8, "groups", 1)?;
-    let out = n.out_dtype()?;
-    let b = &n.b;
-    let (w, lhs_dilation, pads) = if transposed {
-        // A transposed convolution is a convolution of the stride-dilated input with the
-        // spatially flipped kernel whose in/out channels are swapped within each group.
-        let ks = &w.shape()[2..];
-        let (cin, cout_g) = (w.shape()[0], w.shape()[1]);
-        let mut grouped = vec![groups, cin / groups, cout_g];
-        grouped.extend_from_slice(ks);
-        let mut perm = vec![0, 2, 1];
-        perm.extend(3..3 + spatial);
-        let swapped = b.transpose(&b.reshape(&w, &grouped)?, &perm)?;
-        let mut oihw = vec![groups * cout_g, cin / groups];
-        oihw.extend_from_slice(ks);
-        let flipped = b.reverse(
-            &b.reshape(&swapped, &oihw)?,
-            &(2..2 + spatial).collect::<Vec<_>>(),
-        )?;
-        let pads = (0..spatial)
-            .map(|i| {
-                let edge = dilation[i] * (ks[i] - 1) - padding[i];
-                (edge, edge + out_pad[i])
-            })
-            .collect();
-        (flipped, stride.clone(), pads)
-    } else {
-        (
-            w,
-            vec![1; spatial],
-            padding.iter().map(|&p| (p, p)).collect::<Vec<_>>(),
-        )
-    };
-    let window_strides = if transposed { vec![1; spatial] } else { stride };
-    let mut shape = vec![x.shape()[0], w.shape()[0]];
-    for i in 0..spatial {
-        let input = (x.shape()[2 + i] - 1) * lhs_dilation[i] + 1 + pads[i].0 + pads[i].1;
-        let window = dilation[i] * (w.shape()[2 + i] - 1) + 1;
-        shape.push((input - window).div_euclid(window_strides[i]) + 1);
-    }
-    let dims: Vec<String> = (0..spatial).map(|i| i.to_string()).collect();
-    let dims = dims.join(", ");
-    let attrs = [
-        (
-            "dimension_numbers",
-            format!("#stablehlo.conv<[b, f, {dims}]x[o, i, {dims}]->[b, f, {dims}]>"),
-        ),
-        ("window_strides", i64_array(&window_strides)),
-        ("padding", padding_attr(&pads)),
-        ("lhs_dilation", i64_array(&lhs_dilation)),
-        ("rhs_dilation", i64_array(&dilation)),
-        ("feature_group_count", format!("{groups} : i64")),
-        ("batch_group_count", "1 : i64".to_string()),
-    ];
-    let y = b.op(
-        "stablehlo.convolution",
-        &[&x, &w],
-        &attrs,
-        TensorType::new(opmath(out), shape),
-    )?;
-    let y = match n.opt_tensor(2, "bias")? {
-        Some(bias) => add_channel_bias(b, &y, &bias)?,
-        None => y,
-    };
-    Ok(vec![b.convert(&y, out)?])
-}
-
-/// `y + bias[None, :, None, ...]`.
-fn add_channel_bias<'a>(b: &Builder<'a>, y: &Val<'a>, bias: &Val<'a>) -> R<Val<'a>> {
-    let bias = b.broadcast_in_dim(&b.convert(bias, y.dtype())?, y.shape(), &[1])?;
-    b.binary("add", y, &bias)
 }
 
 /// transformers' `grouped_mm_fallback(input[S, K], weight[E, K, N], offs[E])`: rows

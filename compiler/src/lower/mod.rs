@@ -8,6 +8,7 @@ mod attention;
 mod builder;
 mod compare;
 mod convert;
+mod convolution;
 mod creation;
 mod elementwise;
 mod fft;
@@ -149,6 +150,7 @@ fn registry() -> &'static Registry {
         fft::register(&mut r);
         compare::register(&mut r);
         convert::register(&mut r);
+        convolution::register(&mut r);
         creation::register(&mut r);
         indexing::register(&mut r);
         lapack::register(&mut r);

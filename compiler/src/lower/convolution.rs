@@ -1,0 +1,187 @@
+//! Convolution (`aten.convolution`, NCHW / OIHW, any number of spatial dims), lowered one of two
+//! ways: as StableHLO's convolution, or, where the weight outweighs the input's windows, as one
+//! matrix product of the weight and the windows (`windows_product`).
+
+use super::builder::{i64_array, opmath, padding_attr, Builder, Scalar, Val, R};
+use super::{NodeCtx, Registry, Res};
+use crate::ir::{DType, TensorType};
+
+pub fn register(r: &mut Registry) {
+    r.add(&["aten.convolution.default"], convolution);
+}
+
+/// An int-list argument with one entry per spatial dim (a single value applies to all).
+fn per_dim(n: &NodeCtx<'_>, pos: usize, name: &str, dims: usize, default: i64) -> R<Vec<i64>> {
+    let v = n.ints(pos, name)?;
+    Ok(match v.len() {
+        0 => vec![default; dims],
+        1 => vec![v[0]; dims],
+        _ => v,
+    })
+}
+
+/// `convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding,
+/// groups)` for any number of spatial dims, NCHW / OIHW layout.
+fn convolution(n: NodeCtx<'_>) -> Res<'_> {
+    let (x, w) = (n.tensor(0, "input")?, n.tensor(1, "weight")?);
+    let spatial = x
+        .rank()
+        .checked_sub(2)
+        .ok_or("convolution input needs a batch and a channel dim")?;
+    let stride = per_dim(&n, 3, "stride", spatial, 1)?;
+    let padding = per_dim(&n, 4, "padding", spatial, 0)?;
+    let dilation = per_dim(&n, 5, "dilation", spatial, 1)?;
+    let transposed = n.bool_or(6, "transposed", false)?;
+    let out_pad = per_dim(&n, 7, "output_padding", spatial, 0)?;
+    let groups = n.int_or(8, "groups", 1)?;
+    let out = n.out_dtype()?;
+    let b = &n.b;
+    let (w, lhs_dilation, pads) = if transposed {
+        // A transposed convolution is a convolution of the stride-dilated input with the
+        // spatially flipped kernel whose in/out channels are swapped within each group.
+        let ks = &w.shape()[2..];
+        let (cin, cout_g) = (w.shape()[0], w.shape()[1]);
+        let mut grouped = vec![groups, cin / groups, cout_g];
+        grouped.extend_from_slice(ks);
+        let mut perm = vec![0, 2, 1];
+        perm.extend(3..3 + spatial);
+        let swapped = b.transpose(&b.reshape(&w, &grouped)?, &perm)?;
+        let mut oihw = vec![groups * cout_g, cin / groups];
+        oihw.extend_from_slice(ks);
+        let flipped = b.reverse(
+            &b.reshape(&swapped, &oihw)?,
+            &(2..2 + spatial).collect::<Vec<_>>(),
+        )?;
+        let pads = (0..spatial)
+            .map(|i| {
+                let edge = dilation[i] * (ks[i] - 1) - padding[i];
+                (edge, edge + out_pad[i])
+            })
+            .collect();
+        (flipped, stride.clone(), pads)
+    } else {
+        (
+            w,
+            vec![1; spatial],
+            padding.iter().map(|&p| (p, p)).collect::<Vec<_>>(),
+        )
+    };
+    let window_strides = if transposed { vec![1; spatial] } else { stride };
+    let mut shape = vec![x.shape()[0], w.shape()[0]];
+    for i in 0..spatial {
+        let input = (x.shape()[2 + i] - 1) * lhs_dilation[i] + 1 + pads[i].0 + pads[i].1;
+        let window = dilation[i] * (w.shape()[2 + i] - 1) + 1;
+        shape.push((input - window).div_euclid(window_strides[i]) + 1);
+    }
+    if !transposed && groups == 1 && windows_are_smaller(&x, &w, &shape) {
+        let y = windows_product(b, &x, &w, &window_strides, &pads, &dilation, &shape[2..], opmath(out))?;
+        return finish(&n, y, out);
+    }
+    let dims: Vec<String> = (0..spatial).map(|i| i.to_string()).collect();
+    let dims = dims.join(", ");
+    let attrs = [
+        (
+            "dimension_numbers",
+            format!("#stablehlo.conv<[b, f, {dims}]x[o, i, {dims}]->[b, f, {dims}]>"),
+        ),
+        ("window_strides", i64_array(&window_strides)),
+        ("padding", padding_attr(&pads)),
+        ("lhs_dilation", i64_array(&lhs_dilation)),
+        ("rhs_dilation", i64_array(&dilation)),
+        ("feature_group_count", format!("{groups} : i64")),
+        ("batch_group_count", "1 : i64".to_string()),
+    ];
+    let y = b.op(
+        "stablehlo.convolution",
+        &[&x, &w],
+        &attrs,
+        TensorType::new(opmath(out), shape),
+    )?;
+    finish(&n, y, out)
+}
+
+/// The convolution `y` (in f32 for half inputs) plus the node's bias, as the output dtype.
+fn finish<'a>(n: &NodeCtx<'a>, y: Val<'a>, out: DType) -> Res<'a> {
+    let b = &n.b;
+    let y = match n.opt_tensor(2, "bias")? {
+        Some(bias) => add_channel_bias(b, &y, &bias)?,
+        None => y,
+    };
+    Ok(vec![b.convert(&y, out)?])
+}
+
+/// Kernel offsets beyond which the windows are not stacked (each is one slice op).
+const MAX_WINDOW_OFFSETS: i64 = 64;
+
+/// Whether the input's windows (`C·K` rows of one column per output position, `N·P`) hold no
+/// more elements than the weight (`O` rows of `C·K`), i.e. `N·P <= O`: the deep, small layers
+/// of a UNet (1280 channels at 8×8). There XLA:CPU's convolution transposes the whole weight
+/// to HWIO on every call and runs well below its GEMM's speed (2×1280×8×8, 3×3: 45-60 ms
+/// against eager's 16-25), while one product of the weight as it lies times the stacked
+/// windows takes 11-22 ms. Where the windows outgrow the weight (early layers, 320 channels at
+/// 64×64: 9× the input) stacking them costs more than it saves, and the convolution stays.
+fn windows_are_smaller(x: &Val<'_>, w: &Val<'_>, out_shape: &[i64]) -> bool {
+    let positions: i64 = out_shape[0] * out_shape[2..].iter().product::<i64>();
+    let offsets: i64 = w.shape()[2..].iter().product();
+    let (channels, out_channels) = (x.shape()[1], w.shape()[0]);
+    positions > 0 && channels > 0 && (1..=MAX_WINDOW_OFFSETS).contains(&offsets) && positions <= out_channels
+}
+
+/// The convolution (no groups, not transposed) as `weight[O, C·K] × windows[C·K, N·P]`, where
+/// OIHW already lays the weight out as that matrix (no copy of it) and each of the `K` kernel
+/// offsets contributes the strided slice of the padded input it reads, channels first; the
+/// `[O, N, P]` product is then put in NCHW order. Accumulates in `acc`.
+#[allow(clippy::too_many_arguments)]
+fn windows_product<'a>(
+    b: &Builder<'a>,
+    x: &Val<'a>,
+    w: &Val<'a>,
+    stride: &[i64],
+    pads: &[(i64, i64)],
+    dilation: &[i64],
+    out_spatial: &[i64],
+    acc: DType,
+) -> R<Val<'a>> {
+    let spatial = out_spatial.len();
+    let (batch, channels, out_channels) = (x.shape()[0], x.shape()[1], w.shape()[0]);
+    let kernel = &w.shape()[2..];
+    let swap_leading: Vec<usize> = [1, 0].into_iter().chain(2..2 + spatial).collect();
+    let x = b.transpose(x, &swap_leading)?;
+    let zero = b.scalar(Scalar::Int(0), x.dtype())?;
+    let low: Vec<i64> = [0, 0].into_iter().chain(pads.iter().map(|p| p.0)).collect();
+    let high: Vec<i64> = [0, 0].into_iter().chain(pads.iter().map(|p| p.1)).collect();
+    let x = b.pad(&x, &zero, &low, &high, &vec![0; spatial + 2])?;
+    let positions = batch * out_spatial.iter().product::<i64>();
+    let offsets: i64 = kernel.iter().product();
+    let windows = (0..offsets)
+        .map(|k| {
+            let (mut start, mut limit, mut strides) = (vec![0, 0], vec![channels, batch], vec![1, 1]);
+            let mut rest = k;
+            let mut at = vec![0; spatial];
+            for d in (0..spatial).rev() {
+                at[d] = rest % kernel[d];
+                rest /= kernel[d];
+            }
+            for d in 0..spatial {
+                let first = at[d] * dilation[d];
+                start.push(first);
+                limit.push(first + (out_spatial[d] - 1) * stride[d] + 1);
+                strides.push(stride[d]);
+            }
+            b.reshape(&b.slice(&x, &start, &limit, &strides)?, &[channels, 1, positions])
+        })
+        .collect::<R<Vec<_>>>()?;
+    let windows = b.concat(&windows.iter().collect::<Vec<_>>(), 1)?;
+    let windows = b.reshape(&windows, &[channels * offsets, positions])?;
+    let w = b.reshape(w, &[out_channels, channels * offsets])?;
+    let y = b.dot_general(&w, &windows, (&[], &[]), (&[1], &[0]), acc)?;
+    let shape: Vec<i64> = [out_channels, batch].into_iter().chain(out_spatial.iter().copied()).collect();
+    b.transpose(&b.reshape(&y, &shape)?, &swap_leading)
+}
+
+/// `y + bias[None, :, None, ...]`.
+fn add_channel_bias<'a>(b: &Builder<'a>, y: &Val<'a>, bias: &Val<'a>) -> R<Val<'a>> {
+    let bias = b.broadcast_in_dim(&b.convert(bias, y.dtype())?, y.shape(), &[1])?;
+    b.binary("add", y, &bias)
+}
+
