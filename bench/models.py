@@ -133,6 +133,16 @@ def _unet() -> Case:
     return Case(model, inputs, transformer=False)
 
 
+def _unet_sd15() -> Case:
+    """Stable Diffusion 1.5's UNet (860 M parameters: diffusers' defaults with SD1.5's 768-wide
+    text states) at 32x32 latents (a 256x256 image), batch 2 as classifier-free guidance runs it."""
+    from diffusers import UNet2DConditionModel
+
+    model = UNet2DConditionModel(cross_attention_dim=768, attention_head_dim=8)
+    inputs = (torch.randn(2, 4, 32, 32), torch.tensor([500.0, 500.0]), torch.randn(2, 77, 768))
+    return Case(model, inputs, transformer=False)
+
+
 class _Positional(torch.nn.Module):
     """Calls a keyword-only diffusers forward with positional inputs; returns the tensor."""
 
@@ -175,13 +185,14 @@ MODELS: dict[str, Callable[[], Case]] = {
     "smollm-135m-decode": _smollm_135m_decode,
     "gpt2-124m-1k": lambda: _gpt2_124m(LONG),
     "smollm-135m-1k": lambda: _smollm_135m(LONG),
+    "unet-sd15": _unet_sd15,
 }
 
 # Real models' sizes, random weights: not in a default run (each call takes ~0.3 s here); run them
 # with `--models gpt2-124m-b1 smollm-135m-b1 --label full-size` (the decode: `--models
 # smollm-135m-decode --dtype bf16`; a 1024-token prompt: `--models gpt2-124m-1k smollm-135m-1k
-# --label long-prompt`).
-FULL_SIZE = ["gpt2-124m-b1", "smollm-135m-b1", "smollm-135m-decode", "gpt2-124m-1k", "smollm-135m-1k"]
+# --label long-prompt`; SD1.5's UNet: `--models unet-sd15 --label unet-full-size`).
+FULL_SIZE = ["gpt2-124m-b1", "smollm-135m-b1", "smollm-135m-decode", "gpt2-124m-1k", "smollm-135m-1k", "unet-sd15"]
 
 # Cold first calls are timed once per model (not per batch size): each Inductor one takes ~15 s.
 # The decode's is its first generate(), whose three graphs (the prompt's, the first step's, the

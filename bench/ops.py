@@ -2,12 +2,14 @@
 
 `--ops`: single ops at the sizes of the bench's tiny GPT-2 (128 tokens, hidden 64, 4 heads, vocab
 1000), eager PyTorch (what Inductor's extern kernels call for matmuls) against our executable
-called directly, medians of `--calls`. `--pauses`: the executable of one decode step (the bench's
-tiny Llama with the dynamic cache) called back to back and after pauses of Python busy work, an
-eager op or a sleep, as generate() calls it between steps: the same execute costs more when XLA's
-worker threads have parked and the vCPU has idled.
+called directly, medians of `--calls`; `--convs`: the same for the convolutions of SD1.5's UNet.
+`--pauses`: the executable of one decode step (the bench's tiny Llama with the dynamic cache)
+called back to back and after pauses of Python busy work, an eager op or a sleep, as generate()
+calls it between steps: the same execute costs more when XLA's worker threads have parked and the
+vCPU has idled.
 
     .venv/bin/python bench/ops.py --ops --pauses
+    .venv/bin/python bench/ops.py --convs --calls 20
 """
 from __future__ import annotations
 
@@ -47,9 +49,23 @@ def gpt2_ops() -> dict[str, tuple[Callable[..., Any], tuple[torch.Tensor, ...]]]
     }
 
 
-def run_ops(calls: int) -> None:
+def unet_convs() -> dict[str, tuple[Callable[..., Any], tuple[torch.Tensor, ...]]]:
+    """The 3x3 convolutions of SD1.5's UNet at 32x32 latents, batch 2 (the `unet-sd15` model),
+    one per width, and its stride-2 downsampling one at the deepest level."""
+    def conv(channels: int, size: int, stride: int = 1) -> tuple[Callable[..., Any], tuple[torch.Tensor, ...]]:
+        weight = torch.randn(channels, channels, 3, 3) * 0.02
+        inputs = (torch.randn(2, channels, size, size), weight, torch.randn(channels))
+        return (lambda x, w, b: F.conv2d(x, w, b, stride=stride, padding=1)), inputs
+
+    return {
+        f"conv 3x3 {c} ch at {s}x{s}{' stride 2' if stride == 2 else ''}": conv(c, s, stride)
+        for c, s, stride in [(320, 32, 1), (640, 16, 1), (1280, 8, 1), (1280, 8, 2), (1280, 4, 1)]
+    }
+
+
+def run_ops(ops: dict[str, tuple[Callable[..., Any], tuple[torch.Tensor, ...]]], calls: int) -> None:
     print("| op | eager µs | ours µs (executable) | ours/eager |\n|---|---|---|---|")
-    for name, (fn, args) in gpt2_ops().items():
+    for name, (fn, args) in ops.items():
         compiled = torch.compile(fn, backend="tpu", fullgraph=True)
         executable, inputs, sizes = recorded_executions(lambda: compiled(*args))[-1]
         eager = median_us(lambda: fn(*args), calls)
@@ -91,13 +107,16 @@ def run_pauses(calls: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ops", action="store_true", help="single ops, eager vs our executable")
+    parser.add_argument("--convs", action="store_true", help="SD1.5 UNet's convolutions, eager vs our executable")
     parser.add_argument("--pauses", action="store_true", help="a decode step's executable after pauses")
     parser.add_argument("--calls", type=int, default=400)
     args = parser.parse_args()
     torch.set_num_threads(2)
     with torch.no_grad():
         if args.ops:
-            run_ops(args.calls)
+            run_ops(gpt2_ops(), args.calls)
+        if args.convs:
+            run_ops(unet_convs(), args.calls)
         if args.pauses:
             run_pauses(args.calls)
 

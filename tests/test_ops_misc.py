@@ -440,22 +440,29 @@ def test_attention_op_returns_eagers_logsumexp_too(causal, masked):
 CONVOLUTION_CASES = [
     ("2d", (2, 16, 5, 5), (64, 16, 3, 3), 1, 1, 1, True),
     ("2d_strided_dilated_uneven", (1, 8, 9, 7), (48, 8, 3, 2), (2, 1), (1, 0), (2, 1), True),
-    ("2d_1x1", (2, 32, 4, 4), (40, 32, 1, 1), 1, 0, 1, True),
     ("1d", (2, 8, 10), (32, 8, 5), 1, 2, 1, True),
     ("3d", (1, 4, 3, 4, 4), (64, 4, 3, 3, 3), 1, 1, 1, True),
+    ("2d_1x1", (2, 8, 16, 16), (4, 8, 1, 1), 1, 0, 1, True),
+    ("2d_1x1_strided", (2, 8, 15, 15), (4, 8, 1, 1), 2, 0, 1, True),
+    ("2d_patches_cropped", (2, 3, 34, 33), (8, 3, 4, 4), 4, 0, 1, True),
+    ("2d_patches_padded", (1, 3, 14, 14), (8, 3, 4, 2), (4, 2), (1, 0), 1, True),
+    ("3d_patches", (1, 2, 4, 6, 6), (8, 2, 2, 3, 3), (2, 3, 3), 0, 1, True),
     ("2d_wide_input", (2, 8, 16, 16), (8, 8, 3, 3), 1, 1, 1, False),
+    ("2d_wide_input_strided", (2, 8, 16, 16), (8, 8, 3, 3), 2, 1, 1, False),
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("case", CONVOLUTION_CASES, ids=[c[0] for c in CONVOLUTION_CASES])
-def test_a_convolution_whose_weight_outweighs_its_windows_is_one_product(case, dtype):
-    """Where a convolution's output positions (batch x spatial) are no more than its output
-    channels, the weight as it lies ([O, C*K]) times the input's stacked windows ([C*K, N*P]):
-    XLA:CPU's convolution transposes the whole weight every call and ran 2-3x eager at a UNet's
-    1280 channels on 8x8 (bench/RESULTS.md, "Twenty-third session"). Every spatial rank, stride,
-    padding and dilation; eager's values within 1e-5 (f32) or bf16's own tolerance, and the
-    StableHLO holds a convolution only where the windows would outgrow the weight."""
+def test_a_convolution_whose_windows_are_small_is_one_product(case, dtype):
+    """Where the input's windows ([C*K, N*P]) hold no more elements than the input or the
+    weight (deep layers of few positions, patch embeddings, 1x1 convolutions), the weight as it
+    lies ([O, C*K]) times the windows: XLA:CPU's convolution transposes the whole weight every
+    call and ran 2-3x eager at a UNet's 1280 channels on 8x8 (bench/RESULTS.md, "Twenty-third
+    session"). Every spatial rank, stride, padding and dilation, windows stacked or tiling the
+    input (cropped where they do not cover it); eager's values within 1e-5 (f32) or bf16's own
+    tolerance, and the StableHLO holds a convolution only where overlapping windows would
+    outgrow both."""
     _name, x_shape, w_shape, stride, padding, dilation, as_product = case
     torch.manual_seed(0)
     x, w, bias = rand(*x_shape).to(dtype), rand(*w_shape).to(dtype), rand(w_shape[0]).to(dtype)

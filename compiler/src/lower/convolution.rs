@@ -73,8 +73,20 @@ fn convolution(n: NodeCtx<'_>) -> Res<'_> {
         let window = dilation[i] * (w.shape()[2 + i] - 1) + 1;
         shape.push((input - window).div_euclid(window_strides[i]) + 1);
     }
-    if !transposed && groups == 1 && windows_are_smaller(&x, &w, &shape) {
-        let y = windows_product(b, &x, &w, &window_strides, &pads, &dilation, &shape[2..], opmath(out))?;
+    if !transposed
+        && groups == 1
+        && windows_are_small(&x, &w, &shape, &window_strides, &dilation, &pads)
+    {
+        let y = windows_product(
+            b,
+            &x,
+            &w,
+            &window_strides,
+            &pads,
+            &dilation,
+            &shape[2..],
+            opmath(out),
+        )?;
         return finish(&n, y, out);
     }
     let dims: Vec<String> = (0..spatial).map(|i| i.to_string()).collect();
@@ -110,27 +122,51 @@ fn finish<'a>(n: &NodeCtx<'a>, y: Val<'a>, out: DType) -> Res<'a> {
     Ok(vec![b.convert(&y, out)?])
 }
 
-/// Kernel offsets beyond which the windows are not stacked (each is one slice op).
+/// Kernel offsets beyond which overlapping windows are not stacked (each is one slice op).
 const MAX_WINDOW_OFFSETS: i64 = 64;
 
-/// Whether the input's windows (`C·K` rows of one column per output position, `N·P`) hold no
-/// more elements than the weight (`O` rows of `C·K`), i.e. `N·P <= O`: the deep, small layers
-/// of a UNet (1280 channels at 8×8). There XLA:CPU's convolution transposes the whole weight
-/// to HWIO on every call and runs well below its GEMM's speed (2×1280×8×8, 3×3: 45-60 ms
-/// against eager's 16-25), while one product of the weight as it lies times the stacked
-/// windows takes 11-22 ms. Where the windows outgrow the weight (early layers, 320 channels at
-/// 64×64: 9× the input) stacking them costs more than it saves, and the convolution stays.
-fn windows_are_smaller(x: &Val<'_>, w: &Val<'_>, out_shape: &[i64]) -> bool {
+/// Whether to compute the convolution as one product (`windows_product`): when the input's
+/// windows (`C·K` rows, one column per output position: `N·P`) hold no more elements than the
+/// padded input or the weight. XLA:CPU's convolution transposes the whole weight to HWIO on
+/// every call and runs well below its own GEMM: SD1.5's UNet at 1280 channels on 8×8 (windows
+/// a tenth of the weight) took 45-60 ms where eager takes 16-25 and the product 11-22; a patch
+/// embedding (windows that do not overlap: the input rearranged), SD3's 2×2 at 1024 pixels,
+/// 23 ms against the product's 7 (eager 26); a 1×1 convolution, 128 channels at 256×256, 37
+/// against 16. Where overlapping windows outgrow both (3×3 at 320 channels on 64×64: 9× the
+/// input, 26× the weight) stacking them costs more than it saves, and the convolution stays.
+fn windows_are_small(
+    x: &Val<'_>,
+    w: &Val<'_>,
+    out_shape: &[i64],
+    stride: &[i64],
+    dilation: &[i64],
+    pads: &[(i64, i64)],
+) -> bool {
     let positions: i64 = out_shape[0] * out_shape[2..].iter().product::<i64>();
     let offsets: i64 = w.shape()[2..].iter().product();
-    let (channels, out_channels) = (x.shape()[1], w.shape()[0]);
-    positions > 0 && channels > 0 && (1..=MAX_WINDOW_OFFSETS).contains(&offsets) && positions <= out_channels
+    let windows = x.shape()[1] * offsets * positions;
+    let padded: i64 = x.shape()[..2].iter().product::<i64>()
+        * x.shape()[2..]
+            .iter()
+            .zip(pads)
+            .map(|(&n, p)| n + p.0 + p.1)
+            .product::<i64>();
+    let fits = windows <= padded.max(w.shape().iter().product());
+    windows > 0 && fits && (offsets <= MAX_WINDOW_OFFSETS || tiles(w, stride, dilation))
+}
+
+/// Whether the windows tile the input: each as long as its stride, undilated (a patch embedding).
+fn tiles(w: &Val<'_>, stride: &[i64], dilation: &[i64]) -> bool {
+    w.shape()[2..]
+        .iter()
+        .zip(stride)
+        .zip(dilation)
+        .all(|((&k, &s), &d)| k == s && (d == 1 || k == 1))
 }
 
 /// The convolution (no groups, not transposed) as `weight[O, C·K] × windows[C·K, N·P]`, where
-/// OIHW already lays the weight out as that matrix (no copy of it) and each of the `K` kernel
-/// offsets contributes the strided slice of the padded input it reads, channels first; the
-/// `[O, N, P]` product is then put in NCHW order. Accumulates in `acc`.
+/// OIHW already lays the weight out as that matrix (no copy of it); the `[O, N, P]` product is
+/// then put in NCHW order. Accumulates in `acc`.
 #[allow(clippy::too_many_arguments)]
 fn windows_product<'a>(
     b: &Builder<'a>,
@@ -143,19 +179,77 @@ fn windows_product<'a>(
     acc: DType,
 ) -> R<Val<'a>> {
     let spatial = out_spatial.len();
-    let (batch, channels, out_channels) = (x.shape()[0], x.shape()[1], w.shape()[0]);
-    let kernel = &w.shape()[2..];
+    let (batch, out_channels) = (x.shape()[0], w.shape()[0]);
     let swap_leading: Vec<usize> = [1, 0].into_iter().chain(2..2 + spatial).collect();
     let x = b.transpose(x, &swap_leading)?;
     let zero = b.scalar(Scalar::Int(0), x.dtype())?;
     let low: Vec<i64> = [0, 0].into_iter().chain(pads.iter().map(|p| p.0)).collect();
     let high: Vec<i64> = [0, 0].into_iter().chain(pads.iter().map(|p| p.1)).collect();
     let x = b.pad(&x, &zero, &low, &high, &vec![0; spatial + 2])?;
+    let windows = if tiles(w, stride, dilation) {
+        tiled_windows(b, &x, &w.shape()[2..], out_spatial)?
+    } else {
+        stacked_windows(b, &x, &w.shape()[2..], stride, dilation, out_spatial)?
+    };
+    let w = b.reshape(w, &[out_channels, windows.shape()[0]])?;
+    let y = b.dot_general(&w, &windows, (&[], &[]), (&[1], &[0]), acc)?;
+    let shape: Vec<i64> = [out_channels, batch]
+        .into_iter()
+        .chain(out_spatial.iter().copied())
+        .collect();
+    b.transpose(&b.reshape(&y, &shape)?, &swap_leading)
+}
+
+/// `[C·K, N·P]` windows of the padded `[C, N, *S]` input `x` that tile it: the input cropped
+/// to whole windows, each spatial dim split into (window, offset) and the offsets moved after
+/// the channels; one transpose, nothing duplicated.
+fn tiled_windows<'a>(
+    b: &Builder<'a>,
+    x: &Val<'a>,
+    kernel: &[i64],
+    out_spatial: &[i64],
+) -> R<Val<'a>> {
+    let (channels, batch) = (x.shape()[0], x.shape()[1]);
+    let mut x = x.clone();
+    let mut split = vec![channels, batch];
+    for (d, (&k, &n)) in kernel.iter().zip(out_spatial).enumerate() {
+        x = b.slice_dim(&x, 2 + d, 0, n * k, 1)?;
+        split.extend([n, k]);
+    }
+    let spatial = kernel.len();
+    // [C, N, n1, k1, n2, k2, ...] -> [C, k1, k2, ..., N, n1, n2, ...]
+    let perm: Vec<usize> = [0]
+        .into_iter()
+        .chain((0..spatial).map(|d| 3 + 2 * d))
+        .chain([1])
+        .chain((0..spatial).map(|d| 2 + 2 * d))
+        .collect();
+    let windows = b.transpose(&b.reshape(&x, &split)?, &perm)?;
+    let rows = channels * kernel.iter().product::<i64>();
+    b.reshape(
+        &windows,
+        &[rows, batch * out_spatial.iter().product::<i64>()],
+    )
+}
+
+/// `[C·K, N·P]` windows of the padded `[C, N, *S]` input `x`, overlapping or strided: per kernel
+/// offset the strided slice it reads, stacked in OIHW's (channel, offset) order.
+fn stacked_windows<'a>(
+    b: &Builder<'a>,
+    x: &Val<'a>,
+    kernel: &[i64],
+    stride: &[i64],
+    dilation: &[i64],
+    out_spatial: &[i64],
+) -> R<Val<'a>> {
+    let (channels, batch) = (x.shape()[0], x.shape()[1]);
+    let spatial = kernel.len();
     let positions = batch * out_spatial.iter().product::<i64>();
     let offsets: i64 = kernel.iter().product();
     let windows = (0..offsets)
         .map(|k| {
-            let (mut start, mut limit, mut strides) = (vec![0, 0], vec![channels, batch], vec![1, 1]);
+            let (mut start, mut limit, mut strides) =
+                (vec![0, 0], vec![channels, batch], vec![1, 1]);
             let mut rest = k;
             let mut at = vec![0; spatial];
             for d in (0..spatial).rev() {
@@ -168,15 +262,14 @@ fn windows_product<'a>(
                 limit.push(first + (out_spatial[d] - 1) * stride[d] + 1);
                 strides.push(stride[d]);
             }
-            b.reshape(&b.slice(&x, &start, &limit, &strides)?, &[channels, 1, positions])
+            b.reshape(
+                &b.slice(x, &start, &limit, &strides)?,
+                &[channels, 1, positions],
+            )
         })
         .collect::<R<Vec<_>>>()?;
     let windows = b.concat(&windows.iter().collect::<Vec<_>>(), 1)?;
-    let windows = b.reshape(&windows, &[channels * offsets, positions])?;
-    let w = b.reshape(w, &[out_channels, channels * offsets])?;
-    let y = b.dot_general(&w, &windows, (&[], &[]), (&[1], &[0]), acc)?;
-    let shape: Vec<i64> = [out_channels, batch].into_iter().chain(out_spatial.iter().copied()).collect();
-    b.transpose(&b.reshape(&y, &shape)?, &swap_leading)
+    b.reshape(&windows, &[channels * offsets, positions])
 }
 
 /// `y + bias[None, :, None, ...]`.
@@ -184,4 +277,3 @@ fn add_channel_bias<'a>(b: &Builder<'a>, y: &Val<'a>, bias: &Val<'a>) -> R<Val<'
     let bias = b.broadcast_in_dim(&b.convert(bias, y.dtype())?, y.shape(), &[1])?;
     b.binary("add", y, &bias)
 }
-
