@@ -1,6 +1,6 @@
 //! Convolution (`aten.convolution`, NCHW / OIHW, any number of spatial dims), lowered one of two
-//! ways: as StableHLO's convolution, or, where the weight outweighs the input's windows, as one
-//! matrix product of the weight and the windows (`windows_product`).
+//! ways: as StableHLO's convolution, or, where the input's windows are no larger than the padded
+//! input or the weight, as one matrix product of the weight and the windows (`windows_product`).
 
 use super::builder::{i64_array, opmath, padding_attr, Builder, Scalar, Val, R};
 use super::{NodeCtx, Registry, Res};
