@@ -481,3 +481,42 @@ def test_a_convolution_whose_windows_are_small_is_one_product(case, dtype):
         torch.testing.assert_close(got, want)
     (text,) = modules
     assert ("stablehlo.convolution" in text) != as_product
+
+
+# (name, input shape, output channels, padding, with bias, computed by Winograd's F(2x2, 3x3))
+WINOGRAD_CASES = [
+    ("even", (1, 128, 24, 24), 128, 1, True, True),
+    ("odd_output_cropped", (2, 128, 19, 15), 160, 1, True, True),
+    ("unpadded", (1, 128, 26, 25), 128, 0, False, True),
+    ("padded_unevenly", (1, 144, 23, 21), 128, (1, 2), True, True),
+    ("too_few_positions", (1, 128, 22, 22), 128, 1, True, False),
+    ("too_few_channels", (1, 128, 24, 24), 96, 1, True, False),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", WINOGRAD_CASES, ids=[c[0] for c in WINOGRAD_CASES])
+def test_a_wide_3x3_convolution_in_f32_is_winograds(case, dtype):
+    """A 3x3, stride-1 convolution of at least 128 channels in and out and 512 output positions
+    is computed in f32 by Winograd's F(2x2, 3x3): 16 products [O, C] x [C, tiles] (and one for
+    the weight's transform) where XLA:CPU's convolution ran 1.2-2x eager at SD1.5's VAE and
+    UNet sizes (bench/RESULTS.md, "Twenty-fourth session"). Odd output sizes (computed one
+    larger and cropped), no or uneven padding, no bias; eager's values within 1e-5 of the
+    largest. In bf16 (the transformed operands would be rounded) and below the thresholds the
+    convolution is lowered as before."""
+    _name, x_shape, out_channels, padding, with_bias, winograd = case
+    torch.manual_seed(0)
+    x, w = rand(*x_shape).to(dtype), (rand(out_channels, x_shape[1], 3, 3) / 10).to(dtype)
+    bias = rand(out_channels).to(dtype) if with_bias else None
+    fn = lambda x, w, bias: torch.nn.functional.conv2d(x, w, bias, padding=padding)
+    modules = []
+    with torch.no_grad():
+        got = compile_tpu(fn, options={"debug_callback": lambda d: modules.append(d["stablehlo"])})(x, w, bias)
+        want = fn(x, w, bias)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+    else:
+        torch.testing.assert_close(got, want)
+    (text,) = modules
+    products = text.count("stablehlo.dot_general")
+    assert (products == 17 and "stablehlo.convolution" not in text) == (winograd and dtype == torch.float32)

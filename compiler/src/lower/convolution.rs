@@ -1,6 +1,7 @@
-//! Convolution (`aten.convolution`, NCHW / OIHW, any number of spatial dims), lowered one of two
-//! ways: as StableHLO's convolution, or, where the input's windows are no larger than the padded
-//! input or the weight, as one matrix product of the weight and the windows (`windows_product`).
+//! Convolution (`aten.convolution`, NCHW / OIHW, any number of spatial dims), lowered one of three
+//! ways: a wide 3×3 one in f32 by Winograd's minimal filtering (`winograd`); where the input's
+//! windows are no larger than the padded input or the weight, as one matrix product of the weight
+//! and the windows (`windows_product`); otherwise as StableHLO's convolution.
 
 use super::builder::{i64_array, opmath, padding_attr, Builder, Scalar, Val, R};
 use super::{NodeCtx, Registry, Res};
@@ -72,6 +73,11 @@ fn convolution(n: NodeCtx<'_>) -> Res<'_> {
         let input = (x.shape()[2 + i] - 1) * lhs_dilation[i] + 1 + pads[i].0 + pads[i].1;
         let window = dilation[i] * (w.shape()[2 + i] - 1) + 1;
         shape.push((input - window).div_euclid(window_strides[i]) + 1);
+    }
+    if !transposed && groups == 1 && winograd_pays(&x, &w, &shape, &window_strides, &dilation, out)
+    {
+        let y = winograd(b, &x, &w, &pads, &shape[2..])?;
+        return finish(&n, y, out);
     }
     if !transposed
         && groups == 1
@@ -270,6 +276,158 @@ fn stacked_windows<'a>(
         .collect::<R<Vec<_>>>()?;
     let windows = b.concat(&windows.iter().collect::<Vec<_>>(), 1)?;
     b.reshape(&windows, &[channels * offsets, positions])
+}
+
+/// Channels (in and out) and output positions (all images) from which a 3×3 convolution is
+/// computed by `winograd`: there its 16 products of `[O, C] × [C, tiles]` do 4/9 of the direct
+/// convolution's multiplications, against transforms that read and write 4× the input and the
+/// output. At SD1.5's sizes (VAE decoder, UNet), per convolution, XLA's convolution → Winograd
+/// (eager): 512 channels on 64×64 121 → 65 ms (126), on 32×32 33 → 18 (24); 640 on 32×32
+/// batch 2 51 → 23 (35); 1280 on 16×16 batch 2 91 → 63 (85); 128 on 128×128 30 → 25 (24). With
+/// 64 channels the transforms cost more than they save (10 → 11 ms on 128×128), and on 8×8
+/// (128 positions at batch 2) the windows' product is faster (21 against 24 ms).
+const WINOGRAD_MIN_CHANNELS: i64 = 128;
+const WINOGRAD_MIN_POSITIONS: i64 = 512;
+
+/// Whether `winograd` computes this convolution (no groups, not transposed): 2-D, 3×3, stride 1,
+/// undilated, in f32 (in half types the transformed input and weight would be rounded to them
+/// before the products, an error the direct convolution does not make), wide enough and with
+/// enough positions to pay for the transforms.
+fn winograd_pays(
+    x: &Val<'_>,
+    w: &Val<'_>,
+    out_shape: &[i64],
+    stride: &[i64],
+    dilation: &[i64],
+    out: DType,
+) -> bool {
+    let positions: i64 = out_shape[0] * out_shape[2..].iter().product::<i64>();
+    x.rank() == 4
+        && w.shape()[2..] == [3, 3]
+        && stride == [1, 1]
+        && dilation == [1, 1]
+        && x.dtype() == DType::F32
+        && out == DType::F32
+        && x.shape()[1].min(w.shape()[0]) >= WINOGRAD_MIN_CHANNELS
+        && positions >= WINOGRAD_MIN_POSITIONS
+}
+
+/// `Bᵀ·[d0, d1, d2, d3]` for F(2×2, 3×3)'s input transform `Bᵀ = [[1, 0, -1, 0], [0, 1, 1, 0],
+/// [0, -1, 1, 0], [0, 1, 0, -1]]`, applied along one tile axis.
+fn input_transform<'a>(b: &Builder<'a>, d: [&Val<'a>; 4]) -> R<[Val<'a>; 4]> {
+    Ok([
+        b.sub(d[0], d[2])?,
+        b.add(d[1], d[2])?,
+        b.sub(d[2], d[1])?,
+        b.sub(d[1], d[3])?,
+    ])
+}
+
+/// `Aᵀ·[m0, m1, m2, m3]` for F(2×2, 3×3)'s output transform `Aᵀ = [[1, 1, 1, 0], [0, 1, -1, -1]]`,
+/// applied along one tile axis.
+fn output_transform<'a>(b: &Builder<'a>, m: [&Val<'a>; 4]) -> R<[Val<'a>; 2]> {
+    Ok([
+        b.add(&b.add(m[0], m[1])?, m[2])?,
+        b.sub(&b.sub(m[1], m[2])?, m[3])?,
+    ])
+}
+
+/// A 3×3, stride-1 convolution of `x` [N, C, H, W] by `w` [O, C, 3, 3] as Winograd's F(2×2, 3×3)
+/// (Lavin & Gray, 2015): the output in 2×2 tiles, each from the 4×4 input tile `d` under it as
+/// `Aᵀ[(G g Gᵀ) ⊙ (Bᵀ d B)]A`, the sum over channels of the elementwise products being, per
+/// position in the 4×4 tile, one product `U[O, C] × V[C, N·tiles]`. An odd output size is computed one larger
+/// (the input padded by one more) and cropped.
+fn winograd<'a>(
+    b: &Builder<'a>,
+    x: &Val<'a>,
+    w: &Val<'a>,
+    pads: &[(i64, i64)],
+    out_spatial: &[i64],
+) -> R<Val<'a>> {
+    let (batch, channels, out_channels) = (x.shape()[0], x.shape()[1], w.shape()[0]);
+    let (rows, cols) = ((out_spatial[0] + 1) / 2, (out_spatial[1] + 1) / 2);
+    let tiles = batch * rows * cols;
+    // [C, N, H, W], padded to whole tiles.
+    let x = b.transpose(x, &[1, 0, 2, 3])?;
+    let zero = b.scalar(Scalar::Int(0), x.dtype())?;
+    let high = [
+        pads[0].1 + 2 * rows - out_spatial[0],
+        pads[1].1 + 2 * cols - out_spatial[1],
+    ];
+    let x = b.pad(
+        &x,
+        &zero,
+        &[0, 0, pads[0].0, pads[1].0],
+        &[0, 0, high[0], high[1]],
+        &[0; 4],
+    )?;
+    // d[i][j]: the element at (i, j) of every input tile, [C, N, rows, cols].
+    let d = (0..4)
+        .map(|i| {
+            (0..4)
+                .map(|j| {
+                    b.slice(
+                        &x,
+                        &[0, 0, i, j],
+                        &[channels, batch, i + 2 * rows - 1, j + 2 * cols - 1],
+                        &[1, 1, 2, 2],
+                    )
+                })
+                .collect::<R<Vec<_>>>()
+        })
+        .collect::<R<Vec<_>>>()?;
+    // t[j][k] = (Bᵀ d)[k][j]; V[4k + l] = (Bᵀ d B)[k][l].
+    let t = (0..4)
+        .map(|j| input_transform(b, [&d[0][j], &d[1][j], &d[2][j], &d[3][j]]))
+        .collect::<R<Vec<_>>>()?;
+    // U[4k + l] = (G g Gᵀ)[k][l] for every (o, c), as one product with kron(G, G) [16, 9].
+    const G: [[f32; 3]; 4] = [
+        [1.0, 0.0, 0.0],
+        [0.5, 0.5, 0.5],
+        [0.5, -0.5, 0.5],
+        [0.0, 0.0, 1.0],
+    ];
+    let kron: Vec<f32> = (0..16)
+        .flat_map(|kl| (0..9).map(move |ij| G[kl / 4][ij / 3] * G[kl % 4][ij % 3]))
+        .collect();
+    let kron = b.constant_f32(&kron, &[16, 9])?;
+    let g = b.reshape(w, &[out_channels * channels, 9])?;
+    let u = b.dot_general(&kron, &g, (&[], &[]), (&[1], &[1]), DType::F32)?;
+    // M[4k + l] = U[4k + l] × V[4k + l], each [O, N, rows, cols]: one product per position in
+    // the tile rather than one batched product, whose stacked operand XLA would copy.
+    let mut m = Vec::with_capacity(16);
+    for k in 0..4 {
+        let columns = input_transform(b, [&t[0][k], &t[1][k], &t[2][k], &t[3][k]])?;
+        for (l, v) in columns.iter().enumerate() {
+            let kl = (4 * k + l) as i64;
+            let u = b.reshape(
+                &b.slice_dim(&u, 0, kl, kl + 1, 1)?,
+                &[out_channels, channels],
+            )?;
+            let v = b.reshape(v, &[channels, tiles])?;
+            let product = b.dot_general(&u, &v, (&[], &[]), (&[1], &[0]), DType::F32)?;
+            m.push(b.reshape(&product, &[out_channels, batch, rows, cols])?);
+        }
+    }
+    // s[l][a] = (Aᵀ M)[a][l]; y[2a + c] = (Aᵀ M A)[a][c], each [O, N, rows, cols].
+    let s = (0..4)
+        .map(|l| output_transform(b, [&m[l], &m[4 + l], &m[8 + l], &m[12 + l]]))
+        .collect::<R<Vec<_>>>()?;
+    let mut y = Vec::with_capacity(4);
+    for a in 0..2 {
+        for out in output_transform(b, [&s[0][a], &s[1][a], &s[2][a], &s[3][a]])? {
+            y.push(b.reshape(&out, &[1, out_channels, batch, rows, cols])?);
+        }
+    }
+    // [2a + c, O, N, rows, cols] -> [N, O, rows, a, cols, c] -> [N, O, H, W], cropped.
+    let y = b.reshape(
+        &b.concat(&y.iter().collect::<Vec<_>>(), 0)?,
+        &[2, 2, out_channels, batch, rows, cols],
+    )?;
+    let y = b.transpose(&y, &[3, 2, 4, 0, 5, 1])?;
+    let y = b.reshape(&y, &[batch, out_channels, 2 * rows, 2 * cols])?;
+    let y = b.slice_dim(&y, 2, 0, out_spatial[0], 1)?;
+    b.slice_dim(&y, 3, 0, out_spatial[1], 1)
 }
 
 /// `y + bias[None, :, None, ...]`.
