@@ -395,30 +395,32 @@ fn winograd<'a>(
     let u = b.dot_general(&kron, &g, (&[], &[]), (&[1], &[1]), DType::F32)?;
     // M[4k + l] = U[4k + l] × V[4k + l], each [O, N, rows, cols]: one product per position in
     // the tile rather than one batched product, whose stacked operand XLA would copy.
-    let mut m = Vec::with_capacity(16);
-    for k in 0..4 {
-        let columns = input_transform(b, [&t[0][k], &t[1][k], &t[2][k], &t[3][k]])?;
-        for (l, v) in columns.iter().enumerate() {
-            let kl = (4 * k + l) as i64;
-            let u = b.reshape(
-                &b.slice_dim(&u, 0, kl, kl + 1, 1)?,
-                &[out_channels, channels],
-            )?;
-            let v = b.reshape(v, &[channels, tiles])?;
+    let m = (0..4)
+        .map(|k| input_transform(b, [&t[0][k], &t[1][k], &t[2][k], &t[3][k]]))
+        .collect::<R<Vec<_>>>()?
+        .into_iter()
+        .flatten()
+        .enumerate()
+        .map(|(kl, v)| {
+            let kl = kl as i64;
+            let u = b.slice_dim(&u, 0, kl, kl + 1, 1)?;
+            let u = b.reshape(&u, &[out_channels, channels])?;
+            let v = b.reshape(&v, &[channels, tiles])?;
             let product = b.dot_general(&u, &v, (&[], &[]), (&[1], &[0]), DType::F32)?;
-            m.push(b.reshape(&product, &[out_channels, batch, rows, cols])?);
-        }
-    }
+            b.reshape(&product, &[out_channels, batch, rows, cols])
+        })
+        .collect::<R<Vec<_>>>()?;
     // s[l][a] = (Aᵀ M)[a][l]; y[2a + c] = (Aᵀ M A)[a][c], each [O, N, rows, cols].
     let s = (0..4)
         .map(|l| output_transform(b, [&m[l], &m[4 + l], &m[8 + l], &m[12 + l]]))
         .collect::<R<Vec<_>>>()?;
-    let mut y = Vec::with_capacity(4);
-    for a in 0..2 {
-        for out in output_transform(b, [&s[0][a], &s[1][a], &s[2][a], &s[3][a]])? {
-            y.push(b.reshape(&out, &[1, out_channels, batch, rows, cols])?);
-        }
-    }
+    let y = (0..2)
+        .map(|a| output_transform(b, [&s[0][a], &s[1][a], &s[2][a], &s[3][a]]))
+        .collect::<R<Vec<_>>>()?
+        .into_iter()
+        .flatten()
+        .map(|out| b.reshape(&out, &[1, out_channels, batch, rows, cols]))
+        .collect::<R<Vec<_>>>()?;
     // [2a + c, O, N, rows, cols] -> [N, O, rows, a, cols, c] -> [N, O, H, W], cropped.
     let y = b.reshape(
         &b.concat(&y.iter().collect::<Vec<_>>(), 0)?,
