@@ -143,6 +143,30 @@ def _unet_sd15() -> Case:
     return Case(model, inputs, transformer=False)
 
 
+class _Decode(torch.nn.Module):
+    """A VAE's `decode(latents)`, returning the image tensor."""
+
+    def __init__(self, vae: torch.nn.Module):
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.vae.decode(latents, return_dict=False)[0]
+
+
+def _vae_sd15_decode() -> Case:
+    """Stable Diffusion 1.5's VAE decoder (diffusers' AutoencoderKL with SD's four blocks of 128-512
+    channels, 84 M parameters in all) decoding 32x32 latents to a 256x256 image, as a pipeline
+    does after its last step."""
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL(
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=4, sample_size=512,
+    )
+    return Case(_Decode(vae), (torch.randn(1, 4, 32, 32),), transformer=False)
+
+
 class _Positional(torch.nn.Module):
     """Calls a keyword-only diffusers forward with positional inputs; returns the tensor."""
 
@@ -186,13 +210,18 @@ MODELS: dict[str, Callable[[], Case]] = {
     "gpt2-124m-1k": lambda: _gpt2_124m(LONG),
     "smollm-135m-1k": lambda: _smollm_135m(LONG),
     "unet-sd15": _unet_sd15,
+    "vae-sd15-decode": _vae_sd15_decode,
 }
 
 # Real models' sizes, random weights: not in a default run (each call takes ~0.3 s here); run them
 # with `--models gpt2-124m-b1 smollm-135m-b1 --label full-size` (the decode: `--models
 # smollm-135m-decode --dtype bf16`; a 1024-token prompt: `--models gpt2-124m-1k smollm-135m-1k
-# --label long-prompt`; SD1.5's UNet: `--models unet-sd15 --label unet-full-size`).
-FULL_SIZE = ["gpt2-124m-b1", "smollm-135m-b1", "smollm-135m-decode", "gpt2-124m-1k", "smollm-135m-1k", "unet-sd15"]
+# --label long-prompt`; SD1.5's UNet: `--models unet-sd15 --label unet-full-size`; its VAE's
+# decoder: `--models vae-sd15-decode --label vae-full-size`).
+FULL_SIZE = [
+    "gpt2-124m-b1", "smollm-135m-b1", "smollm-135m-decode", "gpt2-124m-1k", "smollm-135m-1k", "unet-sd15",
+    "vae-sd15-decode",
+]
 
 # Cold first calls are timed once per model (not per batch size): each Inductor one takes ~15 s.
 # The decode's is its first generate(), whose three graphs (the prompt's, the first step's, the

@@ -2,7 +2,8 @@
 
 `--ops`: single ops at the sizes of the bench's tiny GPT-2 (128 tokens, hidden 64, 4 heads, vocab
 1000), eager PyTorch (what Inductor's extern kernels call for matmuls) against our executable
-called directly, medians of `--calls`; `--convs`: the same for the convolutions of SD1.5's UNet.
+called directly, medians of `--calls`; `--convs`: the same for the convolutions of SD1.5's UNet
+and VAE decoder.
 `--pauses`: the executable of one decode step (the bench's tiny Llama with the dynamic cache)
 called back to back and after pauses of Python busy work, an eager op or a sleep, as generate()
 calls it between steps: the same execute costs more when XLA's worker threads have parked and the
@@ -49,17 +50,23 @@ def gpt2_ops() -> dict[str, tuple[Callable[..., Any], tuple[torch.Tensor, ...]]]
     }
 
 
-def unet_convs() -> dict[str, tuple[Callable[..., Any], tuple[torch.Tensor, ...]]]:
+def sd15_convs() -> dict[str, tuple[Callable[..., Any], tuple[torch.Tensor, ...]]]:
     """The 3x3 convolutions of SD1.5's UNet at 32x32 latents, batch 2 (the `unet-sd15` model),
-    one per width, and its stride-2 downsampling one at the deepest level."""
-    def conv(channels: int, size: int, stride: int = 1) -> tuple[Callable[..., Any], tuple[torch.Tensor, ...]]:
+    one per width, and its stride-2 downsampling one at the deepest level; then those of its
+    VAE's decoder turning 32x32 latents into a 256x256 image (`vae-sd15-decode`), batch 1."""
+    def conv(batch: int, channels: int, size: int, stride: int = 1) -> tuple[Callable[..., Any], tuple[torch.Tensor, ...]]:
         weight = torch.randn(channels, channels, 3, 3) * 0.02
-        inputs = (torch.randn(2, channels, size, size), weight, torch.randn(channels))
+        inputs = (torch.randn(batch, channels, size, size), weight, torch.randn(channels))
         return (lambda x, w, b: F.conv2d(x, w, b, stride=stride, padding=1)), inputs
 
+    unet = [(320, 32, 1), (640, 16, 1), (1280, 8, 1), (1280, 8, 2), (1280, 4, 1)]
+    vae = [(512, 32), (512, 64), (512, 128), (256, 256), (128, 256)]
     return {
-        f"conv 3x3 {c} ch at {s}x{s}{' stride 2' if stride == 2 else ''}": conv(c, s, stride)
-        for c, s, stride in [(320, 32, 1), (640, 16, 1), (1280, 8, 1), (1280, 8, 2), (1280, 4, 1)]
+        **{
+            f"UNet conv 3x3 {c} ch at {s}x{s}{' stride 2' if stride == 2 else ''}": conv(2, c, s, stride)
+            for c, s, stride in unet
+        },
+        **{f"VAE conv 3x3 {c} ch at {s}x{s}": conv(1, c, s) for c, s in vae},
     }
 
 
@@ -107,7 +114,7 @@ def run_pauses(calls: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ops", action="store_true", help="single ops, eager vs our executable")
-    parser.add_argument("--convs", action="store_true", help="SD1.5 UNet's convolutions, eager vs our executable")
+    parser.add_argument("--convs", action="store_true", help="SD1.5 UNet's and VAE's convolutions, eager vs our executable")
     parser.add_argument("--pauses", action="store_true", help="a decode step's executable after pauses")
     parser.add_argument("--calls", type=int, default=400)
     args = parser.parse_args()
@@ -116,7 +123,7 @@ def main() -> None:
         if args.ops:
             run_ops(gpt2_ops(), args.calls)
         if args.convs:
-            run_ops(unet_convs(), args.calls)
+            run_ops(sd15_convs(), args.calls)
         if args.pauses:
             run_pauses(args.calls)
 

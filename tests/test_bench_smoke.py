@@ -64,12 +64,14 @@ def test_warm_first_calls_are_divided_by_our_cold_first_call():
     assert (cells["warm/cold"], cells["precompiled/cold"]) == ("0.50", "0.05"), cells
 
 
-@pytest.mark.parametrize("table", ["gpt2_ops", "unet_convs"])
+@pytest.mark.parametrize("table", ["gpt2_ops", "sd15_convs"])
 def test_the_op_table_times_each_op_both_ways(table, capsys):
+    """Each table's first three ops (the VAE's convolutions take ~0.4 s a call)."""
     import ops
 
+    some = dict(list(getattr(ops, table)().items())[:3])
     with torch.no_grad():
-        ops.run_ops(getattr(ops, table)(), 3)
+        ops.run_ops(some, 3)
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()[2:]]
-    assert len(rows) == len(getattr(ops, table)())
+    assert len(rows) == len(some)
     assert all(float(eager) > 0 and float(ours) > 0 for _, eager, ours, _ in rows), rows

@@ -347,6 +347,12 @@ fn obtain(json: &GraphWithSources, need_stablehlo: bool, warnings: &mut Vec<Stri
     let graph_hash = blake3::hash(&canonical).to_hex().to_string();
     let target = target().map_err(Failure::Runtime)?;
     let (entry, source) = find_or_build(&target, json, &canonical, warnings)?;
+    if source != Source::Memory && target.host_memory {
+        if let Ok(stats) = entry.exe.memory_stats() {
+            let results: usize = entry.outputs.iter().filter_map(|o| o.byte_size().ok()).sum();
+            crate::device::keep_for_reuse(stats.temp_bytes.max(0) as u64 + results as u64);
+        }
+    }
     let stablehlo = match &entry.stablehlo {
         None if need_stablehlo => Some(lower_graph(json)?.text.into()),
         text => text.clone(),
