@@ -128,6 +128,11 @@ fn finish<'a>(n: &NodeCtx<'a>, y: Val<'a>, out: DType) -> Res<'a> {
     Ok(vec![b.convert(&y, out)?])
 }
 
+/// Output positions over all images: `N·P` of the `[N, O, *P]` output shape.
+fn output_positions(out_shape: &[i64]) -> i64 {
+    out_shape[0] * out_shape[2..].iter().product::<i64>()
+}
+
 /// Kernel offsets beyond which overlapping windows are not stacked (each is one slice op).
 const MAX_WINDOW_OFFSETS: i64 = 64;
 
@@ -148,7 +153,7 @@ fn windows_are_small(
     dilation: &[i64],
     pads: &[(i64, i64)],
 ) -> bool {
-    let positions: i64 = out_shape[0] * out_shape[2..].iter().product::<i64>();
+    let positions = output_positions(out_shape);
     let offsets: i64 = w.shape()[2..].iter().product();
     let windows = x.shape()[1] * offsets * positions;
     let padded: i64 = x.shape()[..2].iter().product::<i64>()
@@ -301,7 +306,7 @@ fn winograd_pays(
     dilation: &[i64],
     out: DType,
 ) -> bool {
-    let positions: i64 = out_shape[0] * out_shape[2..].iter().product::<i64>();
+    let positions = output_positions(out_shape);
     x.rank() == 4
         && w.shape()[2..] == [3, 3]
         && stride == [1, 1]
