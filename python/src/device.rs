@@ -1,7 +1,7 @@
 //! The process-wide PJRT client: one per process, created on first use. A failed discovery is
 //! not remembered, so installing a plugin and retrying works without a restart.
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
@@ -99,8 +99,9 @@ fn keep_freed_memory_for_reuse() {
 /// Free heap top glibc keeps at least, once tuned (`keep_freed_memory_for_reuse`).
 const MIN_KEPT: u64 = 1 << 30;
 static TUNED: AtomicBool = AtomicBool::new(false);
-/// The trim threshold set so far (bytes; `u64::MAX`: never trim).
-static KEPT: AtomicU64 = AtomicU64::new(0);
+/// The trim threshold set so far (bytes), held while it is raised so that concurrent compiles
+/// cannot leave a lower one set last.
+static KEPT: Mutex<u64> = Mutex::new(0);
 
 /// Raises the heap's trim threshold to twice `per_call` bytes (an executable's temporaries and
 /// results), when the allocator is tuned and it is not that high already. With a lower one, each
@@ -113,9 +114,11 @@ pub fn keep_for_reuse(per_call: u64) {
         return;
     }
     let wanted = per_call.saturating_mul(2).max(MIN_KEPT);
-    if KEPT.fetch_max(wanted, Relaxed) >= wanted {
+    let mut kept = KEPT.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if *kept >= wanted {
         return;
     }
+    *kept = wanted;
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
         // -1 (as glibc reads it: the largest size) never trims.
