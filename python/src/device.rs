@@ -92,7 +92,7 @@ fn keep_freed_memory_for_reuse() {
         // SAFETY: mallopt only changes allocator parameters; it is safe to call at any time.
         unsafe { malloc::mallopt(malloc::M_MMAP_MAX, 0) };
         TUNED.store(true, Relaxed);
-        keep_for_reuse(MIN_KEPT / 2);
+        keep_for_reuse(0);
     }
 }
 

@@ -74,26 +74,27 @@ fn convolution(n: NodeCtx<'_>) -> Res<'_> {
         let window = dilation[i] * (w.shape()[2 + i] - 1) + 1;
         shape.push((input - window).div_euclid(window_strides[i]) + 1);
     }
-    if !transposed && groups == 1 && winograd_pays(&x, &w, &shape, &window_strides, &dilation, out)
-    {
-        let y = winograd(b, &x, &w, &pads, &shape[2..])?;
-        return finish(&n, y, out);
-    }
-    if !transposed
-        && groups == 1
-        && windows_are_small(&x, &w, &shape, &window_strides, &dilation, &pads)
-    {
-        let y = windows_product(
-            b,
-            &x,
-            &w,
-            &window_strides,
-            &pads,
-            &dilation,
-            &shape[2..],
-            opmath(out),
-        )?;
-        return finish(&n, y, out);
+    if !transposed && groups == 1 {
+        let out_spatial = &shape[2..];
+        let y = if winograd_pays(&x, &w, &shape, &window_strides, &dilation, out) {
+            Some(winograd(b, &x, &w, &pads, out_spatial)?)
+        } else if windows_are_small(&x, &w, &shape, &window_strides, &dilation, &pads) {
+            Some(windows_product(
+                b,
+                &x,
+                &w,
+                &window_strides,
+                &pads,
+                &dilation,
+                out_spatial,
+                opmath(out),
+            )?)
+        } else {
+            None
+        };
+        if let Some(y) = y {
+            return finish(&n, y, out);
+        }
     }
     let dims: Vec<String> = (0..spatial).map(|i| i.to_string()).collect();
     let dims = dims.join(", ");
@@ -144,7 +145,8 @@ const MAX_WINDOW_OFFSETS: i64 = 64;
 /// embedding (windows that do not overlap: the input rearranged), SD3's 2×2 at 1024 pixels,
 /// 23 ms against the product's 7 (eager 26); a 1×1 convolution, 128 channels at 256×256, 37
 /// against 16. Where overlapping windows outgrow both (3×3 at 320 channels on 64×64: 9× the
-/// input, 26× the weight) stacking them costs more than it saves, and the convolution stays.
+/// input, 26× the weight) stacking them costs more than it saves, and the convolution stays
+/// (asked first, `winograd` takes the wide 3×3 ones in f32).
 fn windows_are_small(
     x: &Val<'_>,
     w: &Val<'_>,
@@ -189,14 +191,8 @@ fn windows_product<'a>(
     out_spatial: &[i64],
     acc: DType,
 ) -> R<Val<'a>> {
-    let spatial = out_spatial.len();
     let (batch, out_channels) = (x.shape()[0], w.shape()[0]);
-    let swap_leading: Vec<usize> = [1, 0].into_iter().chain(2..2 + spatial).collect();
-    let x = b.transpose(x, &swap_leading)?;
-    let zero = b.scalar(Scalar::Int(0), x.dtype())?;
-    let low: Vec<i64> = [0, 0].into_iter().chain(pads.iter().map(|p| p.0)).collect();
-    let high: Vec<i64> = [0, 0].into_iter().chain(pads.iter().map(|p| p.1)).collect();
-    let x = b.pad(&x, &zero, &low, &high, &vec![0; spatial + 2])?;
+    let x = channels_first_padded(b, x, pads)?;
     let windows = if tiles(w, stride, dilation) {
         tiled_windows(b, &x, &w.shape()[2..], out_spatial)?
     } else {
@@ -208,7 +204,22 @@ fn windows_product<'a>(
         .into_iter()
         .chain(out_spatial.iter().copied())
         .collect();
-    b.transpose(&b.reshape(&y, &shape)?, &swap_leading)
+    b.transpose(&b.reshape(&y, &shape)?, &swap_leading(out_spatial.len()))
+}
+
+/// The permutation swapping the batch and channel dims of a tensor with `spatial` more dims.
+fn swap_leading(spatial: usize) -> Vec<usize> {
+    [1, 0].into_iter().chain(2..2 + spatial).collect()
+}
+
+/// `x` [N, C, *S] as [C, N, *S] (so that channels and positions are a product's rows and
+/// columns), zero-padded by `pads` along the spatial dims.
+fn channels_first_padded<'a>(b: &Builder<'a>, x: &Val<'a>, pads: &[(i64, i64)]) -> R<Val<'a>> {
+    let x = b.transpose(x, &swap_leading(pads.len()))?;
+    let zero = b.scalar(Scalar::Int(0), x.dtype())?;
+    let low: Vec<i64> = [0, 0].into_iter().chain(pads.iter().map(|p| p.0)).collect();
+    let high: Vec<i64> = [0, 0].into_iter().chain(pads.iter().map(|p| p.1)).collect();
+    b.pad(&x, &zero, &low, &high, &vec![0; pads.len() + 2])
 }
 
 /// `[C·K, N·P]` windows of the padded `[C, N, *S]` input `x` that tile it: the input cropped
@@ -340,8 +351,8 @@ fn output_transform<'a>(b: &Builder<'a>, m: [&Val<'a>; 4]) -> R<[Val<'a>; 2]> {
 /// A 3×3, stride-1 convolution of `x` [N, C, H, W] by `w` [O, C, 3, 3] as Winograd's F(2×2, 3×3)
 /// (Lavin & Gray, 2015): the output in 2×2 tiles, each from the 4×4 input tile `d` under it as
 /// `Aᵀ[(G g Gᵀ) ⊙ (Bᵀ d B)]A`, the sum over channels of the elementwise products being, per
-/// position in the 4×4 tile, one product `U[O, C] × V[C, N·tiles]`. An odd output size is computed one larger
-/// (the input padded by one more) and cropped.
+/// position in the 4×4 tile, one product `U[O, C] × V[C, N·tiles]`. An odd output size is
+/// computed one larger (the input padded by one more) and cropped.
 fn winograd<'a>(
     b: &Builder<'a>,
     x: &Val<'a>,
@@ -353,19 +364,11 @@ fn winograd<'a>(
     let (rows, cols) = ((out_spatial[0] + 1) / 2, (out_spatial[1] + 1) / 2);
     let tiles = batch * rows * cols;
     // [C, N, H, W], padded to whole tiles.
-    let x = b.transpose(x, &[1, 0, 2, 3])?;
-    let zero = b.scalar(Scalar::Int(0), x.dtype())?;
-    let high = [
-        pads[0].1 + 2 * rows - out_spatial[0],
-        pads[1].1 + 2 * cols - out_spatial[1],
+    let whole_tiles = [
+        (pads[0].0, pads[0].1 + 2 * rows - out_spatial[0]),
+        (pads[1].0, pads[1].1 + 2 * cols - out_spatial[1]),
     ];
-    let x = b.pad(
-        &x,
-        &zero,
-        &[0, 0, pads[0].0, pads[1].0],
-        &[0, 0, high[0], high[1]],
-        &[0; 4],
-    )?;
+    let x = channels_first_padded(b, x, &whole_tiles)?;
     // d[i][j]: the element at (i, j) of every input tile, [C, N, rows, cols].
     let d = (0..4)
         .map(|i| {
