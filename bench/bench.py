@@ -10,6 +10,8 @@
         --label cpu-bf16-decode-full-size   # its greedy decode in bf16
     python bench/bench.py --models gpt2-124m-1k smollm-135m-1k --calls 10 --processes 1 --label long-prompt
         # the same two forwards on a 1024-token prompt: bench/RESULTS-long-prompt.md
+    python bench/bench.py --models smollm-135m-b1 smollm-135m-decode --autocast bf16 --calls 20 \
+        --processes 1 --label cpu-autocast-bf16   # f32 weights, every call under torch.autocast
 
 Steady state: after warm-up, the median of `--calls` calls per backend, torch threads fixed, the
 backends taking turns in blocks of 5 calls, each after one untimed call (this VM's slow phases,
@@ -187,7 +189,11 @@ def inside_ms(fn: Callable[[], Any], calls: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def steady(name: str, device: str, dtype: torch.dtype, calls: int) -> dict[str, Any]:
+def _autocast(device: str, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device, dtype=dtype)
+
+
+def steady(name: str, device: str, dtype: torch.dtype, calls: int, autocast: torch.dtype | None = None) -> dict[str, Any]:
     import tpu_dynamo
 
     # Starts the plugin first, so that its process-wide setting (glibc keeps freed memory for
@@ -196,7 +202,7 @@ def steady(name: str, device: str, dtype: torch.dtype, calls: int) -> dict[str, 
     case = build(name, device, dtype)
     sync = _sync(device)
     row: dict[str, Any] = {"model": name, "decode": case.decode, "transformer": case.transformer}
-    with torch.no_grad():
+    with torch.no_grad(), _autocast(device, autocast):
         eager_fn = _call(case, case.module)
         reference = _tensor(eager_fn())
         warm_up(eager_fn)
@@ -239,7 +245,9 @@ def steady(name: str, device: str, dtype: torch.dtype, calls: int) -> dict[str, 
     return row
 
 
-def cold(name: str, backend: str, device: str, dtype: torch.dtype, precompile: bool) -> dict[str, Any]:
+def cold(
+    name: str, backend: str, device: str, dtype: torch.dtype, precompile: bool, autocast: torch.dtype | None = None
+) -> dict[str, Any]:
     """First call of a fresh compile in a fresh process. Not counted, in every process alike:
     imports (torch, Dynamo and AOTAutograd, the backend's own modules) and the model build.
     `precompile`: under Dynamo's `caching_precompile`, saved after the call (not timed) for the
@@ -252,7 +260,7 @@ def cold(name: str, backend: str, device: str, dtype: torch.dtype, precompile: b
         import torch._inductor.compile_fx  # noqa: F401
     torch._dynamo.config.caching_precompile = precompile
     case = build(name, device if backend != "tpu" else "cpu", dtype)
-    with torch.no_grad():
+    with torch.no_grad(), _autocast(device, autocast):
         start = time.perf_counter()
         _compiled(case, backend)()
         _sync(device)()
@@ -266,6 +274,8 @@ def _child(args: argparse.Namespace, *what: str, env: dict[str, str] | None = No
     """Runs this script in a new process; its last stdout line is the JSON result."""
     cmd = [sys.executable, __file__, *what, "--device", args.device, "--dtype", args.dtype,
            "--threads", str(args.threads), "--calls", str(args.calls)]
+    if args.autocast:
+        cmd += ["--autocast", args.autocast]
     print("+", " ".join(cmd[1:]), flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
     if proc.returncode != 0:
@@ -389,7 +399,8 @@ def header(args: argparse.Namespace) -> str:
     ours = "CPU tensors in and out (host->device->host included)" if args.device != "cpu" else "CPU tensors"
     return "\n".join([
         f"- date: {datetime.date.today()}; command: `{' '.join(['python', 'bench/bench.py', *sys.argv[1:]])}`",
-        f"- machine: {platform.node()}, {cpu}, {os.cpu_count()} cores; device {args.device}, dtype {args.dtype}",
+        f"- machine: {platform.node()}, {cpu}, {os.cpu_count()} cores; device {args.device}, dtype {args.dtype}"
+        + (f", every call under `torch.autocast` to {args.autocast}" if args.autocast else ""),
         f"- torch threads: {args.threads} (`torch.set_num_threads`); the XLA CPU plugin sizes its own pool",
         "- allocator: glibc with freed memory kept for reuse (tpu_dynamo's setting, made before any backend runs)",
         f"- versions: python {platform.python_version()}, torch {torch.__version__}, transformers "
@@ -404,10 +415,10 @@ def header(args: argparse.Namespace) -> str:
 def write_results(args: argparse.Namespace, rows: list[dict[str, Any]], colds: dict[tuple[str, str], float]) -> None:
     if args.label:
         suffix = f"-{args.label}"
-    elif (args.device, args.dtype) == ("cpu", "f32"):
+    elif (args.device, args.dtype, args.autocast) == ("cpu", "f32", None):
         suffix = ""
     else:
-        suffix = f"-{args.device}-{args.dtype}"
+        suffix = f"-{args.device}-{args.dtype}" + (f"-autocast-{args.autocast}" if args.autocast else "")
     md, png = HERE / f"RESULTS{suffix}.md", HERE / f"ratios{suffix}.png"
     body = f"{BEGIN}\n{header(args)}\n\n{table(rows, colds)}\n\n![ratios]({png.name})\n{END}"
     text = md.read_text() if md.exists() else "# Measurements\n"
@@ -427,6 +438,10 @@ def main() -> None:
     p.add_argument("--models", nargs="*", default=[m for m in MODELS if m not in FULL_SIZE], choices=list(MODELS))
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="f32", choices=list(DTYPES))
+    p.add_argument(
+        "--autocast", choices=[d for d in DTYPES if d != "f32"],
+        help="run every backend's calls under torch.autocast to this dtype (the weights stay DTYPE)",
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--processes", type=int, default=2, help="steady-state processes per model")
@@ -441,11 +456,12 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
+    autocast = DTYPES[args.autocast] if args.autocast else None
     if args.one:
-        print(json.dumps(steady(args.one, args.device, dtype, max(args.calls, 20))))
+        print(json.dumps(steady(args.one, args.device, dtype, max(args.calls, 20), autocast)))
         return
     if args.cold:
-        print(json.dumps(cold(args.cold[1], args.cold[0], args.device, dtype, args.precompile)))
+        print(json.dumps(cold(args.cold[1], args.cold[0], args.device, dtype, args.precompile, autocast)))
         return
     passes = [[{"model": m, **_child(args, "--one", m)} for m in args.models] for _ in range(args.processes)]
     rows = [_lowest(list(runs)) for runs in zip(*passes)]

@@ -35,6 +35,13 @@ def test_bucket_options_are_validated_with_torchtpu_defaults():
         parse({"num_dynamic_buckets": 9}, None, None)
 
 
+def test_precompute_weights_is_a_bool_on_by_default():
+    assert parse(None, None, None).precompute_weights
+    assert not parse({"precompute_weights": False}, None, None).precompute_weights
+    with pytest.raises(TypeError, match="precompute_weights must be a bool"):
+        parse({"precompute_weights": 1}, None, None)
+
+
 def test_automatic_buckets_at_most_double_the_size():
     from tpu_dynamo.options import PowersOfTwo
 

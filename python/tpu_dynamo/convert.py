@@ -84,6 +84,11 @@ class Converted:
     """`(graph output, argument)` per output that is an argument itself (AOTAutograd's
     `is_input`, e.g. a cache updated in place and returned): a graph called without AOTAutograd's
     wrapper returns that very tensor, as eager does, in place of the executable's result."""
+    prep: Converted | None = None
+    """The graph computing this one's values from weights alone (hoist.py): its results are
+    this graph's last inputs, recomputed only when a weight changes."""
+    prep_args: tuple[int, ...] = ()
+    """Positions among this graph's arguments of the `prep` graph's inputs."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -279,6 +284,10 @@ class _Builder:
                 if isinstance(self.scalars[n], SymbolicSize):
                     self.scalar_args.append(i)
                     self.scalar_exprs.append(self.scalars[n].expr)
+                continue
+            if kind is not InputKind.USER and not n.users:
+                # A weight no node reads (one only the prep graph reads, hoist.py) is no input:
+                # neither uploaded nor kept on the device.
                 continue
             self.tensor_args.append(i)
             self.add_input(n, self.tensor_type(val, f"input {n.name}"), kind)

@@ -11,6 +11,7 @@ import torch.fx
 
 from . import _native, debug
 from .convert import Converted, InputKind, SizeResolver, convert
+from .hoist import convert_hoisted
 from .options import Options
 
 _TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -80,6 +81,7 @@ class Executable:
         aliased = {o for _, o in self.mutations}
         handed = [native.hands_over_outputs and n > 0 and o not in aliased for o, n in enumerate(self.out_nbytes)]
         self.exact = CallSizes([], [], handed, self.out_nbytes)
+        self.derived = None if converted.prep is None else Derived(converted.prep, converted.prep_args)
 
     def resized(self, given: dict[int, list[int]], cut: dict[int, list[int]]) -> CallSizes:
         """A call's sizes with inputs `given` smaller than the executable's and results `cut`
@@ -119,6 +121,8 @@ class Executable:
         return tensors, held, ins
 
     def __call__(self, args: list[Any], sizes: CallSizes | None = None) -> tuple[torch.Tensor | None, ...]:
+        if self.derived is not None:
+            args.extend(self.derived(args))
         tensors, held, ins = self._host_inputs(args)
         args.clear()  # boxed convention: let AOTAutograd's caller free inputs early
         s = self.exact if sizes is None else sizes
@@ -144,6 +148,8 @@ class Executable:
     def bench_execute(self, args: list[Any], n: int, sizes: CallSizes | None = None) -> list[float]:
         """Seconds per bare PJRT execute on `args` (a call's inputs, at `sizes`, uploaded once),
         `n` times."""
+        if self.derived is not None:
+            args = [*args, *self.derived(args)]
         _tensors, held, ins = self._host_inputs(args)
         return self.native.bench_execute(held, ins, n, (sizes or self.exact).given)
 
@@ -175,6 +181,31 @@ class Executable:
         )
 
 
+class Derived:
+    """A graph's values computed from weights alone (hoist.py), kept until one of those weights
+    changes: its `(data_ptr, version)` is what tells, and the storages are kept alive with the
+    values so that no other tensor can take their address meanwhile."""
+
+    def __init__(self, prep: Converted, args: tuple[int, ...]) -> None:
+        self.prep = Executable(_native.compile(prep.json), prep)
+        self.args = args
+        self.key: list[tuple[int, int]] | None = None
+        self.storages: list[torch.UntypedStorage] = []
+        self.values: tuple[torch.Tensor, ...] = ()
+
+    def __call__(self, args: list[Any]) -> tuple[torch.Tensor, ...]:
+        inputs = [args[i] for i in self.args]
+        # An inference tensor has no version: its values are computed again on every call.
+        key = [(t.data_ptr(), -1 if t.is_inference() else t._version) for t in inputs]
+        if key != self.key or any(v < 0 for _, v in key):
+            self.storages = [t.untyped_storage() for t in inputs]
+            # Tensors with a version of their own, which the graph keeps resident.
+            with torch.inference_mode(False):
+                self.values = self.prep(inputs)  # type: ignore[assignment]
+            self.key = key
+        return self.values
+
+
 def _movable(t: torch.Tensor) -> bool:
     """Whether `t` may get a new storage: nothing else shares its storage (a view of it would
     keep the old value), the storage is exactly `t`, and autograd does not track it. An
@@ -204,7 +235,12 @@ def compile_graph(
     `resolve`: the concrete value of each symbolic size, for a graph traced with symbolic shapes.
     """
     start = time.perf_counter()
-    converted = convert(gm, kinds) if resolve is None else convert(gm, kinds, resolve)
+    if resolve is not None:
+        converted = convert(gm, kinds, resolve)
+    elif options.precompute_weights:
+        converted = convert_hoisted(gm, kinds)
+    else:
+        converted = convert(gm, kinds)
     native = _native.compile(converted.json, need_stablehlo=debug.wanted(options))
     return wrap(native, op_sequence(gm), gm.code, converted, options, caller_bumps, start)
 

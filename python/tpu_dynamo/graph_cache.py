@@ -94,7 +94,7 @@ def key(
                str(traced.storage_offset()), x.requires_grad, x.is_inference(), shared))
     field(facts)
     field(_tracing_state())
-    field((options.name, options.buckets))
+    field((options.name, options.buckets, options.precompute_weights))
     return digest.digest()
 
 

@@ -50,6 +50,9 @@ class Options:
     name: str | None = None
     buckets: Buckets | None = None
     """Set when `num_dynamic_buckets` or `bucket_size` was given (the other at its default)."""
+    precompute_weights: bool = True
+    """Whether values computed from weights alone are computed once per weight version and kept
+    (hoist.py), at the memory they take: at most the weights they come from."""
 
 
 def parse(options: Mapping[str, Any] | None, mode: str | None, name: str | None) -> Options:
@@ -64,7 +67,7 @@ def parse(options: Mapping[str, Any] | None, mode: str | None, name: str | None)
             " drop mode= (and pass backend options through options={...})"
         )
     opts = dict(options or {})
-    own = ("debug_callback", "name", *_BUCKET_RANGES)
+    own = ("debug_callback", "name", "precompute_weights", *_BUCKET_RANGES)
     for key in opts:
         if key not in _UNIMPLEMENTED_DEFAULTS and key not in own:
             known = ", ".join(sorted([*_UNIMPLEMENTED_DEFAULTS, *own]))
@@ -81,6 +84,9 @@ def parse(options: Mapping[str, Any] | None, mode: str | None, name: str | None)
     callback = opts.get("debug_callback")
     if callback is not None and not callable(callback):
         raise TypeError(f"tpu_dynamo: debug_callback must be callable, got {type(callback).__name__}")
+    precompute = opts.get("precompute_weights", True)
+    if type(precompute) is not bool:
+        raise TypeError(f"tpu_dynamo: precompute_weights must be a bool, got {type(precompute).__name__}")
     graph_name = opts.get("name", name)
     if graph_name is not None and not isinstance(graph_name, str):
         raise TypeError(f"tpu_dynamo: name must be a str, got {type(graph_name).__name__}")
@@ -88,4 +94,4 @@ def parse(options: Mapping[str, Any] | None, mode: str | None, name: str | None)
     if any(opts.get(key) is not None for key in _BUCKET_RANGES):
         given = {k: opts.get(k) or default for k, default in _BUCKET_DEFAULTS.items()}
         buckets = Buckets(size=given["bucket_size"], count=given["num_dynamic_buckets"])
-    return Options(debug_callback=callback, name=graph_name, buckets=buckets)
+    return Options(debug_callback=callback, name=graph_name, buckets=buckets, precompute_weights=precompute)

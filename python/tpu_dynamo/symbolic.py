@@ -31,7 +31,8 @@ import torch.fx
 
 from . import _native, debug
 from .convert import Converted, InputKind, convert_symbolic
-from .executable import CallSizes, Executable, compile_graph, op_sequence, wrap
+from .executable import CallSizes, Derived, Executable, compile_graph, op_sequence, wrap
+from .hoist import convert_hoisted
 from .options import Buckets, Options, PowersOfTwo
 
 # Graph outputs that are numbers rather than tensors (`bool` is an `int`).
@@ -130,7 +131,9 @@ class Traced:
     @staticmethod
     def of(gm: torch.fx.GraphModule, kinds: list[InputKind], options: Options, caller_bumps: frozenset[int]) -> Traced:
         try:
-            converted: Converted | None = convert_symbolic(gm, kinds)
+            converted: Converted | None = (
+                convert_hoisted(gm, kinds, symbolic=True) if options.precompute_weights else convert_symbolic(gm, kinds)
+            )
         except (NotImplementedError, ValueError) as e:
             debug.log.info("%s: specializing per shape in Python: %s", options.name or "graph", e)
             converted = None
@@ -189,8 +192,13 @@ class PerShape:
         # values key nothing.
         self.number_args: tuple[int, ...] = ()
         self.symbolic: _native.SymbolicGraph | None = None
+        # Values computed from weights alone (`Converted.prep`), shared by every signature's
+        # executable: each call's arguments get them appended first.
+        self.derived: Derived | None = None
         if traced.converted is not None:
-            self.converted = traced.converted
+            prep = traced.converted.prep
+            self.derived = None if prep is None else Derived(prep, traced.converted.prep_args)
+            self.converted = dataclasses.replace(traced.converted, prep=None)
             self.symbolic = _native.SymbolicGraph(self.converted.json)
             self.number_args = tuple(self.converted.scalar_args[p] for p in self.symbolic.number_scalars)
         # The inputs whose sizes or values can differ between calls and key the executable:
@@ -216,6 +224,8 @@ class PerShape:
                 debug.log.info("%s: buckets: compiling exact shapes, padding is not proven safe: %s", name, why)
 
     def __call__(self, args: list[Any]) -> tuple[torch.Tensor | None, ...]:
+        if self.derived is not None:
+            args.extend(self.derived(args))
         signature = tuple(args[i].shape if isinstance(args[i], torch.Tensor) else args[i] for i in self.varying)
         exe = self.compiled.get(signature)
         if exe is None:

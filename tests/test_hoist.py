@@ -1,0 +1,202 @@
+"""Values computed from weights alone run once per weight version (python/tpu_dynamo/hoist.py)."""
+import torch
+
+import tpu_dynamo
+from tpu_dynamo.convert import InputKind
+from tpu_dynamo.hoist import split_weight_work
+
+from conftest import compile_tpu
+
+
+class WeightNormed(torch.nn.Module):
+    """A weight-normed linear layer (WavLM's, HiFi-GAN's): its weight is computed from two
+    parameters on every call, and a position table from a buffer."""
+
+    def __init__(self, n: int = 512):
+        super().__init__()
+        self.g = torch.nn.Parameter(torch.rand(n, 1) + 0.5)
+        self.v = torch.nn.Parameter(torch.randn(n, n))
+        self.register_buffer("freq", torch.rand(n) + 0.1)
+
+    def forward(self, x):
+        w = self.g * self.v / self.v.norm(dim=1, keepdim=True)
+        table = torch.sin(torch.arange(x.shape[-2], dtype=torch.float32)[:, None] * self.freq)
+        return torch.nn.functional.linear(x + table, w)
+
+
+def executions():
+    return tpu_dynamo.stats()["executions"]
+
+
+def test_weight_work_runs_once_and_again_after_an_in_place_update():
+    torch.manual_seed(0)
+    m = WeightNormed()
+    x = torch.randn(4, 8, 512)
+    c = compile_tpu(m)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
+        # The prep graph once, the main graph per call.
+        assert executions() == 1 + 3
+        m.v.mul_(-2.0)
+        m.freq.add_(1.0)
+        torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
+        assert executions() == 1 + 3 + 2
+        c(x)
+        assert executions() == 1 + 3 + 2 + 1
+
+
+def test_a_replaced_weight_of_the_same_size_is_seen():
+    torch.manual_seed(0)
+    m = WeightNormed()
+    x = torch.randn(4, 8, 512)
+    c = compile_tpu(m)
+    with torch.no_grad():
+        c(x)
+        for _ in range(3):
+            # A new tensor may take the freed one's address, at the same version (0).
+            m.v = torch.nn.Parameter(torch.randn(512, 512))
+            torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
+
+
+def test_inference_tensor_weights_are_computed_on_every_call():
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        m = WeightNormed()
+        x = torch.randn(4, 8, 512)
+        c = compile_tpu(m)
+        torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
+        m.v.mul_(-2.0)  # no version counter tells of this
+        torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
+        assert executions() == 4
+
+
+def test_precompute_weights_false_computes_them_in_the_graph():
+    torch.manual_seed(0)
+    m = WeightNormed()
+    x = torch.randn(4, 8, 512)
+    c = compile_tpu(m, options={"precompute_weights": False})
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
+    assert executions() == 3
+
+
+def test_autocast_keeps_one_low_precision_copy_of_each_weight():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512))
+    x = torch.randn(8, 512)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        gm, kinds = graph_of(m, x)
+        hoisted = split_weight_work(gm, kinds).prep.graph.output_node().args[0]
+        # Both weights and both biases, cast once.
+        assert [(n.target, n.meta["val"].dtype) for n in hoisted] == [(torch.ops.aten._to_copy.default, torch.bfloat16)] * 4
+        torch._dynamo.reset()
+        tpu_dynamo.reset_stats()
+        c = compile_tpu(m)
+        with torch.no_grad():
+            for _ in range(2):
+                got, want = c(x), m(x)
+                assert got.dtype == want.dtype == torch.bfloat16
+                torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    assert executions() == 1 + 2
+
+
+def graph_of(fn, *args):
+    """The ATen graph AOTAutograd hands the backend for `fn(*args)`, with its input kinds."""
+    from tpu_dynamo import backend
+
+    got = []
+    real = backend.compile_graph
+
+    def keep(gm, kinds, *rest):
+        got.append((gm, kinds))
+        return real(gm, kinds, *rest)
+
+    backend.compile_graph = keep
+    try:
+        with torch.no_grad():
+            compile_tpu(fn)(*args)
+    finally:
+        backend.compile_graph = real
+    return got[0]
+
+
+def test_a_derived_value_larger_than_its_weights_is_not_kept():
+    class Dequantized(torch.nn.Module):
+        """int8 weights with a scale: the f32 weight is 4x the memory, so it stays per call."""
+
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("q", torch.randint(-127, 127, (1024, 1024), dtype=torch.int8))
+            self.register_buffer("scale", torch.rand(1024, 1) / 64)
+
+        def forward(self, x):
+            return x @ (self.q.to(torch.float32) * self.scale).t()
+
+    m = Dequantized()
+    x = torch.randn(4, 1024)
+    gm, kinds = graph_of(m, x)
+    assert InputKind.BUFFER in kinds
+    assert split_weight_work(gm, kinds) is None
+    with torch.no_grad():
+        torch.testing.assert_close(compile_tpu(m)(x), m(x), rtol=1e-5, atol=1e-4)
+
+
+def test_views_of_a_derived_value_stay_in_the_graph_and_updated_inputs_are_not_weights():
+    class Views(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(512, 512) / 8)
+            self.register_buffer("count", torch.zeros(512))
+
+        def forward(self, x):
+            w = self.w.exp()
+            self.count.add_(self.w.sum(0))  # an input the graph updates is no weight
+            return x @ w.t() + x @ w[:256].repeat(2, 1) + self.count
+
+    torch.manual_seed(0)
+    m = Views()
+    x = torch.randn(4, 512)
+    gm, kinds = graph_of(m, x)
+    split = split_weight_work(gm, kinds)
+    hoisted = split.prep.graph.output_node().args[0]
+    # The exponential, the sum and the repeated rows are kept; the transpose and the slice of the
+    # exponential are views in the main graph, not copies of it.
+    aten = torch.ops.aten
+    assert sorted(str(n.target) for n in hoisted) == ["aten.exp.default", "aten.repeat.default", "aten.sum.dim_IntList"]
+    main_ops = {n.target for n in split.main.graph.nodes}
+    assert aten.permute.default in main_ops or aten.t.default in main_ops
+    assert aten.exp.default not in main_ops and aten.repeat.default not in main_ops
+    m = Views()
+    eager = Views()
+    eager.load_state_dict(m.state_dict())
+    c = compile_tpu(m)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(c(x), eager(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(m.count, eager.count)
+
+
+def test_a_graph_with_symbolic_sizes_shares_its_derived_values_across_sizes():
+    torch.manual_seed(0)
+    m = WeightNormed()
+    c = compile_tpu(m, dynamic=True)
+    calls = 0
+    with torch.no_grad():
+        for batch in (2, 3, 5, 3):
+            x = torch.randn(batch, 8, 512)
+            torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
+            calls += 1
+        assert executions() == 1 + calls
+        m.g.add_(1.0)
+        x = torch.randn(7, 8, 512)
+        torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
+        assert executions() == 1 + calls + 2
+
+
+def test_weight_work_too_small_to_pay_for_an_executable_stays_in_the_graph():
+    torch.manual_seed(0)
+    m = WeightNormed(32)  # 4 KiB of weights: a prep graph would cost more than it saves
+    x = torch.randn(4, 8, 32)
+    assert split_weight_work(*graph_of(m, x)) is None
