@@ -28,57 +28,58 @@ def executions():
     return tpu_dynamo.stats()["executions"]
 
 
-def test_weight_work_runs_once_and_again_after_an_in_place_update():
+def weight_normed(n: int = 512, batch: int = 4):
     torch.manual_seed(0)
-    m = WeightNormed()
-    x = torch.randn(4, 8, 512)
+    return WeightNormed(n), torch.randn(batch, 8, n)
+
+
+def check(compiled, m, x):
+    torch.testing.assert_close(compiled(x), m(x), rtol=1e-5, atol=1e-5)
+
+
+def test_weight_work_runs_once_and_again_after_an_in_place_update():
+    m, x = weight_normed()
     c = compile_tpu(m)
     with torch.no_grad():
         for _ in range(3):
-            torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
+            check(c, m, x)
         # The prep graph once, the main graph per call.
         assert executions() == 1 + 3
         m.v.mul_(-2.0)
         m.freq.add_(1.0)
-        torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
+        check(c, m, x)
         assert executions() == 1 + 3 + 2
         c(x)
         assert executions() == 1 + 3 + 2 + 1
 
 
 def test_a_replaced_weight_of_the_same_size_is_seen():
-    torch.manual_seed(0)
-    m = WeightNormed()
-    x = torch.randn(4, 8, 512)
+    m, x = weight_normed()
     c = compile_tpu(m)
     with torch.no_grad():
         c(x)
         for _ in range(3):
             # A new tensor may take the freed one's address, at the same version (0).
             m.v = torch.nn.Parameter(torch.randn(512, 512))
-            torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
+            check(c, m, x)
 
 
 def test_inference_tensor_weights_are_computed_on_every_call():
-    torch.manual_seed(0)
     with torch.inference_mode():
-        m = WeightNormed()
-        x = torch.randn(4, 8, 512)
+        m, x = weight_normed()
         c = compile_tpu(m)
-        torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
+        check(c, m, x)
         m.v.mul_(-2.0)  # no version counter tells of this
-        torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
+        check(c, m, x)
         assert executions() == 4
 
 
 def test_precompute_weights_false_computes_them_in_the_graph():
-    torch.manual_seed(0)
-    m = WeightNormed()
-    x = torch.randn(4, 8, 512)
+    m, x = weight_normed()
     c = compile_tpu(m, options={"precompute_weights": False})
     with torch.no_grad():
         for _ in range(3):
-            torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
+            check(c, m, x)
     assert executions() == 3
 
 
@@ -179,24 +180,18 @@ def test_views_of_a_derived_value_stay_in_the_graph_and_updated_inputs_are_not_w
 
 
 def test_a_graph_with_symbolic_sizes_shares_its_derived_values_across_sizes():
-    torch.manual_seed(0)
-    m = WeightNormed()
+    m, _ = weight_normed()
     c = compile_tpu(m, dynamic=True)
-    calls = 0
+    batches = (2, 3, 5, 3)
     with torch.no_grad():
-        for batch in (2, 3, 5, 3):
-            x = torch.randn(batch, 8, 512)
-            torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
-            calls += 1
-        assert executions() == 1 + calls
+        for batch in batches:
+            check(c, m, torch.randn(batch, 8, 512))
+        assert executions() == 1 + len(batches)
         m.g.add_(1.0)
-        x = torch.randn(7, 8, 512)
-        torch.testing.assert_close(c(x), m(x), rtol=1e-5, atol=1e-5)
-        assert executions() == 1 + calls + 2
+        check(c, m, torch.randn(7, 8, 512))
+        assert executions() == 1 + len(batches) + 2
 
 
 def test_weight_work_too_small_to_pay_for_an_executable_stays_in_the_graph():
-    torch.manual_seed(0)
-    m = WeightNormed(32)  # 4 KiB of weights: a prep graph would cost more than it saves
-    x = torch.randn(4, 8, 32)
+    m, x = weight_normed(32)  # 4 KiB of weights: a prep graph would cost more than it saves
     assert split_weight_work(*graph_of(m, x)) is None
