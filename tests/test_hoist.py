@@ -1,4 +1,6 @@
 """Values computed from weights alone run once per weight version (python/tpu_dynamo/hoist.py)."""
+import logging
+
 import torch
 
 import tpu_dynamo
@@ -37,12 +39,14 @@ def check(compiled, m, x):
     torch.testing.assert_close(compiled(x), m(x), rtol=1e-5, atol=1e-5)
 
 
-def test_weight_work_runs_once_and_again_after_an_in_place_update():
+def test_weight_work_runs_once_and_again_after_an_in_place_update(caplog):
     m, x = weight_normed()
     c = compile_tpu(m)
-    with torch.no_grad():
+    with torch.no_grad(), caplog.at_level(logging.INFO, logger="tpu_dynamo"):
         for _ in range(3):
             check(c, m, x)
+        # The weight (512x512) and the table (8x512).
+        assert "2 values computed from weights alone (1.0 MiB) are kept" in caplog.text
         # The prep graph once, the main graph per call.
         assert executions() == 1 + 3
         m.v.mul_(-2.0)
@@ -195,3 +199,18 @@ def test_a_graph_with_symbolic_sizes_shares_its_derived_values_across_sizes():
 def test_weight_work_too_small_to_pay_for_an_executable_stays_in_the_graph():
     m, x = weight_normed(32)  # 4 KiB of weights: a prep graph would cost more than it saves
     assert split_weight_work(*graph_of(m, x)) is None
+
+
+def test_a_graph_found_in_the_disk_cache_brings_its_prep_graph():
+    m, x = weight_normed()
+    for found in (False, True):
+        # As a new process would call it: no Dynamo or in-memory state (`reset_stats` empties
+        # the in-memory executables).
+        torch._dynamo.reset()
+        tpu_dynamo.reset_stats()
+        with torch.no_grad():
+            check(compile_tpu(m), m, x)
+        s = tpu_dynamo.stats()
+        assert (s["graph_hits"], s["executions"]) == (int(found), 2)
+        if found:
+            assert (s["compiles"], s["disk_hits"]) == (0, 2)  # the main and the prep graph

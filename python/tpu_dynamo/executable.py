@@ -238,7 +238,7 @@ def compile_graph(
     if resolve is not None:
         converted = convert(gm, kinds, resolve)
     elif options.precompute_weights:
-        converted = convert_hoisted(gm, kinds)
+        converted = convert_hoisted(gm, kinds, options.name)
     else:
         converted = convert(gm, kinds)
     native = _native.compile(converted.json, need_stablehlo=debug.wanted(options))

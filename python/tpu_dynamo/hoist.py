@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from . import debug
 from .convert import Converted, InputKind, convert, convert_symbolic
 
 aten = torch.ops.aten
@@ -48,13 +49,23 @@ class Split:
     """Positions among the graph's arguments of the prep graph's placeholders."""
 
 
-def convert_hoisted(gm: torch.fx.GraphModule, kinds: list[InputKind], symbolic: bool = False) -> Converted:
+def convert_hoisted(
+    gm: torch.fx.GraphModule, kinds: list[InputKind], name: str | None, symbolic: bool = False
+) -> Converted:
     """`convert(gm, kinds)` (`convert_symbolic` if `symbolic`), with the values computed from
-    weights alone moved to its `prep` graph."""
+    weights alone moved to its `prep` graph; `name`: the graph's, for the log."""
     to_ir = convert_symbolic if symbolic else convert
     split = split_weight_work(gm, kinds)
     if split is None:
         return to_ir(gm, kinds)
+    derived = split.main.graph.find_nodes(op="placeholder")[len(kinds) :]
+    debug.log.info(
+        "%s: %d values computed from weights alone (%.1f MiB) are kept, and computed again only when a weight"
+        " changes",
+        name or "graph",
+        len(derived),
+        sum(map(_nbytes, derived)) / 2**20,
+    )
     prep = convert(split.prep, [InputKind.USER] * len(split.prep_args))
     return dataclasses.replace(to_ir(split.main, split.main_kinds), prep=prep, prep_args=split.prep_args)
 
@@ -135,16 +146,23 @@ def split_weight_work(gm: torch.fx.GraphModule, kinds: list[InputKind]) -> Split
             sources[n] = frozenset([n]) if n.op != "call_function" else frozenset().union(
                 *(sources[a] for a in n.all_input_nodes)
             )
-    # Static views stay in the main graph, on top of a hoisted value: one value kept, not a copy
-    # per view of it. Static nodes whose value is too large join the main graph too, and their
-    # inputs become candidates in their place.
-    in_main = {n for n in nodes if n not in static or not work[n] or _is_view(n)}
+    # What the main graph reads of the static nodes, walking back from its own: a static node
+    # that computes something is hoisted there, while views (and copies) of one stay in the main
+    # graph on top of it (one value kept, not a copy per view). A value too large to keep is
+    # computed in the main graph after all, and its inputs are looked at in its place.
+    computed_in_main: set[torch.fx.Node] = set()
     while True:
-        hoisted = [
-            n
-            for n in nodes
-            if n in static and n not in in_main and any(u in in_main or u.op == "output" for u in n.users)
-        ]
+        in_main = {n for n in nodes if n not in static}
+        hoisted_set: set[torch.fx.Node] = set()
+        stack = list(in_main)
+        while stack:
+            for a in stack.pop().all_input_nodes:
+                if work.get(a) and not _is_view(a) and not _copies(a) and a not in computed_in_main:
+                    hoisted_set.add(a)
+                elif a not in in_main:
+                    in_main.add(a)
+                    stack.append(a)
+        hoisted = [n for n in nodes if n in hoisted_set]
         too_large = [
             n
             for n in hoisted
@@ -153,7 +171,7 @@ def split_weight_work(gm: torch.fx.GraphModule, kinds: list[InputKind]) -> Split
         ]
         if not too_large:
             break
-        in_main.update(too_large)
+        computed_in_main.update(too_large)
     moved = sum(map(_nbytes, hoisted)) + sum(map(_nbytes, frozenset().union(*(sources[n] for n in hoisted))))
     if moved < _WORTHWHILE:
         return None

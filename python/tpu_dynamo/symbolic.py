@@ -132,7 +132,9 @@ class Traced:
     def of(gm: torch.fx.GraphModule, kinds: list[InputKind], options: Options, caller_bumps: frozenset[int]) -> Traced:
         try:
             converted: Converted | None = (
-                convert_hoisted(gm, kinds, symbolic=True) if options.precompute_weights else convert_symbolic(gm, kinds)
+                convert_hoisted(gm, kinds, options.name, symbolic=True)
+                if options.precompute_weights
+                else convert_symbolic(gm, kinds)
             )
         except (NotImplementedError, ValueError) as e:
             debug.log.info("%s: specializing per shape in Python: %s", options.name or "graph", e)
