@@ -214,3 +214,19 @@ def test_a_graph_found_in_the_disk_cache_brings_its_prep_graph():
         assert (s["graph_hits"], s["executions"]) == (int(found), 2)
         if found:
             assert (s["compiles"], s["disk_hits"]) == (0, 2)  # the main and the prep graph
+
+
+def test_parametrized_weight_norm_is_computed_once():
+    """`torch.nn.utils.parametrizations.weight_norm` (vocoders, speech encoders) recomputes the
+    weight from `original0` and `original1` on every forward."""
+    torch.manual_seed(0)
+    conv = torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv1d(256, 256, 5, padding=2))
+    x = torch.randn(2, 256, 64)
+    c = compile_tpu(conv)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(c(x), conv(x), rtol=1e-4, atol=1e-4)
+        assert executions() == 1 + 3
+        conv.parametrizations.weight.original0.mul_(0.5)
+        torch.testing.assert_close(c(x), conv(x), rtol=1e-4, atol=1e-4)
+        assert executions() == 1 + 3 + 2
