@@ -68,14 +68,17 @@ def test_a_replaced_weight_of_the_same_size_is_seen():
             check(c, m, x)
 
 
-def test_inference_tensor_weights_are_computed_on_every_call():
-    with torch.inference_mode():
+def test_inference_tensor_weights_are_computed_on_every_call(caplog):
+    with torch.inference_mode(), caplog.at_level(logging.WARNING, logger="tpu_dynamo"):
         m, x = weight_normed()
         c = compile_tpu(m)
         check(c, m, x)
         m.v.mul_(-2.0)  # no version counter tells of this
         check(c, m, x)
         assert executions() == 4
+    # Said once, with what to do about it.
+    assert caplog.text.count("computed again on every call") == 1
+    assert "outside inference_mode" in caplog.text
 
 
 def test_precompute_weights_false_computes_them_in_the_graph():

@@ -198,6 +198,13 @@ class Derived:
         # An inference tensor has no version: its values are computed again on every call.
         key = [(t.data_ptr(), -1 if t.is_inference() else t._version) for t in inputs]
         if key != self.key or any(v < 0 for _, v in key):
+            if self.key is None and any(v < 0 for _, v in key):
+                debug.log.warning(
+                    "%d values computed from weights alone are computed again on every call: the weights"
+                    " are inference tensors (made under torch.inference_mode()), which have no version to"
+                    " tell a change by; build or load the model outside inference_mode to compute them once",
+                    len(self.prep.out_types),
+                )
             self.storages = [t.untyped_storage() for t in inputs]
             # Tensors with a version of their own, which the graph keeps resident.
             with torch.inference_mode(False):
