@@ -192,24 +192,28 @@ class Derived:
         self.key: list[tuple[int, int]] | None = None
         self.storages: list[torch.UntypedStorage] = []
         self.values: tuple[torch.Tensor, ...] = ()
+        self.warned = False
 
     def __call__(self, args: list[Any]) -> tuple[torch.Tensor, ...]:
         inputs = [args[i] for i in self.args]
-        # An inference tensor has no version: its values are computed again on every call.
         key = [(t.data_ptr(), -1 if t.is_inference() else t._version) for t in inputs]
-        if key != self.key or any(v < 0 for _, v in key):
-            if self.key is None and any(v < 0 for _, v in key):
-                debug.log.warning(
-                    "%d values computed from weights alone are computed again on every call: the weights"
-                    " are inference tensors (made under torch.inference_mode()), which have no version to"
-                    " tell a change by; build or load the model outside inference_mode to compute them once",
-                    len(self.prep.out_types),
-                )
-            self.storages = [t.untyped_storage() for t in inputs]
-            # Tensors with a version of their own, which the graph keeps resident.
-            with torch.inference_mode(False):
-                self.values = self.prep(inputs)  # type: ignore[assignment]
-            self.key = key
+        if key == self.key:
+            return self.values
+        # An inference tensor has no version: its values are computed again on every call.
+        unversioned = any(v < 0 for _, v in key)
+        if unversioned and not self.warned:
+            self.warned = True
+            debug.log.warning(
+                "%d values computed from weights alone are computed again on every call: the weights"
+                " are inference tensors (made under torch.inference_mode()), which have no version to"
+                " tell a change by; build or load the model outside inference_mode to compute them once",
+                len(self.prep.out_types),
+            )
+        self.storages = [t.untyped_storage() for t in inputs]
+        # Tensors with a version of their own, which the graph keeps resident.
+        with torch.inference_mode(False):
+            self.values = self.prep(inputs)  # type: ignore[assignment]
+        self.key = None if unversioned else key
         return self.values
 
 
@@ -242,12 +246,7 @@ def compile_graph(
     `resolve`: the concrete value of each symbolic size, for a graph traced with symbolic shapes.
     """
     start = time.perf_counter()
-    if resolve is not None:
-        converted = convert(gm, kinds, resolve)
-    elif options.precompute_weights:
-        converted = convert_hoisted(gm, kinds, options.name)
-    else:
-        converted = convert(gm, kinds)
+    converted = convert_hoisted(gm, kinds, options) if resolve is None else convert(gm, kinds, resolve)
     native = _native.compile(converted.json, need_stablehlo=debug.wanted(options))
     return wrap(native, op_sequence(gm), gm.code, converted, options, caller_bumps, start)
 

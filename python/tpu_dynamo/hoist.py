@@ -22,6 +22,7 @@ import torch.fx
 
 from . import debug
 from .convert import Converted, InputKind, convert, convert_symbolic
+from .options import Options
 
 aten = torch.ops.aten
 
@@ -50,19 +51,19 @@ class Split:
 
 
 def convert_hoisted(
-    gm: torch.fx.GraphModule, kinds: list[InputKind], name: str | None, symbolic: bool = False
+    gm: torch.fx.GraphModule, kinds: list[InputKind], options: Options, symbolic: bool = False
 ) -> Converted:
     """`convert(gm, kinds)` (`convert_symbolic` if `symbolic`), with the values computed from
-    weights alone moved to its `prep` graph; `name`: the graph's, for the log."""
+    weights alone moved to its `prep` graph unless `options.precompute_weights` is off."""
     to_ir = convert_symbolic if symbolic else convert
-    split = split_weight_work(gm, kinds)
+    split = split_weight_work(gm, kinds) if options.precompute_weights else None
     if split is None:
         return to_ir(gm, kinds)
     derived = split.main.graph.find_nodes(op="placeholder")[len(kinds) :]
     debug.log.info(
         "%s: %d values computed from weights alone (%.1f MiB) are kept, and computed again only when a weight"
         " changes",
-        name or "graph",
+        options.name or "graph",
         len(derived),
         sum(map(_nbytes, derived)) / 2**20,
     )

@@ -30,7 +30,7 @@ import torch
 import torch.fx
 
 from . import _native, debug
-from .convert import Converted, InputKind, convert_symbolic
+from .convert import Converted, InputKind
 from .executable import CallSizes, Derived, Executable, compile_graph, op_sequence, wrap
 from .hoist import convert_hoisted
 from .options import Buckets, Options, PowersOfTwo
@@ -131,11 +131,7 @@ class Traced:
     @staticmethod
     def of(gm: torch.fx.GraphModule, kinds: list[InputKind], options: Options, caller_bumps: frozenset[int]) -> Traced:
         try:
-            converted: Converted | None = (
-                convert_hoisted(gm, kinds, options.name, symbolic=True)
-                if options.precompute_weights
-                else convert_symbolic(gm, kinds)
-            )
+            converted: Converted | None = convert_hoisted(gm, kinds, options, symbolic=True)
         except (NotImplementedError, ValueError) as e:
             debug.log.info("%s: specializing per shape in Python: %s", options.name or "graph", e)
             converted = None
