@@ -289,6 +289,22 @@ def test_a_dynamic_cache_decode_pads_to_powers_of_two_once_it_feeds_back_its_cac
     assert "called on its own grown outputs" in caplog.text
 
 
+def test_a_padded_decode_reads_its_cache_where_the_last_step_left_it():
+    """A padded step's K and V (two heads, so padding their sequence is no mere prefix) come
+    back packed: the tensors the cache keeps are the first elements of the executable's own
+    buffers, and the next step in the bucket reads them there instead of a zero-padded copy.
+    Only the first step of a bucket copies: the cache then comes from a smaller buffer."""
+    model = tiny("llama")
+    expected = generate_with_logits(model, IDS, 20)
+    model.forward = compile_tpu(model.forward)
+    got = generate_with_logits(model, IDS, 20)
+    assert_same_generation(got, expected)
+    # Lengths 9-16 run in the executable for 16 and 17-25 in the one for 32; each bucket's first
+    # copies, and 16 is no padded call (its cache is the executable's size, taken as it is).
+    layers = model.config.num_hidden_layers
+    assert tpu_dynamo.stats()["packed_in_place"] == 2 * layers * (len(range(10, 16)) + len(range(18, 26)))
+
+
 def test_buckets_pad_a_causal_prefill():
     """Causal attention with queries and keys padded alike: the padded keys come after every
     true query, so the causal mask already hides them."""

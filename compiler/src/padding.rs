@@ -89,6 +89,20 @@ pub struct PaddingPlan {
     pub at_most: Vec<(u32, i64)>,
 }
 
+impl PaddingPlan {
+    /// The inputs passed *packed*: padded along one dimension only, their true elements lie
+    /// first, in the order of the true-size tensor, the rest of the padded size after them
+    /// (see [`SymbolicGraph::specialize_padded`]).
+    pub fn packed_inputs(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.inputs.len()).filter(|&i| self.inputs[i].len() == 1)
+    }
+
+    /// The outputs returned packed: cut along one dimension only.
+    pub fn packed_outputs(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.outputs.len()).filter(|&o| self.outputs[o].len() == 1)
+    }
+}
+
 /// A node that runs differently on padded inputs, reading a true size at run time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Rewrite {
@@ -831,7 +845,8 @@ impl SymbolicGraph {
             plan.outputs.push(cut);
         }
         plan.limits = walk.limits;
-        for sym in walk.rewrites.iter().filter_map(|r| r.reads()) {
+        let packed: Vec<u32> = plan.packed_inputs().map(|i| plan.inputs[i][0].1).chain(plan.packed_outputs().map(|o| plan.outputs[o][0].1)).collect();
+        for sym in walk.rewrites.iter().filter_map(|r| r.reads()).chain(packed) {
             if !plan.runtime.contains(&sym) {
                 plan.runtime.push(sym);
             }
@@ -927,6 +942,83 @@ impl SymbolicGraph {
         }
         Ok(out)
     }
+
+    /// Makes the packed inputs and outputs (`PaddingPlan::packed_inputs`, `packed_outputs`) of
+    /// `out`, this graph specialized by [`Self::specialize_padded`] with its true sizes inserted
+    /// before input `at` (and anything else inserted there since), packed: each such input is
+    /// read through an `UNPACK` node, each such output written through a `PACK` node. The last
+    /// rewrite of a specialized graph: the others address its nodes by their index. Why: a
+    /// dynamic cache's K and V are padded along the sequence, behind their batch and head
+    /// dimensions. Padded, every step copied each layer's K and V on the host twice (padded in,
+    /// cut out); packed, the true-size tensor is the prefix of the executable's buffer, so a
+    /// result can be handed over as the tensor itself and fed back in without a copy.
+    pub fn pack_padded(&self, plan: &PaddingPlan, out: &mut GraphWithSources, at: u32) {
+        let inserted = (out.graph.inputs.len() - self.graph.graph.inputs.len()) as u32;
+        let length_of = |sym: u32| {
+            let i = plan.runtime.iter().position(|&s| s == sym).expect("every packed symbol is a runtime one");
+            Arg::Value(at + i as u32)
+        };
+        let unpacked = packed_layout(&mut out.graph, plan, at, inserted, length_of);
+        if !out.sources.is_empty() {
+            out.sources.splice(0..0, std::iter::repeat_n(None, unpacked));
+        }
+    }
+}
+
+/// Op names of the nodes between the packed layout of a tensor padded along one dimension and
+/// its padded layout, lowered by `lower::packing`. Args: the tensor, its true size along `dim`
+/// (a 0-d i64), `dim`, and for `PACK` how many positions past the true size are exact (`by`).
+pub const UNPACK: &str = "tpu.unpack";
+pub const PACK: &str = "tpu.pack";
+
+/// `SymbolicGraph::pack_padded`'s rewrite of `g`, with `inserted` inputs inserted before input
+/// `at`; returns the count of `UNPACK` nodes, inserted first.
+fn packed_layout(g: &mut Graph, plan: &PaddingPlan, at: u32, inserted: u32, length_of: impl Fn(u32) -> Arg) -> usize {
+    let inputs: Vec<(u32, u32, u32)> = plan
+        .packed_inputs()
+        .map(|i| {
+            let (dim, sym) = plan.inputs[i][0];
+            let i = i as u32;
+            (if i < at { i } else { i + inserted }, dim, sym)
+        })
+        .collect();
+    let n_in = g.inputs.len() as u32;
+    shift_values(g, n_in, inputs.len() as u32);
+    let unpacked: HashMap<u32, u32> = inputs.iter().enumerate().map(|(u, &(v, ..))| (v, n_in + u as u32)).collect();
+    fn rename(a: &mut Arg, to: &HashMap<u32, u32>) {
+        match a {
+            Arg::Value(v) => *v = *to.get(v).unwrap_or(v),
+            Arg::List(xs) => xs.iter_mut().for_each(|x| rename(x, to)),
+            _ => {}
+        }
+    }
+    for node in &mut g.nodes {
+        node.args.iter_mut().chain(node.kwargs.iter_mut().map(|(_, a)| a)).for_each(|a| rename(a, &unpacked));
+    }
+    g.outputs.iter_mut().for_each(|v| *v = *unpacked.get(v).unwrap_or(v));
+    let unpacks = inputs.iter().map(|&(v, dim, sym)| Node {
+        op: UNPACK.into(),
+        args: vec![Arg::Value(v), length_of(sym), Arg::Int(dim as i64)],
+        kwargs: vec![],
+        outputs: vec![g.inputs[v as usize].ty.clone()],
+    });
+    g.nodes.splice(0..0, unpacks.collect::<Vec<_>>());
+    for o in plan.packed_outputs() {
+        let (dim, sym, by) = plan.outputs[o][0];
+        let v = g.outputs[o];
+        let (ty, next) = {
+            let types = g.value_types();
+            (types[v as usize].clone(), types.len() as u32)
+        };
+        g.nodes.push(Node {
+            op: PACK.into(),
+            args: vec![Arg::Value(v), length_of(sym), Arg::Int(dim as i64), Arg::Int(by)],
+            kwargs: vec![],
+            outputs: vec![ty],
+        });
+        g.outputs[o] = next;
+    }
+    inputs.len()
 }
 
 #[cfg(test)]
@@ -950,6 +1042,12 @@ mod tests {
         };
         let sizes = sizes.into_iter().map(|(at, expr)| SymSize { at, expr }).collect();
         SymbolicGraph { graph: GraphWithSources { graph, sources: vec![] }, sizes, scalars: vec![] }
+    }
+    /// `g` specialized padded to `shapes` and packed, its true sizes inserted before input `at`.
+    fn packed(g: &SymbolicGraph, plan: &PaddingPlan, shapes: &[Vec<i64>], at: u32) -> Graph {
+        let mut c = g.specialize_padded(plan, shapes, &[], at).unwrap();
+        g.pack_padded(plan, &mut c, at);
+        c.graph
     }
     fn dim(value: u32, dim: u32) -> SymSlot {
         SymSlot::Dim { value, dim }
@@ -1025,8 +1123,9 @@ mod tests {
         let plan = add.padding_plan().unwrap();
         assert_eq!(plan.rewrites, vec![Rewrite::TrueSize { node: 0, arg: 1, sym: 0 }]);
         assert_eq!(plan.runtime, vec![0]);
-        let c = add.specialize_padded(&plan, &[vec![2, 8]], &[], 1).unwrap().graph;
-        assert_eq!(c.nodes[0].args, vec![Arg::Value(0), Arg::Value(1)]);
+        let c = packed(&add, &plan, &[vec![2, 8]], 1);
+        // Node 0 unpacks the input (value 2).
+        assert_eq!(c.nodes[1].args, vec![Arg::Value(2), Arg::Value(1)]);
     }
 
     /// `table[:, arange(s + 1) + offset]`: table `[2, t]` (input 0, its own symbol 1), the
@@ -1104,9 +1203,9 @@ mod tests {
         assert_eq!(plan.outputs, vec![vec![(1, 0, 1)]]);
         assert!(plan.rewrites.contains(&Rewrite::KeepAll { node: 1, dim: 1 }));
         assert_eq!(plan.runtime, vec![0]); // the cat's append, not the slice
-        let c = g.specialize_padded(&plan, &[vec![2, 8], vec![2, 1]], &[], 2).unwrap().graph;
-        assert_eq!(c.nodes[1].args[2], Arg::Int(0));
-        assert_eq!(c.nodes[1].outputs[0].shape, vec![2, 9]);
+        let c = packed(&g, &plan, &[vec![2, 8], vec![2, 1]], 2);
+        assert_eq!(c.nodes[2].args[2], Arg::Int(0));
+        assert_eq!(c.nodes[2].outputs[0].shape, vec![2, 9]);
         // A suffix that does not reach the end keeps no such promise.
         let mut short = g.clone();
         short.graph.graph.nodes[1].args[3] = Arg::Int(-1);
@@ -1164,18 +1263,26 @@ mod tests {
         assert_eq!(plan.outputs, vec![vec![(2, 0, 1)], vec![]]);
         assert_eq!(plan.runtime, vec![0]);
         assert_eq!(plan.rewrites, vec![Rewrite::AppendAt { node: 0, sym: 0 }, Rewrite::HideKeys { node: 1, sym: 0, by: 1 }]);
-        // The length goes in before input 1: later values move up by one.
-        let c = g.specialize_padded(&plan, &[vec![1, 2, 8, 4], vec![1, 2, 1, 4], vec![1, 2, 1, 4]], &[], 1).unwrap().graph;
+        assert_eq!(plan.packed_inputs().collect::<Vec<_>>(), vec![0]);
+        assert_eq!(plan.packed_outputs().collect::<Vec<_>>(), vec![0]);
+        // The length goes in before input 1: later values move up by one. The packed cache is
+        // read through an unpacking node first (value 4) and returned through a packing one.
+        let c = packed(&g, &plan, &[vec![1, 2, 8, 4], vec![1, 2, 1, 4], vec![1, 2, 1, 4]], 1);
         assert_eq!(c.inputs[1].ty, TensorType::new(DType::I64, vec![]));
-        assert_eq!(c.nodes[0].args[0], Arg::List(vec![Arg::Value(0), Arg::Value(2)]));
-        assert_eq!(c.nodes[0].kwargs, vec![(APPEND_AT.to_string(), Arg::Value(1))]);
-        assert_eq!(c.nodes[0].outputs[0].shape, vec![1, 2, 9, 4]);
-        assert_eq!(c.nodes[1].args[..3], [Arg::Value(3), Arg::Value(4), Arg::Value(4)]);
+        assert_eq!(c.nodes[0].op, UNPACK);
+        assert_eq!(c.nodes[0].args, vec![Arg::Value(0), Arg::Value(1), Arg::Int(2)]);
+        assert_eq!(c.nodes[0].outputs[0].shape, vec![1, 2, 8, 4]);
+        assert_eq!(c.nodes[1].args[0], Arg::List(vec![Arg::Value(4), Arg::Value(2)]));
+        assert_eq!(c.nodes[1].kwargs, vec![(APPEND_AT.to_string(), Arg::Value(1))]);
+        assert_eq!(c.nodes[1].outputs[0].shape, vec![1, 2, 9, 4]);
+        assert_eq!(c.nodes[2].args[..3], [Arg::Value(3), Arg::Value(5), Arg::Value(5)]);
         assert_eq!(
-            c.nodes[1].kwargs,
+            c.nodes[2].kwargs,
             vec![(KEYS_VALID.to_string(), Arg::Value(1)), (KEYS_VALID_PLUS.to_string(), Arg::Int(1))]
         );
-        assert_eq!(c.outputs, vec![4, 5]);
+        assert_eq!(c.nodes[3].op, PACK);
+        assert_eq!(c.nodes[3].args, vec![Arg::Value(5), Arg::Value(1), Arg::Int(2), Arg::Int(1)]);
+        assert_eq!(c.outputs, vec![8, 6]);
     }
 
     #[test]

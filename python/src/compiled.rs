@@ -20,7 +20,7 @@ use tpu_dynamo_runtime::{Buffer, CompileOptions, DType, Error as RtError, Execut
 use crate::device::{target, Target};
 use crate::errors::{lower_err, runtime_err, LowerError};
 use crate::host_view::{self, Memory, Shared};
-use crate::padded::{self, PaddedInput};
+use crate::padded::{self, CallTypes, PaddedInput};
 use crate::counters::{add_time, STATS};
 use crate::persist::{disk_cache, log_warnings};
 use crate::resident;
@@ -460,11 +460,14 @@ fn check_sizes<T>(what: &str, specs: &[TensorSpec], got: &[T], nbytes: impl Fn(&
 }
 
 /// An execute argument: a buffer this graph uploaded (or keeps resident), the buffer a host
-/// tensor views (see `host_view`), or an input padded to the executable's sizes.
+/// tensor views (see `host_view`), an input padded to the executable's sizes, or a packed input
+/// read in place from the larger executable buffer its host tensor lies at the start of.
 enum Arg {
     Owned(Arc<Buffer>),
     Viewed(Arc<Shared>),
     Padded(PaddedInput),
+    /// The buffer over the packed input's bytes, and the buffer whose memory they are.
+    Within { buffer: Buffer, _owner: Arc<Shared> },
 }
 
 /// An argument held for one execute; a viewed buffer stays locked so that the output which takes
@@ -480,6 +483,7 @@ impl Arg {
             Arg::Owned(b) => Held::Owned(b),
             Arg::Viewed(s) => Held::Viewed(s, s.lock()),
             Arg::Padded(p) => Held::Owned(&p.buffer),
+            Arg::Within { buffer, .. } => Held::Owned(buffer),
         }
     }
 }
@@ -513,12 +517,15 @@ impl CompiledGraph {
     /// An input this graph donates never shares a copy: the execute consumes it. On a CPU plugin
     /// any other upload is the host memory itself, taken in place. A copy newly kept adds
     /// `(i, ptr, version)` to `unpinned`. An input `given` at smaller sizes than the
-    /// executable's is uploaded zero-padded, every call.
+    /// executable's is uploaded zero-padded, every call; a packed one is read where it lies if
+    /// it starts an executable buffer large enough (a dynamic cache's K or V, the previous
+    /// step's packed result), else copied.
     fn input_buffer(
         &self,
         i: usize,
         (ptr, nbytes, version): (usize, usize, i64),
         given: &TensorSpec,
+        packed: bool,
         unpinned: &mut Unpinned,
     ) -> Result<Arg, RtError> {
         let spec = &self.entry.inputs[i];
@@ -526,10 +533,19 @@ impl CompiledGraph {
             if self.aliases.iter().any(|&(a, _)| a == i) {
                 return Err(RtError::InvalidArgument(format!("input {i} is updated in place, so it cannot be padded")));
             }
+            let t = &self.target;
+            if let Some(shared) = packed.then(|| Shared::covering(ptr, spec)).flatten().filter(|_| t.host_memory) {
+                STATS.packed_in_place.fetch_add(1, Relaxed);
+                // SAFETY: `shared`'s buffer holds at least `spec`'s bytes at `ptr` and is kept
+                // alive with the new buffer (`Arg::Within`), which only reads them.
+                let bytes = unsafe { host_slice(ptr, spec.byte_size()?) };
+                let buffer = unsafe { t.client.buffer_over_host(bytes, spec, &t.device)? };
+                return Ok(Arg::Within { buffer, _owner: shared });
+            }
             STATS.uploads.fetch_add(1, Relaxed);
             // SAFETY: see `run`: the Python caller keeps the tensor alive during the call.
             let bytes = unsafe { host_slice(ptr, nbytes) };
-            return Ok(Arg::Padded(PaddedInput::upload(&self.target, bytes, given, spec)?));
+            return Ok(Arg::Padded(PaddedInput::upload(t, bytes, given, spec, packed)?));
         }
         let mut slot = (version >= 0).then(|| self.resident[i].lock().unwrap_or_else(|p| p.into_inner()));
         if let Some(Some(r)) = slot.as_deref() {
@@ -589,10 +605,15 @@ impl CompiledGraph {
     fn input_buffers(
         &self,
         inputs: &[(usize, usize, i64)],
-        given: &[TensorSpec],
+        given: &CallTypes,
         unpinned: &mut Unpinned,
     ) -> Result<Vec<Arg>, RtError> {
-        inputs.iter().zip(given).enumerate().map(|(i, (&input, given))| self.input_buffer(i, input, given, unpinned)).collect()
+        inputs
+            .iter()
+            .zip(given.specs.iter().zip(&given.packed))
+            .enumerate()
+            .map(|(i, (&input, (spec, &packed)))| self.input_buffer(i, input, spec, packed, unpinned))
+            .collect()
     }
 
     /// Keeps the host storage of each `unpinned` input (`tensors`, the call's dense inputs) alive
@@ -660,26 +681,33 @@ impl CompiledGraph {
     /// The memory of each result asked for by `(0, nbytes)`: the result buffer itself when the
     /// host can address it (it leaves `results`), else a host allocation the caller copies it
     /// into. Two results in one memory (an executable may return one value twice) share nothing:
-    /// the second is copied. A result `cut` to smaller sizes is copied here, into memory of its own.
+    /// the second is copied. A result `cut` to smaller sizes is copied here, into memory of its
+    /// own, unless it is packed and the host can address it: then the result buffer is handed
+    /// over as the smaller tensor's storage, registered whole, so that the tensor fed back in
+    /// (next step's cache) is read where it is.
     fn hand_over(
         &self,
         outputs: &[(usize, usize)],
         results: &mut [Option<Buffer>],
-        cut: &[TensorSpec],
+        cut: &CallTypes,
     ) -> Result<Vec<Option<Memory>>, RtError> {
         let mut seen = Vec::new();
         outputs
             .iter()
             .zip(results.iter_mut())
-            .zip(self.entry.outputs.iter().zip(cut))
+            .zip(self.entry.outputs.iter().zip(cut.specs.iter().zip(&cut.packed)))
             .enumerate()
-            .map(|(o, ((&(ptr, nbytes), result), (spec, cut)))| {
+            .map(|(o, ((&(ptr, nbytes), result), (spec, (cut, &packed))))| {
                 if cut != spec {
                     let Some(result) = result.take().filter(|_| ptr == 0) else {
                         return Err(RtError::InvalidArgument("a result cut to smaller sizes must be handed over".into()));
                     };
                     let address = self.entry.result_address(o, &result);
-                    return padded::cut_output(&result, address, spec, cut).map(Some);
+                    if let Some(address) = address.filter(|a| packed && !seen.contains(a)) {
+                        seen.push(address);
+                        return Ok(Some(Memory::Shared(Shared::at(result, address, spec.clone()))));
+                    }
+                    return padded::cut_output(&result, address, spec, cut, packed).map(Some);
                 }
                 if ptr != 0 || nbytes == 0 || result.is_none() {
                     return Ok(None);
@@ -755,13 +783,13 @@ impl CompiledGraph {
         inputs: Vec<(usize, usize, i64)>,
         outputs: Vec<(usize, usize)>,
         movable: Vec<usize>,
-        given: Vec<(usize, Vec<i64>)>,
-        cut: Vec<(usize, Vec<i64>)>,
+        given: Vec<(usize, Vec<i64>, bool)>,
+        cut: Vec<(usize, Vec<i64>, bool)>,
     ) -> PyResult<(Vec<(usize, Py<PyAny>)>, Vec<(usize, Py<PyAny>)>)> {
         let given = padded::call_specs("input", &self.entry.inputs, &given)?;
         let cut = padded::call_specs("output", &self.entry.outputs, &cut)?;
-        check_sizes("inputs", &given, &inputs, |i| i.1)?;
-        check_sizes("outputs", &cut, &outputs, |o| o.1)?;
+        check_sizes("inputs", &given.specs, &inputs, |i| i.1)?;
+        check_sizes("outputs", &cut.specs, &outputs, |o| o.1)?;
         let mut unpinned = vec![];
         let ran = py.detach(|| -> Result<_, RtError> {
             let start = Instant::now();
@@ -800,7 +828,7 @@ impl CompiledGraph {
             .into_iter()
             .enumerate()
             .filter_map(|(o, memory)| Some((o, memory?)))
-            .map(|(o, memory)| Ok((o, host_view::capsule(py, memory, &cut[o])?)))
+            .map(|(o, memory)| Ok((o, host_view::capsule(py, memory, &cut.specs[o])?)))
             .collect::<PyResult<_>>()?;
         Ok((repoint, handed))
     }
@@ -840,10 +868,10 @@ impl CompiledGraph {
         tensors: Bound<'_, PyList>,
         inputs: Vec<(usize, usize, i64)>,
         n: usize,
-        given: Vec<(usize, Vec<i64>)>,
+        given: Vec<(usize, Vec<i64>, bool)>,
     ) -> PyResult<Vec<f64>> {
         let given = padded::call_specs("input", &self.entry.inputs, &given)?;
-        check_sizes("inputs", &given, &inputs, |i| i.1)?;
+        check_sizes("inputs", &given.specs, &inputs, |i| i.1)?;
         if !self.aliases.is_empty() {
             // Each execute would consume (donate) the inputs it updates in place.
             return Err(PyValueError::new_err("tpu_dynamo: bench_execute cannot time a graph that mutates its inputs"));

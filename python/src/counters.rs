@@ -18,6 +18,9 @@ pub struct Stats {
     pub resident_shared_hits: AtomicU64,
     /// Inputs that were a host tensor viewing an executable buffer (no upload).
     pub view_hits: AtomicU64,
+    /// Packed inputs read where they lie, in the executable buffer behind the host tensor (a
+    /// dynamic cache's K or V fed back in; no copy).
+    pub packed_in_place: AtomicU64,
     /// Inputs updated in place: left where the executable wrote them (host tensor re-pointed or
     /// already there) / copied back into the host tensor.
     pub updates_in_place: AtomicU64,
@@ -82,6 +85,7 @@ pub static STATS: Stats = Stats {
     specializations: AtomicU64::new(0),
     specialize_nanos: AtomicU64::new(0),
     view_hits: AtomicU64::new(0),
+    packed_in_place: AtomicU64::new(0),
     updates_in_place: AtomicU64::new(0),
     updates_copied: AtomicU64::new(0),
     warm_ups: AtomicU64::new(0),
@@ -93,7 +97,7 @@ pub fn add_time(counter: &AtomicU64, d: Duration) {
 }
 
 impl Stats {
-    fn all(&self) -> [(&'static str, &AtomicU64); 31] {
+    fn all(&self) -> [(&'static str, &AtomicU64); 32] {
         [
             ("compiles", &self.compiles),
             ("memory_hits", &self.memory_hits),
@@ -106,6 +110,7 @@ impl Stats {
             ("resident_hits", &self.resident_hits),
             ("resident_shared_hits", &self.resident_shared_hits),
             ("view_hits", &self.view_hits),
+            ("packed_in_place", &self.packed_in_place),
             ("updates_in_place", &self.updates_in_place),
             ("updates_copied", &self.updates_copied),
             ("disk_hits", &self.disk_hits),

@@ -49,6 +49,14 @@ impl Shared {
         (found.spec == *spec).then_some(found)
     }
 
+    /// The live buffer a host tensor at `address` lies at the start of, if it holds at least
+    /// `spec`'s bytes of `spec`'s dtype (a packed tensor within its executable's buffer).
+    pub fn covering(address: usize, spec: &TensorSpec) -> Option<Arc<Shared>> {
+        let found = REGISTRY.get(&address)?;
+        let holds = |s: &TensorSpec| s.byte_size().ok();
+        (found.spec.dtype == spec.dtype && holds(&found.spec) >= holds(spec) && holds(spec).is_some()).then_some(found)
+    }
+
     pub fn address(&self) -> usize {
         self.address
     }

@@ -11,25 +11,45 @@ use tpu_dynamo_runtime::{Buffer, Error as RtError, TensorSpec};
 use crate::device::Target;
 use crate::host_view::Memory;
 
-/// Tensors of a call at sizes other than the executable's: `(index, dims)`.
-pub type Sizes = [(usize, Vec<i64>)];
+/// Tensors of a call at sizes other than the executable's: `(index, dims, packed)`.
+pub type Sizes = [(usize, Vec<i64>, bool)];
 
-/// The types of the tensors a call passes or receives in place of `specs` (`sizes`: each at
-/// most the executable's along every dimension).
-pub fn call_specs<'a>(what: &str, specs: &'a [TensorSpec], sizes: &Sizes) -> PyResult<Cow<'a, [TensorSpec]>> {
+/// The types of a call's tensors, each at most the executable's along every dimension, and
+/// which of them are *packed*: their dense bytes lie first in the executable's buffer, the rest
+/// of it after them (`tpu_dynamo_compiler::padding::packed_layout`), rather than zero-padded
+/// to its sizes, dimension by dimension.
+pub struct CallTypes<'a> {
+    pub specs: Cow<'a, [TensorSpec]>,
+    pub packed: Vec<bool>,
+}
+
+/// The types of the tensors a call passes or receives in place of `specs`.
+pub fn call_specs<'a>(what: &str, specs: &'a [TensorSpec], sizes: &Sizes) -> PyResult<CallTypes<'a>> {
+    let mut packed = vec![false; specs.len()];
     if sizes.is_empty() {
-        return Ok(Cow::Borrowed(specs));
+        return Ok(CallTypes { specs: Cow::Borrowed(specs), packed });
     }
     let mut out = specs.to_vec();
-    for (i, dims) in sizes {
+    for (i, dims, pack) in sizes {
         let Some(spec) = out.get_mut(*i) else {
             return Err(PyValueError::new_err(format!("tpu_dynamo: there is no {what} {i} to size")));
         };
         let given = TensorSpec::new(spec.dtype, dims.clone());
         given.corner_runs(spec, |_, _, _| {}).map_err(|e| PyValueError::new_err(format!("tpu_dynamo: {what} {i}: {e}")))?;
         *spec = given;
+        packed[*i] = *pack;
     }
-    Ok(Cow::Owned(out))
+    Ok(CallTypes { specs: Cow::Owned(out), packed })
+}
+
+/// Copies from an array of type `small` into one of type `big` or back, as runs `(small
+/// offset, big offset, len)`: one run when packed, else the corner's.
+fn runs(small: &TensorSpec, big: &TensorSpec, packed: bool, copy: &mut dyn FnMut(usize, usize, usize)) -> Result<(), RtError> {
+    if packed {
+        copy(0, 0, small.byte_size()?);
+        return Ok(());
+    }
+    small.corner_runs(big, copy)
 }
 
 /// An input zero-padded to the executable's sizes, on the device. On a CPU plugin the buffer is
@@ -40,10 +60,10 @@ pub struct PaddedInput {
 }
 
 impl PaddedInput {
-    /// `data`, a dense array of type `given`, zero-padded to `spec` and uploaded.
-    pub fn upload(target: &Target, data: &[u8], given: &TensorSpec, spec: &TensorSpec) -> Result<PaddedInput, RtError> {
+    /// `data`, a dense array of type `given`, zero-padded to `spec` (or packed) and uploaded.
+    pub fn upload(target: &Target, data: &[u8], given: &TensorSpec, spec: &TensorSpec, packed: bool) -> Result<PaddedInput, RtError> {
         let nbytes = spec.byte_size()?;
-        let mut host = Memory::from_runs(nbytes, data, |copy| given.corner_runs(spec, copy))?;
+        let mut host = Memory::from_runs(nbytes, data, |copy| runs(given, spec, packed, copy))?;
         let padded = host.bytes_mut(nbytes).expect("host memory");
         let buffer = if target.host_memory {
             // SAFETY: `host` outlives `buffer` (dropped after it) and is not written again.
@@ -55,9 +75,10 @@ impl PaddedInput {
     }
 }
 
-/// `result` (of type `spec`) cut to its leading corner of type `cut`, in new host memory.
-/// `address`: where `result`'s dense bytes lie in host memory, if they do (`Buffer::host_address`).
-pub fn cut_output(result: &Buffer, address: Option<usize>, spec: &TensorSpec, cut: &TensorSpec) -> Result<Memory, RtError> {
+/// `result` (of type `spec`) cut to its leading corner of type `cut` (or its packed prefix), in
+/// new host memory. `address`: where `result`'s dense bytes lie in host memory, if they do
+/// (`Buffer::host_address`).
+pub fn cut_output(result: &Buffer, address: Option<usize>, spec: &TensorSpec, cut: &TensorSpec, packed: bool) -> Result<Memory, RtError> {
     let full_bytes = spec.byte_size()?;
     let downloaded;
     let full: &[u8] = match address {
@@ -71,5 +92,5 @@ pub fn cut_output(result: &Buffer, address: Option<usize>, spec: &TensorSpec, cu
         }
     };
     // Each run of the cut array is a copy from the full one, in the cut array's order.
-    Memory::from_runs(cut.byte_size()?, full, |copy| cut.corner_runs(spec, |small, big, len| copy(big, small, len)))
+    Memory::from_runs(cut.byte_size()?, full, |copy| runs(cut, spec, packed, &mut |small, big, len| copy(big, small, len)))
 }

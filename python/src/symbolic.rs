@@ -102,6 +102,9 @@ impl SymbolicGraph {
             let symbols = self.ir.bind(&shapes, &scalars).map_err(value_err)?;
             self.ir.read_numbers(&mut graph, &self.number_scalars, &symbols, at).map_err(value_err)?;
         }
+        if let Some(at) = lengths_at {
+            self.ir.pack_padded(self.plan()?, &mut graph, at);
+        }
         STATS.specializations.fetch_add(1, Relaxed);
         add_time(&STATS.specialize_nanos, start.elapsed());
         compile_graph(py, &graph, need_stablehlo)

@@ -38,11 +38,13 @@ _seen_op_sequences: set[tuple[str, ...]] = set()
 
 class CallSizes(NamedTuple):
     """The sizes of one call's tensors where they differ from the executable's: `given`,
-    `(input, dims)` of inputs it zero-pads; `cut`, `(output, dims)` of results it cuts back
-    (a bucket's executable, symbolic.py). Per output: whether it is handed over, and its bytes."""
+    `(input, dims, packed)` of inputs it pads; `cut`, `(output, dims, packed)` of results it
+    cuts back (a bucket's executable, symbolic.py); `packed`: the tensor is the prefix of the
+    executable's buffer rather than its corner (`_native.SymbolicGraph.specialize`). Per
+    output: whether it is handed over, and its bytes."""
 
-    given: list[tuple[int, list[int]]]
-    cut: list[tuple[int, list[int]]]
+    given: list[tuple[int, list[int], bool]]
+    cut: list[tuple[int, list[int], bool]]
     handed: list[bool]
     out_nbytes: list[int]
 
@@ -83,12 +85,16 @@ class Executable:
         self.exact = CallSizes([], [], handed, self.out_nbytes)
         self.derived = None if converted.prep is None else Derived(converted.prep, converted.prep_args)
 
-    def resized(self, given: dict[int, list[int]], cut: dict[int, list[int]]) -> CallSizes:
+    def resized(
+        self, given: dict[int, list[int]], cut: dict[int, list[int]], packed: tuple[set[int], set[int]] = (set(), set())
+    ) -> CallSizes:
         """A call's sizes with inputs `given` smaller than the executable's and results `cut`
-        to smaller sizes; the native run hands the cut results over, in memory of their own."""
+        to smaller sizes, `packed` (inputs, outputs) in the packed layout; the native run hands
+        the cut results over (a packed one in the executable's own buffer, where the host can
+        address it; the others in memory of their own)."""
         return CallSizes(
-            list(given.items()),
-            list(cut.items()),
+            [(i, dims, i in packed[0]) for i, dims in given.items()],
+            [(o, dims, o in packed[1]) for o, dims in cut.items()],
             [h or o in cut for o, h in enumerate(self.exact.handed)],
             [
                 math.prod(cut[o]) * dtype.itemsize if o in cut else n

@@ -424,7 +424,11 @@ class PerShape:
             sorted(true.values()),
             sorted(padded.values()),
         )
-        return _Padded(exe, exe.resized(given, cut), scalar_pads, lengths)
+        packed = (
+            {i for i, pairs in enumerate(plan.inputs) if len(pairs) == 1},
+            {o for o, cuts in enumerate(plan.outputs) if len(cuts) == 1},
+        )
+        return _Padded(exe, exe.resized(given, cut, packed), scalar_pads, lengths)
 
 
 def _true_sizes(plan: _Plan, tensor_args: tuple[int, ...], args: list[Any]) -> dict[int, int]:
@@ -444,10 +448,13 @@ def _length_tensor(n: int) -> torch.Tensor:
 
 class _Padded:
     """A call at sizes below their bucket's: runs the bucket's executable with the inputs
-    zero-padded along their symbolic dimensions and the outputs cut back to the true sizes
-    (both done by the native run: `sizes`), passing the padded scalars and the true sizes the
+    padded along their symbolic dimensions and the outputs cut back to the true sizes (both
+    done by the native run: `sizes`), passing the padded scalars and the true sizes the
     executable reads at run time. A cut output is contiguous like the graph's own: a strided
-    view fed back in (a dynamic cache's K/V next step) would fail Dynamo's stride guards."""
+    view fed back in (a dynamic cache's K/V next step) would fail Dynamo's stride guards. A
+    tensor padded along one dimension only is packed (its true elements first, in its own
+    order): a cut result is then the prefix of the executable's buffer, handed over in place,
+    and fed back in next step it is read there, with no copy either way."""
 
     _boxed_call = True
 

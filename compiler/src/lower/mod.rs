@@ -16,6 +16,7 @@ mod indexing;
 mod lapack;
 mod linalg;
 mod normalization;
+mod packing;
 mod pooling;
 mod reduction;
 mod sampling;
@@ -156,6 +157,7 @@ fn registry() -> &'static Registry {
         lapack::register(&mut r);
         linalg::register(&mut r);
         normalization::register(&mut r);
+        packing::register(&mut r);
         pooling::register(&mut r);
         reduction::register(&mut r);
         sampling::register(&mut r);
@@ -185,7 +187,8 @@ pub fn is_pointwise(op: &str) -> bool {
 
 /// The ops that have a lowering rule, sorted.
 pub fn supported_ops() -> Vec<&'static str> {
-    let mut v: Vec<_> = registry().0.keys().copied().collect();
+    // The padding rewrite's own nodes are no ATen ops.
+    let mut v: Vec<_> = registry().0.keys().copied().filter(|op| !op.starts_with("tpu.")).collect();
     v.sort_unstable();
     v
 }
