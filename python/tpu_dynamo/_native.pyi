@@ -45,14 +45,16 @@ class CompiledGraph:
         inputs: Sequence[tuple[int, int, int]],
         outputs: Sequence[tuple[int, int]],
         movable: Sequence[int],
-        given: Sequence[tuple[int, Sequence[int]]] = (),
-        cut: Sequence[tuple[int, Sequence[int]]] = (),
+        given: Sequence[tuple[int, Sequence[int], bool]] = (),
+        cut: Sequence[tuple[int, Sequence[int], bool]] = (),
     ) -> tuple[list[tuple[int, Any]], list[tuple[int, Any]]]:
         """tensors: the dense input tensors (a resident copy keeps its storage alive);
         inputs: their (data_ptr, nbytes, version or -1); outputs: (data_ptr, nbytes), or (0, nbytes)
         for a result to hand over; movable: updated inputs whose tensor may be re-pointed;
-        given: (input, dims) of inputs smaller than the executable's, zero-padded to them;
-        cut: (output, dims) of results handed over cut to smaller sizes. Returns (input index, DLPack capsule) for those left in the executable's memory and
+        given: (input, dims, packed) of inputs smaller than the executable's, zero-padded to them
+        (packed: their bytes first, read where they lie if they start a large enough executable
+        buffer); cut: (output, dims, packed) of results handed over cut to smaller sizes (packed:
+        the prefix of the result buffer, handed over in place). Returns (input index, DLPack capsule) for those left in the executable's memory and
         (output index, DLPack capsule) for the handed-over results. Unsafe on raw pointers:
         call it only through `tpu_dynamo.executable.Executable`."""
     def bench_execute(
@@ -60,7 +62,7 @@ class CompiledGraph:
         tensors: list[Any],
         inputs: Sequence[tuple[int, int, int]],
         n: int,
-        given: Sequence[tuple[int, Sequence[int]]] = (),
+        given: Sequence[tuple[int, Sequence[int], bool]] = (),
     ) -> list[float]:
         """Seconds per bare PJRT execute, `n` times, inputs uploaded once (as for `run`, inputs
         `given` smaller uploaded padded)."""
@@ -142,8 +144,10 @@ class SymbolicGraph:
         """The graph for inputs of these shapes (one per graph input) and SymInt scalars,
         compiled or found in the memory/disk cache; ValueError if they contradict the graph.
         With `lengths_at`, the shapes are padded per `padding_plan`, and one 0-d int64 input
-        per runtime symbol of the plan (its true size) goes in before input `lengths_at`. With
-        `numbers_at`, each of `number_scalars` is a 0-d int64 input before input `numbers_at`."""
+        per runtime symbol of the plan (its true size) goes in before input `lengths_at`; the
+        inputs and outputs padded along one dimension only are packed (their true elements
+        first, in their own order). With `numbers_at`, each of `number_scalars` is a 0-d int64
+        input before input `numbers_at`."""
     def padding_plan(
         self,
     ) -> tuple[
