@@ -26,6 +26,10 @@
 //! then assumes the table covers ([`PaddingPlan::at_least`], checked per call). A sliding-window
 //! cache keeps a suffix of its grown cache, which is every exact position while the true length
 //! fits the window ([`PaddingPlan::at_most`], checked per call).
+//!
+//! An input or output padded along one dimension only is passed *packed* (its true elements
+//! first, in the true-size tensor's order; [`SymbolicGraph::pack_padded`]): the caller then
+//! neither pads nor cuts it, so a decode step's cache goes from one step to the next in place.
 
 use std::collections::HashMap;
 
