@@ -1,10 +1,10 @@
 //! The packed layout of a tensor padded along one dimension (`crate::padding::packed_layout`):
 //! a `[o.., n, i..]` tensor padded to `[o.., S, i..]` keeps its `O·n·I` true elements first, in
-//! the true-size tensor's own order, then whatever fills the rest. Padded, each of the `O` outer
-//! rows starts at a multiple of `S·I`; packed, at a multiple of `n·I`. `O` is small where this is
-//! used (a cache's batch times heads), so each direction is `O` dynamic slices or updates.
+//! the true-size tensor's own order, then whatever fills the rest. Padded, outer row `j`'s
+//! positions start at row `j·S` of the `[O·S, I]` rows; packed, at row `j·n`. Each direction is
+//! one gather of whole `I`-element rows, so the op count does not grow with `O` (batch × heads).
 
-use super::builder::{Scalar, Val, R};
+use super::builder::{IndexMap, Scalar, Val, R};
 use super::{NodeCtx, Registry, Res};
 use crate::ir::{DType, TensorType};
 use crate::padding::{PACK, UNPACK};
@@ -19,33 +19,43 @@ fn split(shape: &[i64], dim: usize) -> (i64, i64, i64) {
     (shape[..dim].iter().product(), shape[dim], shape[dim + 1..].iter().product())
 }
 
-/// Where outer row `j` starts in the packed layout of rows `rows` long: `j · rows`.
-fn row_start<'a>(n: &NodeCtx<'a>, rows: &Val<'a>, j: i64) -> R<Val<'a>> {
-    n.b.mul(rows, &n.b.scalar(Scalar::Int(j), DType::I64)?)
+/// Rows `index` (any shape, i64) of `table` (`[rows, I]`): shape `index.shape + [I]`. An index
+/// past the last row reads the last row (gather clamps).
+fn rows<'a>(n: &NodeCtx<'a>, table: &Val<'a>, index: &Val<'a>) -> R<Val<'a>> {
+    let inner = table.shape()[1];
+    let count = index.ty.numel();
+    let map = IndexMap { window_dims: vec![1], collapsed: vec![0], index_to_operand: vec![0], index_vector_dim: 1 };
+    let got = n.b.gather(table, &n.b.reshape(index, &[count, 1])?, &map, &[1, inner], vec![count, inner])?;
+    let mut shape = index.shape().to_vec();
+    shape.push(inner);
+    n.b.reshape(&got, &shape)
 }
 
-/// Packed → padded: outer row `j` is read from `j·n·I`; positions at or past `n` (whatever the
-/// packed buffer held there) become zeros, as a zero-padded input's.
+/// `[a, b]` i64 iota along `dim`.
+fn iota<'a>(n: &NodeCtx<'a>, shape: &[i64], dim: usize) -> R<Val<'a>> {
+    n.b.iota(&TensorType::new(DType::I64, shape.to_vec()), dim)
+}
+
+/// Packed → padded: position `r` of outer row `j` is packed row `j·n + r`; positions at or
+/// past `n` (whatever the packed buffer held there) become zeros, as a zero-padded input's.
 fn unpack(n: NodeCtx<'_>) -> Res<'_> {
     let x = n.tensor(0, "self")?;
     let len = n.tensor(1, "length")?;
     let dim = n.int(2, "dim")? as usize;
     let (outer, padded, inner) = split(x.shape(), dim);
     let b = &n.b;
-    let flat = b.reshape(&x, &[outer * padded * inner])?;
-    let row = b.mul(&len, &b.scalar(Scalar::Int(inner), DType::I64)?)?;
-    let rows = (0..outer)
-        .map(|j| b.reshape(&b.dynamic_slice(&flat, &[&row_start(&n, &row, j)?], &[padded * inner])?, &[1, padded, inner]))
-        .collect::<R<Vec<_>>>()?;
-    let rows = b.concat(&rows.iter().collect::<Vec<_>>(), 0)?;
-    let at = b.iota(&TensorType::new(DType::I64, vec![outer, padded, inner]), 1)?;
-    let exact = b.compare(&at, &b.broadcast_to(&len, &[outer, padded, inner])?, "LT")?;
-    let kept = b.select(&exact, &rows, &b.splat(Scalar::Int(0), &rows.ty)?)?;
+    let shape = [outer, padded];
+    let (j, r) = (iota(&n, &shape, 0)?, iota(&n, &shape, 1)?);
+    let len_each = b.broadcast_to(&len, &shape)?;
+    let index = b.add(&b.mul(&j, &len_each)?, &r)?;
+    let got = rows(&n, &b.reshape(&x, &[outer * padded, inner])?, &index)?;
+    let exact = b.broadcast_in_dim(&b.compare(&r, &len_each, "LT")?, &[outer, padded, inner], &[0, 1])?;
+    let kept = b.select(&exact, &got, &b.splat(Scalar::Int(0), &got.ty)?)?;
     Ok(vec![b.reshape(&kept, x.shape())?])
 }
 
-/// Padded → packed: outer row `j` (its first `n + by` positions exact) is written at
-/// `j·(n + by)·I`, in order, so each row overwrites the previous one's inexact tail.
+/// Padded → packed: packed row `q` is position `q mod m` of outer row `q div m`, `m = n + by`
+/// the exact positions per outer row; rows past `O·m` are left to whatever the gather reads.
 fn pack(n: NodeCtx<'_>) -> Res<'_> {
     let y = n.tensor(0, "self")?;
     let len = n.tensor(1, "length")?;
@@ -56,13 +66,13 @@ fn pack(n: NodeCtx<'_>) -> Res<'_> {
         return Ok(vec![y]);
     }
     let b = &n.b;
-    let exact = b.add(&len, &b.scalar(Scalar::Int(by), DType::I64)?)?;
-    let row = b.mul(&exact, &b.scalar(Scalar::Int(inner), DType::I64)?)?;
-    let rows = b.reshape(&y, &[outer, padded * inner])?;
-    let mut flat = b.splat(Scalar::Int(0), &TensorType::new(y.dtype(), vec![outer * padded * inner]))?;
-    for j in 0..outer {
-        let r = b.reshape(&b.slice(&rows, &[j, 0], &[j + 1, padded * inner], &[1, 1])?, &[padded * inner])?;
-        flat = b.dynamic_update_slice(&flat, &r, &[&row_start(&n, &row, j)?])?;
-    }
-    Ok(vec![b.reshape(&flat, y.shape())?])
+    let i64 = |v| b.scalar(Scalar::Int(v), DType::I64);
+    // At least 1, so that the division below is defined for any length.
+    let exact = b.binary("maximum", &b.add(&len, &i64(by)?)?, &i64(1)?)?;
+    let q = iota(&n, &[outer * padded], 0)?;
+    let each = b.broadcast_to(&exact, &[outer * padded])?;
+    let (j, r) = (b.div(&q, &each)?, b.binary("remainder", &q, &each)?);
+    let index = b.add(&b.mul(&j, &b.broadcast_to(&i64(padded)?, &[outer * padded])?)?, &r)?;
+    let got = rows(&n, &b.reshape(&y, &[outer * padded, inner])?, &index)?;
+    Ok(vec![b.reshape(&got, y.shape())?])
 }
