@@ -12,11 +12,11 @@ from conftest import compile_tpu
 TOKENS = 64
 
 
-def tiny(kind: str) -> transformers.PreTrainedModel:
+def tiny(kind: str, kv_heads: int = 2) -> transformers.PreTrainedModel:
     torch.manual_seed(0)
     common = dict(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=256,
     )
     if kind == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()
@@ -289,12 +289,14 @@ def test_a_dynamic_cache_decode_pads_to_powers_of_two_once_it_feeds_back_its_cac
     assert "called on its own grown outputs" in caplog.text
 
 
-def test_a_padded_decode_reads_its_cache_where_the_last_step_left_it():
-    """A padded step's K and V (two heads, so padding their sequence is no mere prefix) come
-    back packed: the tensors the cache keeps are the first elements of the executable's own
-    buffers, and the next step in the bucket reads them there instead of a zero-padded copy.
-    Only the first step of a bucket copies: the cache then comes from a smaller buffer."""
-    model = tiny("llama")
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_a_padded_decode_reads_its_cache_where_the_last_step_left_it(kv_heads):
+    """A padded step's K and V come back packed: the tensors the cache keeps are the first
+    elements of the executable's own buffers, and the next step in the bucket reads them there
+    instead of a zero-padded copy. Only the first step of a bucket copies: the cache then comes
+    from a smaller buffer. With two heads, padding the sequence is no mere prefix (the layouts
+    differ); with one it is, and the buffer's tail past the true length must still read as zeros."""
+    model = tiny("llama", kv_heads)
     expected = generate_with_logits(model, IDS, 20)
     model.forward = compile_tpu(model.forward)
     got = generate_with_logits(model, IDS, 20)

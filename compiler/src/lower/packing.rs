@@ -47,8 +47,9 @@ fn unpack(n: NodeCtx<'_>) -> Res<'_> {
     let shape = [outer, padded];
     let (j, r) = (iota(&n, &shape, 0)?, iota(&n, &shape, 1)?);
     let len_each = b.broadcast_to(&len, &shape)?;
-    let index = b.add(&b.mul(&j, &len_each)?, &r)?;
-    let got = rows(&n, &b.reshape(&x, &[outer * padded, inner])?, &index)?;
+    let table = b.reshape(&x, &[outer * padded, inner])?;
+    // One outer row: packed is padded already.
+    let got = if outer == 1 { b.reshape(&table, &[outer, padded, inner])? } else { rows(&n, &table, &b.add(&b.mul(&j, &len_each)?, &r)?)? };
     let exact = b.broadcast_in_dim(&b.compare(&r, &len_each, "LT")?, &[outer, padded, inner], &[0, 1])?;
     let kept = b.select(&exact, &got, &b.splat(Scalar::Int(0), &got.ty)?)?;
     Ok(vec![b.reshape(&kept, x.shape())?])
