@@ -96,7 +96,7 @@ pub struct PaddingPlan {
 impl PaddingPlan {
     /// The inputs passed *packed*: padded along one dimension only, their true elements lie
     /// first, in the order of the true-size tensor, the rest of the padded size after them
-    /// (see [`SymbolicGraph::specialize_padded`]).
+    /// (see [`SymbolicGraph::pack_padded`]).
     pub fn packed_inputs(&self) -> impl Iterator<Item = usize> + '_ {
         (0..self.inputs.len()).filter(|&i| self.inputs[i].len() == 1)
     }
@@ -849,6 +849,7 @@ impl SymbolicGraph {
             plan.outputs.push(cut);
         }
         plan.limits = walk.limits;
+        // Packed tensors are converted at their true sizes, read at run time too.
         let packed: Vec<u32> = plan.packed_inputs().map(|i| plan.inputs[i][0].1).chain(plan.packed_outputs().map(|o| plan.outputs[o][0].1)).collect();
         for sym in walk.rewrites.iter().filter_map(|r| r.reads()).chain(packed) {
             if !plan.runtime.contains(&sym) {

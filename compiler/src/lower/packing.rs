@@ -45,11 +45,15 @@ fn unpack(n: NodeCtx<'_>) -> Res<'_> {
     let (outer, padded, inner) = split(x.shape(), dim);
     let b = &n.b;
     let shape = [outer, padded];
-    let (j, r) = (iota(&n, &shape, 0)?, iota(&n, &shape, 1)?);
+    let r = iota(&n, &shape, 1)?;
     let len_each = b.broadcast_to(&len, &shape)?;
-    let table = b.reshape(&x, &[outer * padded, inner])?;
-    // One outer row: packed is padded already.
-    let got = if outer == 1 { b.reshape(&table, &[outer, padded, inner])? } else { rows(&n, &table, &b.add(&b.mul(&j, &len_each)?, &r)?)? };
+    let got = if outer == 1 {
+        // One outer row: packed is padded already.
+        b.reshape(&x, &[outer, padded, inner])?
+    } else {
+        let index = b.add(&b.mul(&iota(&n, &shape, 0)?, &len_each)?, &r)?;
+        rows(&n, &b.reshape(&x, &[outer * padded, inner])?, &index)?
+    };
     let exact = b.broadcast_in_dim(&b.compare(&r, &len_each, "LT")?, &[outer, padded, inner], &[0, 1])?;
     let kept = b.select(&exact, &got, &b.splat(Scalar::Int(0), &got.ty)?)?;
     Ok(vec![b.reshape(&kept, x.shape())?])
