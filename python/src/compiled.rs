@@ -459,6 +459,14 @@ fn check_sizes<T>(what: &str, specs: &[TensorSpec], got: &[T], nbytes: impl Fn(&
     Ok(())
 }
 
+/// `address`, if no result handed over so far lies there (then noted in `seen`): two results in
+/// one memory cannot both take it over.
+fn unseen(seen: &mut Vec<usize>, address: Option<usize>) -> Option<usize> {
+    let address = address.filter(|a| !seen.contains(a))?;
+    seen.push(address);
+    Some(address)
+}
+
 /// An execute argument: a buffer this graph uploaded (or keeps resident), the buffer a host
 /// tensor views (see `host_view`), an input padded to the executable's sizes, or a packed input
 /// read in place from the larger executable buffer its host tensor lies at the start of.
@@ -703,8 +711,7 @@ impl CompiledGraph {
                         return Err(RtError::InvalidArgument("a result cut to smaller sizes must be handed over".into()));
                     };
                     let address = self.entry.result_address(o, &result);
-                    if let Some(address) = address.filter(|a| packed && !seen.contains(a)) {
-                        seen.push(address);
+                    if let Some(address) = unseen(&mut seen, address.filter(|_| packed)) {
                         return Ok(Some(Memory::Shared(Shared::at(result, address, spec.clone()))));
                     }
                     return padded::cut_output(&result, address, spec, cut, packed).map(Some);
@@ -713,8 +720,7 @@ impl CompiledGraph {
                     return Ok(None);
                 }
                 let address = result.as_ref().and_then(|r| self.entry.result_address(o, r));
-                if let Some(address) = address.filter(|a| !seen.contains(a)) {
-                    seen.push(address);
+                if let Some(address) = unseen(&mut seen, address) {
                     return Ok(result.take().map(|r| Memory::Shared(Shared::at(r, address, spec.clone()))));
                 }
                 Ok(Some(Memory::copied(nbytes)))

@@ -53,8 +53,8 @@ impl Shared {
     /// `spec`'s bytes of `spec`'s dtype (a packed tensor within its executable's buffer).
     pub fn covering(address: usize, spec: &TensorSpec) -> Option<Arc<Shared>> {
         let found = REGISTRY.get(&address)?;
-        let holds = |s: &TensorSpec| s.byte_size().ok();
-        (found.spec.dtype == spec.dtype && holds(&found.spec) >= holds(spec) && holds(spec).is_some()).then_some(found)
+        let (held, needed) = (found.spec.byte_size().ok()?, spec.byte_size().ok()?);
+        (found.spec.dtype == spec.dtype && held >= needed).then_some(found)
     }
 
     pub fn address(&self) -> usize {

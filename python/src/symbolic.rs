@@ -69,13 +69,15 @@ impl SymbolicGraph {
     /// size + plus), per scalar its symbol, `(symbol, limit)` caps on the padded size, and the
     /// symbols whose true sizes the executable reads as extra inputs, the symbol pairs it
     /// assumes equal, the `(a, b, plus)` it assumes `a >= b + plus` of and the `(symbol, limit)`
-    /// it assumes at most `limit` (a call where they do not hold runs exact shapes). ValueError saying which op makes padding unsafe otherwise.
+    /// it assumes at most `limit` (a call where they do not hold runs exact shapes), and the
+    /// inputs and outputs passed packed. ValueError saying which op makes padding unsafe otherwise.
     #[allow(clippy::type_complexity)]
     fn padding_plan(
         &self,
-    ) -> PyResult<(Vec<Vec<(u32, u32)>>, Vec<Vec<(u32, u32, i64)>>, Vec<Option<u32>>, Vec<(u32, i64)>, Vec<u32>, Vec<(u32, u32)>, Vec<(u32, u32, i64)>, Vec<(u32, i64)>)> {
+    ) -> PyResult<(Vec<Vec<(u32, u32)>>, Vec<Vec<(u32, u32, i64)>>, Vec<Option<u32>>, Vec<(u32, i64)>, Vec<u32>, Vec<(u32, u32)>, Vec<(u32, u32, i64)>, Vec<(u32, i64)>, Vec<usize>, Vec<usize>)> {
         let p = self.plan()?.clone();
-        Ok((p.inputs, p.outputs, p.scalars, p.limits, p.runtime, p.equal, p.at_least, p.at_most))
+        let (packed_inputs, packed_outputs) = (p.packed_inputs().collect(), p.packed_outputs().collect());
+        Ok((p.inputs, p.outputs, p.scalars, p.limits, p.runtime, p.equal, p.at_least, p.at_most, packed_inputs, packed_outputs))
     }
 
     /// The graph for inputs of these shapes (one per graph input) and these integer scalars,

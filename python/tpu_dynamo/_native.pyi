@@ -159,10 +159,12 @@ class SymbolicGraph:
         list[tuple[int, int]],
         list[tuple[int, int, int]],
         list[tuple[int, int]],
+        list[int],
+        list[int],
     ]:
         """How to run on inputs padded to buckets: per input its `(dim, symbol)` pairs, per
         output its `(dim, symbol, plus)` cuts to the true size + plus, per scalar its symbol,
         `(symbol, limit)` caps, the symbols whose true sizes are extra inputs, the symbol pairs
         the plan assumes equal, the `(a, b, plus)` it assumes `a >= b + plus` of and the
-        `(symbol, limit)` it assumes at most `limit`. ValueError naming the op that makes
-        padding unsafe."""
+        `(symbol, limit)` it assumes at most `limit`, and the inputs and outputs passed packed
+        (padded along one dimension only). ValueError naming the op that makes padding unsafe."""

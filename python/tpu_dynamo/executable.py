@@ -86,7 +86,10 @@ class Executable:
         self.derived = None if converted.prep is None else Derived(converted.prep, converted.prep_args)
 
     def resized(
-        self, given: dict[int, list[int]], cut: dict[int, list[int]], packed: tuple[set[int], set[int]] = (set(), set())
+        self,
+        given: dict[int, list[int]],
+        cut: dict[int, list[int]],
+        packed: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset()),
     ) -> CallSizes:
         """A call's sizes with inputs `given` smaller than the executable's and results `cut`
         to smaller sizes, `packed` (inputs, outputs) in the packed layout; the native run hands

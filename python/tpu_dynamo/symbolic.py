@@ -162,6 +162,8 @@ class _Plan(NamedTuple):
     equal: list[tuple[int, int]]
     at_least: list[tuple[int, int, int]]
     at_most: list[tuple[int, int]]
+    packed_inputs: list[int]
+    packed_outputs: list[int]
 
     def holds(self, true: dict[int, int]) -> bool:
         """Whether the sizes `true` meet what the plan assumes of them."""
@@ -424,10 +426,7 @@ class PerShape:
             sorted(true.values()),
             sorted(padded.values()),
         )
-        packed = (
-            {i for i, pairs in enumerate(plan.inputs) if len(pairs) == 1},
-            {o for o, cuts in enumerate(plan.outputs) if len(cuts) == 1},
-        )
+        packed = (frozenset(plan.packed_inputs), frozenset(plan.packed_outputs))
         return _Padded(exe, exe.resized(given, cut, packed), scalar_pads, lengths)
 
 

@@ -761,14 +761,6 @@ impl<'a> Builder<'a> {
         )
     }
 
-    /// The `sizes` block of `x` at the run-time offsets `starts` (0-d integers, one per
-    /// dimension; clamped so the block fits, as StableHLO defines it).
-    pub fn dynamic_slice(&self, x: &Val<'a>, starts: &[&Val<'a>], sizes: &[i64]) -> R<Val<'a>> {
-        let operands: Vec<&Val<'a>> = std::iter::once(x).chain(starts.iter().copied()).collect();
-        let ty = TensorType::new(x.dtype(), sizes.to_vec());
-        self.op("stablehlo.dynamic_slice", &operands, &[("slice_sizes", i64_array(sizes))], ty)
-    }
-
     /// `x` with `update` written at the run-time offsets `starts` (0-d integers, one per
     /// dimension; clamped so the update fits, as StableHLO defines it).
     pub fn dynamic_update_slice(&self, x: &Val<'a>, update: &Val<'a>, starts: &[&Val<'a>]) -> R<Val<'a>> {
