@@ -434,12 +434,17 @@ import resource, torch, tpu_dynamo
 # free heap kept at first.
 u, v = torch.randn(17000, 32), torch.randn(32, 17000)
 f = torch.compile(lambda u, v: ((u @ v).sum(1), (u @ v).amax(0)), backend="tpu")
+# The fewest faults of three steady calls: one call in a few runs still lands where the heap's
+# layout has not settled (354 K faults once, then ~1 K), where a regression faults every call.
+faults = []
 with torch.no_grad():
     for _ in range(2):
         f(u, v)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    f(u, v)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    for _ in range(3):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        f(u, v)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(min(faults))
 """
 
 
