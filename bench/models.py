@@ -106,6 +106,21 @@ def _sd3() -> Case:
     return Case(model, inputs)
 
 
+def _sd35_medium_2l() -> Case:
+    """Two layers of Stable Diffusion 3.5 Medium's transformer at its real width (24 heads of 64,
+    RMS-normed queries and keys, the first layer with its second, image-only attention; 2 of its
+    24 layers, 180 M parameters) on 32x32 latents (a 256x256 image) and the pipeline's 333 prompt
+    tokens (77 CLIP + 256 T5), batch 2 as classifier-free guidance runs it."""
+    from diffusers import SD3Transformer2DModel
+
+    model = SD3Transformer2DModel(
+        sample_size=128, num_layers=2, attention_head_dim=64, num_attention_heads=24,
+        caption_projection_dim=1536, pos_embed_max_size=384, dual_attention_layers=(0,), qk_norm="rms_norm",
+    )
+    inputs = (torch.randn(2, 16, 32, 32), torch.randn(2, 333, 4096), torch.randn(2, 2048), torch.tensor([500.0, 500.0]))
+    return Case(model, inputs)
+
+
 def _flux() -> Case:
     from diffusers import FluxTransformer2DModel
 
@@ -211,16 +226,18 @@ MODELS: dict[str, Callable[[], Case]] = {
     "smollm-135m-1k": lambda: _smollm_135m(LONG),
     "unet-sd15": _unet_sd15,
     "vae-sd15-decode": _vae_sd15_decode,
+    "sd35-medium-2l": _sd35_medium_2l,
 }
 
 # Real models' sizes, random weights: not in a default run (each call takes ~0.3 s here); run them
 # with `--models gpt2-124m-b1 smollm-135m-b1 --label full-size` (the decode: `--models
 # smollm-135m-decode --dtype bf16`; a 1024-token prompt: `--models gpt2-124m-1k smollm-135m-1k
 # --label long-prompt`; SD1.5's UNet: `--models unet-sd15 --label unet-full-size`; its VAE's
-# decoder: `--models vae-sd15-decode --label vae-full-size`).
+# decoder: `--models vae-sd15-decode --label vae-full-size`; two of SD3.5 Medium's layers:
+# `--models sd35-medium-2l --calls 10 --label sd35-medium`).
 FULL_SIZE = [
     "gpt2-124m-b1", "smollm-135m-b1", "smollm-135m-decode", "gpt2-124m-1k", "smollm-135m-1k", "unet-sd15",
-    "vae-sd15-decode",
+    "vae-sd15-decode", "sd35-medium-2l",
 ]
 
 # Cold first calls are timed once per model (not per batch size): each Inductor one takes ~15 s.
