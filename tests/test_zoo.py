@@ -100,6 +100,19 @@ def sd3():
                "pooled_projections": torch.randn(1, 16), "timestep": torch.tensor([3.0])}
 
 
+def sd35():
+    """SD3.5's layers: RMS-normed queries and keys, and a second (image-only) attention in the
+    first layer."""
+    from diffusers import SD3Transformer2DModel
+
+    m = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=2,
+                              attention_head_dim=8, num_attention_heads=4, joint_attention_dim=32,
+                              caption_projection_dim=32, pooled_projection_dim=16, dual_attention_layers=(0,),
+                              qk_norm="rms_norm")
+    return m, {"hidden_states": torch.randn(1, 4, 8, 8), "encoder_hidden_states": torch.randn(1, 6, 32),
+               "pooled_projections": torch.randn(1, 16), "timestep": torch.tensor([3.0])}
+
+
 def flux():
     from diffusers import FluxTransformer2DModel
 
@@ -152,13 +165,13 @@ def qwen_image():
                "img_shapes": [(1, 4, 4)]}
 
 
-MODELS = [gpt2, llama, qwen3, qwen3_moe, bert, vit, t5, whisper, gemma3, sd3, flux, unet, vae_decoder, qwen_image]
+MODELS = [gpt2, llama, qwen3, qwen3_moe, bert, vit, t5, whisper, gemma3, sd3, sd35, flux, unet, vae_decoder, qwen_image]
 # Transformers' T5 and Whisper deep-copy their config in the forward, which Dynamo traces in torch
 # 2.13 and 2.15 (torch 2.11's: `Unsupported: copy.deepcopy()`, whatever the backend).
 _DEEPCOPY = pytest.mark.skipif(TORCH_VERSION < (2, 13), reason="needs a Dynamo that traces copy.deepcopy")
 CASES = [
     pytest.param(m, d, marks=_DEEPCOPY if m in (t5, whisper) else (), id=f"{m.__name__}-{str(d).removeprefix('torch.')}")
-    for m, d in [(m, torch.float32) for m in MODELS] + [(llama, torch.bfloat16), (sd3, torch.bfloat16)]
+    for m, d in [(m, torch.float32) for m in MODELS] + [(llama, torch.bfloat16), (sd3, torch.bfloat16), (sd35, torch.bfloat16)]
 ]
 
 
