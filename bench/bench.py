@@ -202,6 +202,8 @@ def steady(name: str, device: str, dtype: torch.dtype, calls: int, autocast: tor
     case = build(name, device, dtype)
     sync = _sync(device)
     row: dict[str, Any] = {"model": name, "decode": case.decode, "transformer": case.transformer}
+    if case.decode:
+        row["prompts"] = len(case.inputs[0])
     with torch.no_grad(), _autocast(device, autocast):
         eager_fn = _call(case, case.module)
         reference = _tensor(eager_fn())
@@ -340,10 +342,12 @@ def table(rows: list[dict[str, Any]], colds: dict[tuple[str, str], float]) -> st
         )
     decode = [r for r in rows if r.get("decode") and "error" not in r]
     for r in decode:
-        tps = {k: NEW_TOKENS / (r[f"{k}_ms"] / 1e3) for k in ("eager", "inductor", "tpu")}
+        prompts = r.get("prompts", 1)
+        tps = {k: prompts * NEW_TOKENS / (r[f"{k}_ms"] / 1e3) for k in ("eager", "inductor", "tpu")}
+        each = f" for each of {prompts} prompts" if prompts > 1 else ""
         lines.append("")
         lines.append(
-            f"{r['model']}: greedy `generate()` of {NEW_TOKENS} tokens, default dynamic cache: "
+            f"{r['model']}: greedy `generate()` of {NEW_TOKENS} tokens{each}, default dynamic cache: "
             f"eager {tps['eager']:.0f} tokens/s, Inductor {tps['inductor']:.0f}, tpu {tps['tpu']:.0f} "
             f"({r['graphs']} executables: the prompt, the first step, then the step graph exactly once"
             " and padded to powers of two from its second length)."

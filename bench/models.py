@@ -57,9 +57,9 @@ def _smollm_135m(seq: int = SEQ) -> Case:
     return Case(model, (torch.randint(0, model.config.vocab_size, (1, seq)),))
 
 
-def _smollm_135m_decode() -> Case:
+def _smollm_135m_decode(batch: int = 1) -> Case:
     model = _smollm_135m_model()
-    return Case(_Greedy(model), (torch.randint(0, model.config.vocab_size, (1, PROMPT)),), decode=True)
+    return Case(_Greedy(model), (torch.randint(0, model.config.vocab_size, (batch, PROMPT)),), decode=True)
 
 
 def _llama_model() -> torch.nn.Module:
@@ -222,6 +222,7 @@ MODELS: dict[str, Callable[[], Case]] = {
     "gpt2-124m-b1": _gpt2_124m,
     "smollm-135m-b1": _smollm_135m,
     "smollm-135m-decode": _smollm_135m_decode,
+    "smollm-135m-decode-b8": lambda: _smollm_135m_decode(8),
     "gpt2-124m-1k": lambda: _gpt2_124m(LONG),
     "smollm-135m-1k": lambda: _smollm_135m(LONG),
     "unet-sd15": _unet_sd15,
@@ -234,10 +235,11 @@ MODELS: dict[str, Callable[[], Case]] = {
 # smollm-135m-decode --dtype bf16`; a 1024-token prompt: `--models gpt2-124m-1k smollm-135m-1k
 # --label long-prompt`; SD1.5's UNet: `--models unet-sd15 --label unet-full-size`; its VAE's
 # decoder: `--models vae-sd15-decode --label vae-full-size`; two of SD3.5 Medium's layers:
-# `--models sd35-medium-2l --calls 10 --label sd35-medium`).
+# `--models sd35-medium-2l --calls 10 --label sd35-medium`; eight prompts decoded together:
+# `--models smollm-135m-decode-b8 --calls 10 --processes 1 --no-cold --label decode-b8`).
 FULL_SIZE = [
-    "gpt2-124m-b1", "smollm-135m-b1", "smollm-135m-decode", "gpt2-124m-1k", "smollm-135m-1k", "unet-sd15",
-    "vae-sd15-decode", "sd35-medium-2l",
+    "gpt2-124m-b1", "smollm-135m-b1", "smollm-135m-decode", "smollm-135m-decode-b8", "gpt2-124m-1k",
+    "smollm-135m-1k", "unet-sd15", "vae-sd15-decode", "sd35-medium-2l",
 ]
 
 # Cold first calls are timed once per model (not per batch size): each Inductor one takes ~15 s.
