@@ -109,7 +109,7 @@ def _sd3() -> Case:
 def _sd35_medium_2l() -> Case:
     """Two layers of Stable Diffusion 3.5 Medium's transformer at its real width (24 heads of 64,
     RMS-normed queries and keys, the first layer with its second, image-only attention; 2 of its
-    24 layers, 180 M parameters) on 32x32 latents (a 256x256 image) and the pipeline's 333 prompt
+    24 layers, 175 M parameters) on 32x32 latents (a 256x256 image) and the pipeline's 333 prompt
     tokens (77 CLIP + 256 T5), batch 2 as classifier-free guidance runs it."""
     from diffusers import SD3Transformer2DModel
 
