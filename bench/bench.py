@@ -12,6 +12,10 @@
         # the same two forwards on a 1024-token prompt: bench/RESULTS-long-prompt.md
     python bench/bench.py --models smollm-135m-b1 smollm-135m-decode --autocast bf16 --calls 20 \
         --processes 1 --label cpu-autocast-bf16   # f32 weights, every call under torch.autocast
+    python bench/bench.py --models sd35-medium-2l --calls 10 --label sd35-medium
+        # two of SD3.5 Medium's layers at its real width: bench/RESULTS-sd35-medium.md
+    python bench/bench.py --models smollm-135m-decode-b8 --calls 10 --processes 1 --no-cold --label decode-b8
+        # eight prompts decoded together: bench/RESULTS-decode-b8.md
 
 Steady state: after warm-up, the median of `--calls` calls per backend, torch threads fixed, the
 backends taking turns in blocks of 5 calls, each after one untimed call (this VM's slow phases,
