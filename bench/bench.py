@@ -15,7 +15,8 @@
     python bench/bench.py --models sd35-medium-2l --calls 10 --label sd35-medium
         # two of SD3.5 Medium's layers at its real width: bench/RESULTS-sd35-medium.md
     python bench/bench.py --models smollm-135m-decode-b8 --calls 10 --processes 1 --no-cold --label decode-b8
-        # eight prompts decoded together: bench/RESULTS-decode-b8.md
+        # eight prompts decoded together: bench/RESULTS-decode-b8.md (the same with smollm-135m-decode-static,
+        # transformers' static cache: bench/RESULTS-decode-static.md)
 
 Steady state: after warm-up, the median of `--calls` calls per backend, torch threads fixed, the
 backends taking turns in blocks of 5 calls, each after one untimed call (this VM's slow phases,
@@ -207,7 +208,7 @@ def steady(name: str, device: str, dtype: torch.dtype, calls: int, autocast: tor
     sync = _sync(device)
     row: dict[str, Any] = {"model": name, "decode": case.decode, "transformer": case.transformer}
     if case.decode:
-        row["prompts"] = len(case.inputs[0])
+        row["prompts"], row["cache"] = len(case.inputs[0]), case.module.cache
     with torch.no_grad(), _autocast(device, autocast):
         eager_fn = _call(case, case.module)
         reference = _tensor(eager_fn())
@@ -243,11 +244,12 @@ def steady(name: str, device: str, dtype: torch.dtype, calls: int, autocast: tor
             row["max_abs_diff"] = float((out - reference).abs().max())
         # A decode's: every step of one generate() (per token in the table).
         row["inside_ms"] = inside_ms(tpu_fn, calls)
-        raw = [
-            statistics.median(exe.bench_execute(args, calls, *sizes))
-            for exe, args, sizes in recorded_executions(tpu_fn)
-        ]
-        row["raw_ms"] = sum(raw) * 1e3
+        recorded = recorded_executions(tpu_fn)
+        # An execute that updates its inputs in place (a static cache's) is given them to consume,
+        # so it cannot be repeated on the same inputs: no raw time then.
+        if not any(exe.mutations for exe, _, _ in recorded):
+            raw = [statistics.median(exe.bench_execute(args, calls, *sizes)) for exe, args, sizes in recorded]
+            row["raw_ms"] = sum(raw) * 1e3
     return row
 
 
@@ -349,12 +351,17 @@ def table(rows: list[dict[str, Any]], colds: dict[tuple[str, str], float]) -> st
         prompts = r.get("prompts", 1)
         tps = {k: prompts * NEW_TOKENS / (r[f"{k}_ms"] / 1e3) for k in ("eager", "inductor", "tpu")}
         each = f" for each of {prompts} prompts" if prompts > 1 else ""
+        if r.get("cache") == "static":
+            cache, graphs = "static cache", f"{r['graphs']} executables: the prompt's and the steps'"
+        else:
+            cache, graphs = "default dynamic cache", (
+                f"{r['graphs']} executables: the prompt, the first step, then the step graph exactly once"
+                " and padded to powers of two from its second length"
+            )
         lines.append("")
         lines.append(
-            f"{r['model']}: greedy `generate()` of {NEW_TOKENS} tokens{each}, default dynamic cache: "
-            f"eager {tps['eager']:.0f} tokens/s, Inductor {tps['inductor']:.0f}, tpu {tps['tpu']:.0f} "
-            f"({r['graphs']} executables: the prompt, the first step, then the step graph exactly once"
-            " and padded to powers of two from its second length)."
+            f"{r['model']}: greedy `generate()` of {NEW_TOKENS} tokens{each}, {cache}: "
+            f"eager {tps['eager']:.0f} tokens/s, Inductor {tps['inductor']:.0f}, tpu {tps['tpu']:.0f} ({graphs})."
         )
     return "\n".join(lines)
 

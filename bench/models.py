@@ -57,9 +57,9 @@ def _smollm_135m(seq: int = SEQ) -> Case:
     return Case(model, (torch.randint(0, model.config.vocab_size, (1, seq)),))
 
 
-def _smollm_135m_decode(batch: int = 1) -> Case:
+def _smollm_135m_decode(batch: int = 1, cache: str = "dynamic") -> Case:
     model = _smollm_135m_model()
-    return Case(_Greedy(model), (torch.randint(0, model.config.vocab_size, (batch, PROMPT)),), decode=True)
+    return Case(_Greedy(model, cache), (torch.randint(0, model.config.vocab_size, (batch, PROMPT)),), decode=True)
 
 
 def _llama_model() -> torch.nn.Module:
@@ -77,16 +77,20 @@ def _llama(batch: int) -> Case:
 
 
 class _Greedy(torch.nn.Module):
-    """Greedy `generate()` of NEW_TOKENS tokens with the default (dynamic) cache; only the
-    model's forward is compiled, as `model.compile()` does."""
+    """Greedy `generate()` of NEW_TOKENS tokens with the default (dynamic) cache, or with
+    transformers' static one (`cache="static"`: the cache preallocated at the generation's
+    length, updated in place, as transformers suggests for `torch.compile`); only the model's
+    forward is compiled, as `model.compile()` does."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, cache: str = "dynamic"):
         super().__init__()
-        self.model = model
+        self.model, self.cache = model, cache
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        static = {"cache_implementation": "static"} if self.cache == "static" else {}
         return self.model.generate(
-            input_ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+            input_ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+            **static,
         )
 
 
@@ -223,6 +227,7 @@ MODELS: dict[str, Callable[[], Case]] = {
     "smollm-135m-b1": _smollm_135m,
     "smollm-135m-decode": _smollm_135m_decode,
     "smollm-135m-decode-b8": lambda: _smollm_135m_decode(8),
+    "smollm-135m-decode-static": lambda: _smollm_135m_decode(cache="static"),
     "gpt2-124m-1k": lambda: _gpt2_124m(LONG),
     "smollm-135m-1k": lambda: _smollm_135m(LONG),
     "unet-sd15": _unet_sd15,
@@ -236,10 +241,11 @@ MODELS: dict[str, Callable[[], Case]] = {
 # --label long-prompt`; SD1.5's UNet: `--models unet-sd15 --label unet-full-size`; its VAE's
 # decoder: `--models vae-sd15-decode --label vae-full-size`; two of SD3.5 Medium's layers:
 # `--models sd35-medium-2l --calls 10 --label sd35-medium`; eight prompts decoded together:
-# `--models smollm-135m-decode-b8 --calls 10 --processes 1 --no-cold --label decode-b8`).
+# `--models smollm-135m-decode-b8 --calls 10 --processes 1 --no-cold --label decode-b8`; with
+# transformers' static cache: `--models smollm-135m-decode-static ... --label decode-static`).
 FULL_SIZE = [
-    "gpt2-124m-b1", "smollm-135m-b1", "smollm-135m-decode", "smollm-135m-decode-b8", "gpt2-124m-1k",
-    "smollm-135m-1k", "unet-sd15", "vae-sd15-decode", "sd35-medium-2l",
+    "gpt2-124m-b1", "smollm-135m-b1", "smollm-135m-decode", "smollm-135m-decode-b8", "smollm-135m-decode-static",
+    "gpt2-124m-1k", "smollm-135m-1k", "unet-sd15", "vae-sd15-decode", "sd35-medium-2l",
 ]
 
 # Cold first calls are timed once per model (not per batch size): each Inductor one takes ~15 s.
