@@ -208,7 +208,7 @@ def steady(name: str, device: str, dtype: torch.dtype, calls: int, autocast: tor
     sync = _sync(device)
     row: dict[str, Any] = {"model": name, "decode": case.decode, "transformer": case.transformer}
     if case.decode:
-        row["prompts"], row["cache"] = len(case.inputs[0]), case.module.cache
+        row["prompts"], row["cache"] = len(case.inputs[0]), case.module.cache_implementation
     with torch.no_grad(), _autocast(device, autocast):
         eager_fn = _call(case, case.module)
         reference = _tensor(eager_fn())

@@ -57,9 +57,9 @@ def _smollm_135m(seq: int = SEQ) -> Case:
     return Case(model, (torch.randint(0, model.config.vocab_size, (1, seq)),))
 
 
-def _smollm_135m_decode(batch: int = 1, cache: str = "dynamic") -> Case:
+def _smollm_135m_decode(batch: int = 1, cache_implementation: str | None = None) -> Case:
     model = _smollm_135m_model()
-    return Case(_Greedy(model, cache), (torch.randint(0, model.config.vocab_size, (batch, PROMPT)),), decode=True)
+    return Case(_Greedy(model, cache_implementation), (torch.randint(0, model.config.vocab_size, (batch, PROMPT)),), decode=True)
 
 
 def _llama_model() -> torch.nn.Module:
@@ -77,20 +77,19 @@ def _llama(batch: int) -> Case:
 
 
 class _Greedy(torch.nn.Module):
-    """Greedy `generate()` of NEW_TOKENS tokens with the default (dynamic) cache, or with
-    transformers' static one (`cache="static"`: the cache preallocated at the generation's
-    length, updated in place, as transformers suggests for `torch.compile`); only the model's
+    """Greedy `generate()` of NEW_TOKENS tokens with the default (dynamic) cache, or with the
+    `cache_implementation` transformers names (`"static"`: preallocated at the generation's
+    length and updated in place, as transformers suggests for `torch.compile`); only the model's
     forward is compiled, as `model.compile()` does."""
 
-    def __init__(self, model: torch.nn.Module, cache: str = "dynamic"):
+    def __init__(self, model: torch.nn.Module, cache_implementation: str | None = None):
         super().__init__()
-        self.model, self.cache = model, cache
+        self.model, self.cache_implementation = model, cache_implementation
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        static = {"cache_implementation": "static"} if self.cache == "static" else {}
         return self.model.generate(
             input_ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
-            **static,
+            cache_implementation=self.cache_implementation,
         )
 
 
@@ -227,7 +226,7 @@ MODELS: dict[str, Callable[[], Case]] = {
     "smollm-135m-b1": _smollm_135m,
     "smollm-135m-decode": _smollm_135m_decode,
     "smollm-135m-decode-b8": lambda: _smollm_135m_decode(8),
-    "smollm-135m-decode-static": lambda: _smollm_135m_decode(cache="static"),
+    "smollm-135m-decode-static": lambda: _smollm_135m_decode(cache_implementation="static"),
     "gpt2-124m-1k": lambda: _gpt2_124m(LONG),
     "smollm-135m-1k": lambda: _smollm_135m(LONG),
     "unet-sd15": _unet_sd15,
