@@ -2,8 +2,8 @@
 
     python bench/bench.py                              # the tiny-config models, CPU, float32
     python bench/bench.py --models gpt2-b1 micro       # a subset
-    python bench/bench.py --device cuda --dtype bf16   # eager and Inductor on CUDA; ours through the
-        # PJRT plugin TPU_DYNAMO_PJRT_PLUGIN names, fed CPU tensors (host->device->host included)
+    python bench/bench.py --device cuda --dtype bf16   # every backend on CUDA tensors; ours through
+        # the PJRT plugin TPU_DYNAMO_PJRT_PLUGIN names (--host-inputs: ours fed CPU tensors instead)
     python bench/bench.py --models gpt2-124m-b1 smollm-135m-b1 --calls 20 --label full-size
         # real models' sizes (random weights): bench/RESULTS-full-size.md
     python bench/bench.py --models smollm-135m-decode --dtype bf16 --calls 20 --processes 1 --no-cold \
@@ -198,7 +198,11 @@ def _autocast(device: str, dtype: torch.dtype | None) -> contextlib.AbstractCont
     return contextlib.nullcontext() if dtype is None else torch.autocast(device, dtype=dtype)
 
 
-def steady(name: str, device: str, dtype: torch.dtype, calls: int, autocast: torch.dtype | None = None) -> dict[str, Any]:
+def steady(
+    name: str, device: str, dtype: torch.dtype, calls: int, autocast: torch.dtype | None = None, ours_on: str = ""
+) -> dict[str, Any]:
+    """One model's steady state; `ours_on`: the device our backend's model and inputs are on
+    (default `device`; "cpu" on a GPU feeds ours host tensors, host->device->host included)."""
     import tpu_dynamo
 
     # Starts the plugin first, so that its process-wide setting (glibc keeps freed memory for
@@ -215,24 +219,24 @@ def steady(name: str, device: str, dtype: torch.dtype, calls: int, autocast: tor
         warm_up(eager_fn)
         torch._dynamo.reset()
         # A decode compiles the model itself (`model.compile()`), so each backend gets its own copy
-        # (same seed, same weights); ours takes CPU tensors: on another device it runs on a CPU copy.
+        # (same seed, same weights), as does ours on another device than the others'.
         inductor_fn = _compiled(build(name, device, dtype) if case.decode else case, "inductor")
         inductor_fn()
         warm_up(inductor_fn)
         # The sizes Dynamo saw change (automatic dynamic) are kept per code object, for every
         # backend: ours starts from none, as in a process of its own, with Inductor's graphs kept.
         torch._dynamo.pgo.reset_code_state()
-        ours = case if device == "cpu" and not case.decode else build(name, "cpu", dtype)
+        ours_on = ours_on or device
+        ours = case if ours_on == device and not case.decode else build(name, ours_on, dtype)
         tpu_fn = _compiled(ours, "tpu")
         out = _tensor(tpu_fn())
         # Executables obtained after the warm-up (whether compiled or found in the memory or disk
         # cache): a decode's second generate still specializes its first step once.
         warm_up(tpu_fn)
         executables = _executables_obtained()
-        # Ours needs no sync: its results are CPU tensors whatever the device.
         row.update(
             interleaved_ms(
-                {"eager_ms": (eager_fn, sync), "inductor_ms": (inductor_fn, sync), "tpu_ms": (tpu_fn, lambda: None)},
+                {"eager_ms": (eager_fn, sync), "inductor_ms": (inductor_fn, sync), "tpu_ms": (tpu_fn, _sync(ours_on))},
                 calls,
             )
         )
@@ -254,7 +258,13 @@ def steady(name: str, device: str, dtype: torch.dtype, calls: int, autocast: tor
 
 
 def cold(
-    name: str, backend: str, device: str, dtype: torch.dtype, precompile: bool, autocast: torch.dtype | None = None
+    name: str,
+    backend: str,
+    device: str,
+    dtype: torch.dtype,
+    precompile: bool,
+    autocast: torch.dtype | None = None,
+    ours_on: str = "",
 ) -> dict[str, Any]:
     """First call of a fresh compile in a fresh process. Not counted, in every process alike:
     imports (torch, Dynamo and AOTAutograd, the backend's own modules) and the model build.
@@ -267,11 +277,12 @@ def cold(
     if backend == "inductor":
         import torch._inductor.compile_fx  # noqa: F401
     torch._dynamo.config.caching_precompile = precompile
-    case = build(name, device if backend != "tpu" else "cpu", dtype)
+    case = build(name, (ours_on or device) if backend == "tpu" else device, dtype)
     with torch.no_grad(), _autocast(device, autocast):
         start = time.perf_counter()
         _compiled(case, backend)()
         _sync(device)()
+        _sync(ours_on or device)()
         seconds = time.perf_counter() - start
     if precompile:
         torch.compiler.save_cache_artifacts()
@@ -284,6 +295,8 @@ def _child(args: argparse.Namespace, *what: str, env: dict[str, str] | None = No
            "--threads", str(args.threads), "--calls", str(args.calls)]
     if args.autocast:
         cmd += ["--autocast", args.autocast]
+    if args.host_inputs:
+        cmd += ["--host-inputs"]
     print("+", " ".join(cmd[1:]), flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
     if proc.returncode != 0:
@@ -411,7 +424,11 @@ def header(args: argparse.Namespace) -> str:
 
     info = tpu_dynamo.device_info()
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    ours = "CPU tensors in and out (host->device->host included)" if args.device != "cpu" else "CPU tensors"
+    ours = (
+        "CPU tensors in and out (host->device->host included)"
+        if args.host_inputs
+        else f"{args.device.upper()} tensors in and out"
+    )
     return "\n".join([
         f"- date: {datetime.date.today()}; command: `{' '.join(['python', 'bench/bench.py', *sys.argv[1:]])}`",
         f"- machine: {platform.node()}, {cpu}, {os.cpu_count()} cores; device {args.device}, dtype {args.dtype}"
@@ -448,6 +465,10 @@ def write_results(args: argparse.Namespace, rows: list[dict[str, Any]], colds: d
     print(f"wrote {md} and {png}")
 
 
+def ours_on(args: argparse.Namespace) -> str:
+    return "cpu" if args.host_inputs else args.device
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="*", default=[m for m in MODELS if m not in FULL_SIZE], choices=list(MODELS))
@@ -456,6 +477,10 @@ def main() -> None:
     p.add_argument(
         "--autocast", choices=[d for d in DTYPES if d != "f32"],
         help="run every backend's calls under torch.autocast to this dtype (the weights stay DTYPE)",
+    )
+    p.add_argument(
+        "--host-inputs", action="store_true",
+        help="on a GPU, feed our backend CPU tensors (the model on the host; each call uploads and downloads)",
     )
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--calls", type=int, default=30)
@@ -473,10 +498,10 @@ def main() -> None:
     dtype = DTYPES[args.dtype]
     autocast = DTYPES[args.autocast] if args.autocast else None
     if args.one:
-        print(json.dumps(steady(args.one, args.device, dtype, max(args.calls, 20), autocast)))
+        print(json.dumps(steady(args.one, args.device, dtype, max(args.calls, 20), autocast, ours_on(args))))
         return
     if args.cold:
-        print(json.dumps(cold(args.cold[1], args.cold[0], args.device, dtype, args.precompile, autocast)))
+        print(json.dumps(cold(args.cold[1], args.cold[0], args.device, dtype, args.precompile, autocast, ours_on(args))))
         return
     passes = [[{"model": m, **_child(args, "--one", m)} for m in args.models] for _ in range(args.processes)]
     rows = [_lowest(list(runs)) for runs in zip(*passes)]

@@ -1,18 +1,26 @@
 #!/usr/bin/env bash
 # Issue #6's GPU run in one go, for a session lent the H200 machine (DEVELOPERS.md, `device`).
 # That machine reaches nothing outside it, so it brings its own PyTorch with CUDA and the XLA CUDA
-# PJRT plugin (jax-cuda13-pjrt's; 2026-11-30: /opt/torch/.venv, torch 2.11), and our wheel comes
-# with the working tree: run it from the repository root as
-#     run(command="bash bench/device.sh", carry=["target/wheels"], timeout_s=540)
-# after `make setup` here. It writes into $OUT (else out/device): the machine, the self-check and
-# `doctor`, and `bench.py --device cuda --dtype bf16` (RESULTS-cuda-bf16.md, its JSON and chart);
-# copy those into bench/ and read them in RESULTS-cuda-bf16.md's prose.
-# MODELS and BENCH_SECONDS (default 420) narrow the run to the time the session has left.
+# PJRT plugin (jax-cuda13-pjrt's; /opt/torch/.venv, torch 2.11), while our wheel and diffusers
+# (not installed there) come with the working tree. After `make setup` here, and once
+#     echo /.whl/ >> .git/info/exclude
+#     .venv/bin/python -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#         --implementation cp --platform manylinux_2_28_x86_64 -d .whl diffusers==0.42.1 importlib_metadata
+# run it from the repository root as
+#     run(command="bash bench/device.sh", carry=["target/wheels", ".whl"], timeout_s=540)
+# It writes into $OUT (else out/device), as device.tgz: the machine, the self-check and `doctor`, the CUDA half of
+# tests/test_on_device.py (CUDA tensors in and out, against eager CUDA), and `bench.py --device
+# cuda --dtype bf16` (every backend on CUDA tensors) in groups, each its own table
+# (RESULTS-<label>.md, its JSON and chart): copy those into bench/ and read them in their prose.
+# BENCH_GROUPS narrows the run to the time the session has left; BENCH_SECONDS bounds each group.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# What comes back is at most 8 files: everything is written to $work, and bundled into one
+# archive in $OUT at the end (the log and the test's output beside it).
 out=${OUT:-out/device}
-mkdir -p "$out"
-log() { echo "device: $*" | tee -a "$out/log.txt"; }
+work=/tmp/tpu_dynamo_device_out
+mkdir -p "$out" "$work"
+log() { echo "device: $*" | tee -a "$work/log.txt"; }
 
 python=""
 for candidate in "${PYTHON:-}" /opt/torch/.venv/bin/python python3; do
@@ -41,19 +49,32 @@ wheel=$(ls -t target/wheels/tpu_dynamo-*.whl 2>/dev/null | head -1)
 # Our wheel in a directory of its own on the machine's Python's path (no index is reachable, and
 # nothing else is needed; a venv would not see the packages of a Python that is itself a venv's).
 target=/tmp/tpu_dynamo_device
-"$python" -m pip install -q --no-deps --no-index --upgrade --target "$target" "$wheel" || { log "wheel install failed"; exit 1; }
+"$python" -m pip install -q --no-deps --no-index --upgrade --target "$target" "$wheel" .whl/*.whl 2>>"$work/log.txt" \
+  || { log "wheel install failed"; exit 1; }
 export PYTHONPATH=$target${PYTHONPATH:+:$PYTHONPATH}
 
-nvidia-smi > "$out/nvidia-smi.txt" 2>&1
-"$python" -m tpu_dynamo > "$out/selfcheck.txt" 2>&1; log "self-check exit $?"
-"$python" -m tpu_dynamo doctor > "$out/doctor.txt" 2>&1; log "doctor exit $?"
+nvidia-smi > "$work/nvidia-smi.txt" 2>&1
+"$python" -m tpu_dynamo > "$work/selfcheck.txt" 2>&1; log "self-check exit $?"
+"$python" -m tpu_dynamo doctor > "$work/doctor.txt" 2>&1; log "doctor exit $?"
 
-# The models of the 2026-11-30 run by default: the table is written only when every model is done,
-# so a run the timeout cuts short leaves nothing.
-models=${MODELS:-gpt2-b8 llama-b8 sd3 flux micro}
-# shellcheck disable=SC2086  # the model names are words
-timeout "${BENCH_SECONDS:-420}" "$python" bench/bench.py --device cuda --dtype bf16 --no-cold \
-  --processes 1 --calls 20 --models $models > "$out/bench.txt" 2>&1
-log "bench exit $? ($models)"
-cp bench/RESULTS-cuda-bf16.md bench/results-cuda-bf16.json bench/ratios-cuda-bf16.png "$out/" 2>/dev/null
-ls -la "$out" | tee -a "$out/log.txt"
+export PYTHONUNBUFFERED=1
+timeout 150 "$python" -m pytest -q -p no:cacheprovider tests/test_on_device.py -k cuda > "$work/test_on_device.txt" 2>&1
+log "test_on_device exit $?"
+
+# label:models; a group's table is written only when all its models are done, so a group the
+# timeout cuts short leaves nothing, and the groups before it stand.
+groups=${BENCH_GROUPS:-"cuda-bf16:gpt2-b8 llama-b8 sd3 flux micro
+cuda-bf16-full-size:smollm-135m-b1 sd35-medium-2l
+cuda-bf16-decode:llama-decode"}
+while IFS=: read -r label models; do
+  [ -n "$label" ] || continue
+  # shellcheck disable=SC2086  # the model names are words
+  timeout "${BENCH_SECONDS:-200}" "$python" bench/bench.py --device cuda --dtype bf16 --no-cold \
+    --processes 1 --calls 20 --label "$label" --models $models > "$work/bench-$label.txt" 2>&1
+  log "bench $label exit $? ($models)"
+  cp "bench/RESULTS-$label.md" "bench/results-$label.json" "bench/ratios-$label.png" "$work/" 2>/dev/null
+done <<< "$groups"
+ls -la "$work" | tee -a "$work/log.txt"
+tar -czf "$out/device.tgz" -C "$work" .
+cp "$work/log.txt" "$work/test_on_device.txt" "$out/" 2>/dev/null
+tail -n 15 "$work"/test_on_device.txt "$work"/bench-*.txt

@@ -20,6 +20,7 @@ use tpu_dynamo_runtime::{Buffer, CompileOptions, DType, Error as RtError, Execut
 use crate::device::{target, Target};
 use crate::errors::{lower_err, runtime_err, LowerError};
 use crate::host_view::{self, Memory, Shared};
+use crate::on_device;
 use crate::padded::{self, CallTypes, PaddedInput};
 use crate::counters::{add_time, STATS};
 use crate::persist::{disk_cache, log_warnings};
@@ -610,6 +611,46 @@ impl CompiledGraph {
         Ok(Arg::Owned(buf))
     }
 
+    /// The buffer for input `i` of a call on a GPU (`run_on_device`): a view of the device
+    /// memory at `ptr` (`on_device`), else an upload of the host memory there; kept, as in
+    /// `input_buffer`, while `(ptr, version)` match (`version >= 0`), except for an input the
+    /// execute donates (the Python caller passes a copy of its own of such an input).
+    fn device_input(
+        &self,
+        i: usize,
+        (ptr, nbytes, version, on_device): (usize, usize, i64, bool),
+        unpinned: &mut Unpinned,
+    ) -> Result<Arc<Buffer>, RtError> {
+        let spec = &self.entry.inputs[i];
+        let donated = self.aliases.iter().any(|&(a, _)| a == i);
+        let mut slot = (version >= 0 && !donated).then(|| self.resident[i].lock().unwrap_or_else(|p| p.into_inner()));
+        if let Some(Some(r)) = slot.as_deref() {
+            if (r.ptr, r.version) == (ptr, version) {
+                STATS.resident_hits.fetch_add(1, Relaxed);
+                return Ok(r.copy.clone());
+            }
+        }
+        let t = &self.target;
+        let buffer = if on_device {
+            STATS.device_views.fetch_add(1, Relaxed);
+            // SAFETY: the Python caller keeps the tensor alive during the call, and after it the
+            // resident slot keeps its storage (`pin`) for as long as it keeps the view; torch's
+            // writes to it are finished (the caller synchronized its stream) and none are queued
+            // until the execute, which is awaited, has read it.
+            unsafe { t.client.view_of_device_memory(ptr, spec, &t.device)? }
+        } else {
+            STATS.uploads.fetch_add(1, Relaxed);
+            // SAFETY: see `run`: the Python caller keeps the tensor alive during the call.
+            t.client.buffer_from_host(unsafe { host_slice(ptr, nbytes) }, spec, &t.device)?
+        };
+        let buffer = Arc::new(buffer);
+        if let Some(slot) = slot.as_deref_mut() {
+            *slot = Some(Resident::new(ptr, version, buffer.clone()));
+            unpinned.push((i, ptr, version));
+        }
+        Ok(buffer)
+    }
+
     fn input_buffers(
         &self,
         inputs: &[(usize, usize, i64)],
@@ -837,6 +878,53 @@ impl CompiledGraph {
             .map(|(o, memory)| Ok((o, host_view::capsule(py, memory, &cut.specs[o])?)))
             .collect::<PyResult<_>>()?;
         Ok((repoint, handed))
+    }
+
+    /// Runs once on a GPU plugin with `inputs` `(data_ptr, nbytes, version, on_device)`: tensors in
+    /// the memory of CUDA device `device_id` (read where they are) or on the host (uploaded);
+    /// versions as for `run`. Returns one DLPack capsule per output, over the plugin's result in
+    /// the device's memory (a CPU capsule where the plugin keeps a result in a layout of its
+    /// own), or `None` for an empty one. On a CPU plugin, "the device" is the host. The caller must have synchronized torch's stream (see
+    /// `on_device`), keep every tensor alive until this returns, and pass an input the executable
+    /// updates in place as a copy of its own, whose new value it then copies back from the
+    /// result. Use it through `tpu_dynamo.executable.Executable`, which does.
+    fn run_on_device(
+        &self,
+        py: Python<'_>,
+        tensors: Bound<'_, PyList>,
+        inputs: Vec<(usize, usize, i64, bool)>,
+        device_id: i32,
+    ) -> PyResult<Vec<Option<Py<PyAny>>>> {
+        let cuda_device = (!self.target.host_memory).then_some(device_id);
+        check_sizes("inputs", &self.entry.inputs, &inputs, |i| i.1)?;
+        let mut unpinned = vec![];
+        let ran = py.detach(|| -> Result<_, RtError> {
+            let start = Instant::now();
+            on_device::destroy_retired();
+            let args = inputs
+                .iter()
+                .enumerate()
+                .map(|(i, &input)| self.device_input(i, input, &mut unpinned))
+                .collect::<Result<Vec<_>, _>>()?;
+            let refs: Vec<&Buffer> = args.iter().map(|b| &**b).collect();
+            self.forget_donated();
+            let results = self.entry.exe.execute(&refs)?;
+            drop(refs);
+            let memories = results
+                .into_iter()
+                .zip(&self.entry.outputs)
+                .map(|(result, spec)| on_device::result_memory(result, spec, cuda_device))
+                .collect::<Result<Vec<_>, _>>()?;
+            STATS.executions.fetch_add(1, Relaxed);
+            add_time(&STATS.execute_nanos, start.elapsed());
+            Ok(memories)
+        });
+        self.pin(&tensors, &unpinned)?;
+        ran.map_err(runtime_err)?
+            .into_iter()
+            .zip(&self.entry.outputs)
+            .map(|(memory, spec)| memory.map(|m| host_view::capsule(py, m, spec)).transpose())
+            .collect()
     }
 
     /// Starts the executable's first execute on zeros in the background (see `warm_up.rs`),

@@ -18,6 +18,8 @@ pub struct Stats {
     pub resident_shared_hits: AtomicU64,
     /// Inputs that were a host tensor viewing an executable buffer (no upload).
     pub view_hits: AtomicU64,
+    /// Inputs in a GPU's memory read where they are (a CUDA tensor's view; no copy).
+    pub device_views: AtomicU64,
     /// Packed inputs read where they lie, in the executable buffer behind the host tensor (a
     /// dynamic cache's K or V fed back in; no copy).
     pub packed_in_place: AtomicU64,
@@ -85,6 +87,7 @@ pub static STATS: Stats = Stats {
     specializations: AtomicU64::new(0),
     specialize_nanos: AtomicU64::new(0),
     view_hits: AtomicU64::new(0),
+    device_views: AtomicU64::new(0),
     packed_in_place: AtomicU64::new(0),
     updates_in_place: AtomicU64::new(0),
     updates_copied: AtomicU64::new(0),
@@ -97,7 +100,7 @@ pub fn add_time(counter: &AtomicU64, d: Duration) {
 }
 
 impl Stats {
-    fn all(&self) -> [(&'static str, &AtomicU64); 32] {
+    fn all(&self) -> [(&'static str, &AtomicU64); 33] {
         [
             ("compiles", &self.compiles),
             ("memory_hits", &self.memory_hits),
@@ -110,6 +113,7 @@ impl Stats {
             ("resident_hits", &self.resident_hits),
             ("resident_shared_hits", &self.resident_shared_hits),
             ("view_hits", &self.view_hits),
+            ("device_views", &self.device_views),
             ("packed_in_place", &self.packed_in_place),
             ("updates_in_place", &self.updates_in_place),
             ("updates_copied", &self.updates_copied),

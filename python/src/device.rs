@@ -183,13 +183,28 @@ fn compiler_env() -> String {
 
 static TARGET: Mutex<Option<Arc<Target>>> = Mutex::new(None);
 
+/// A GPU plugin would otherwise take 75 % of the GPU's memory at start for its own allocator,
+/// leaving torch (the model's weights, eager code around the compiled graphs) a quarter: it
+/// allocates as it needs instead, unless `XLA_PYTHON_CLIENT_PREALLOCATE` (JAX's name) says
+/// otherwise.
+fn client_options(plugin: &Plugin) -> ClientOptions {
+    let gpu = plugin
+        .attributes()
+        .is_ok_and(|attributes| attributes.iter().any(|(name, _)| name == "cuda_version" || name == "rocm_version"));
+    if !gpu {
+        return ClientOptions::default();
+    }
+    let preallocate = std::env::var("XLA_PYTHON_CLIENT_PREALLOCATE").is_ok_and(|v| matches!(v.as_str(), "1" | "true"));
+    ClientOptions::default().bool("preallocate", preallocate)
+}
+
 pub fn target() -> Result<Arc<Target>, Error> {
     let mut slot = TARGET.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     if let Some(t) = slot.as_ref() {
         return Ok(t.clone());
     }
     let plugin = Plugin::discover(None)?;
-    let client = Client::new(plugin.clone(), &ClientOptions::default())?;
+    let client = Client::new(plugin.clone(), &client_options(&plugin))?;
     let host_memory = client.platform_name().is_ok_and(|p| p == "cpu");
     let client = if host_memory && not_off("TPU_DYNAMO_CPU_INLINE") {
         inline_cpu_client(plugin).unwrap_or(client)

@@ -14,6 +14,7 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use tpu_dynamo_runtime::{Buffer, DType, Error as RtError, TensorSpec};
 
+use crate::on_device::Lent;
 use crate::weak_map::WeakMap;
 
 /// A device buffer whose memory a host tensor uses as storage. After each donating execute the
@@ -117,6 +118,9 @@ pub enum Memory {
     Shared(Arc<Shared>),
     /// A host copy; `u128` elements align it for every dtype.
     Copied(Vec<u128>),
+    /// A result lent as it lies (`on_device`), at `address` in the memory of CUDA device
+    /// `cuda_device`, or the host's where that is `None` (a CPU plugin).
+    Lent { address: usize, cuda_device: Option<i32>, _buffer: Lent },
 }
 
 impl Memory {
@@ -164,7 +168,7 @@ impl Memory {
 
     pub fn bytes_mut(&mut self, nbytes: usize) -> Option<&mut [u8]> {
         match self {
-            Memory::Shared(_) => None,
+            Memory::Shared(_) | Memory::Lent { .. } => None,
             // SAFETY: `v` holds at least `nbytes` initialized bytes (`copied` rounds up).
             Memory::Copied(v) => Some(unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), nbytes) }),
         }
@@ -174,12 +178,22 @@ impl Memory {
         match self {
             Memory::Shared(s) => s.address as *mut c_void,
             Memory::Copied(v) => v.as_ptr() as *mut c_void,
+            Memory::Lent { address, .. } => *address as *mut c_void,
+        }
+    }
+
+    /// DLPack's device of the memory.
+    fn dl_device(&self) -> DLDevice {
+        match self {
+            Memory::Lent { cuda_device: Some(id), .. } => DLDevice { device_type: K_DL_CUDA, device_id: *id },
+            _ => DLDevice { device_type: K_DL_CPU, device_id: 0 },
         }
     }
 }
 
 const DLTENSOR: &CStr = c"dltensor";
 const K_DL_CPU: i32 = 1;
+const K_DL_CUDA: i32 = 2;
 
 /// DLPack's `(type code, bits)` for a dtype.
 fn dl_dtype(dtype: DType) -> DLDataType {
@@ -219,14 +233,15 @@ unsafe extern "C" fn delete_capsule(capsule: *mut ffi::PyObject) {
     }
 }
 
-/// A DLPack capsule (CPU) for a host tensor of type `spec` over `memory`, for `torch.from_dlpack`.
+/// A DLPack capsule for a tensor of type `spec` over `memory` (on the host, or a GPU's for
+/// `Memory::Lent`), for `torch.from_dlpack`.
 pub fn capsule(py: Python<'_>, memory: Memory, spec: &TensorSpec) -> PyResult<Py<PyAny>> {
-    let data = memory.address();
+    let (data, device) = (memory.address(), memory.dl_device());
     let mut owner = Box::new(Owner { dims: spec.dims.clone(), _memory: memory });
     let managed = Box::into_raw(Box::new(DLManagedTensor {
         dl_tensor: DLTensor {
             data,
-            device: DLDevice { device_type: K_DL_CPU, device_id: 0 },
+            device,
             ndim: owner.dims.len() as i32,
             dtype: dl_dtype(spec.dtype),
             shape: owner.dims.as_mut_ptr(),

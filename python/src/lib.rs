@@ -4,6 +4,7 @@ mod counters;
 mod device;
 mod errors;
 mod host_view;
+mod on_device;
 mod padded;
 mod persist;
 mod resident;

@@ -57,6 +57,16 @@ class CompiledGraph:
         the prefix of the result buffer, handed over in place). Returns (input index, DLPack capsule) for those left in the executable's memory and
         (output index, DLPack capsule) for the handed-over results. Unsafe on raw pointers:
         call it only through `tpu_dynamo.executable.Executable`."""
+    def run_on_device(
+        self,
+        tensors: list[Any],
+        inputs: Sequence[tuple[int, int, int, bool]],
+        device_id: int,
+    ) -> list[Any | None]:
+        """A call on a GPU plugin: inputs (data_ptr, nbytes, version or -1, in the memory of CUDA
+        device `device_id`) are read where they are, host ones uploaded; one DLPack capsule per
+        output (None for an empty one). The caller synchronizes torch's stream first and passes
+        inputs the executable updates as copies of their own."""
     def bench_execute(
         self,
         tensors: list[Any],

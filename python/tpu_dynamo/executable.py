@@ -1,4 +1,5 @@
-"""One ATen graph compiled for one input signature, callable with torch CPU tensors."""
+"""One ATen graph compiled for one input signature, callable with torch CPU tensors (and CUDA
+tensors on a GPU plugin)."""
 from __future__ import annotations
 
 import contextlib
@@ -77,6 +78,7 @@ class Executable:
         self.in_order = self.template == tuple(range(len(native.output_types)))
         self.checks = converted.checks
         self.out_types = [(_TORCH_DTYPES[d], tuple(s)) for d, s in native.output_types]
+        self.in_shapes = [tuple(s) for _, s in native.input_types]
         self.out_nbytes = [math.prod(s) * d.itemsize for d, s in self.out_types]
         # Results the plugin hands over as the tensors' storage (CPU plugins) instead of copying
         # them into tensors allocated here; a mutated input's result goes into the input itself.
@@ -105,22 +107,28 @@ class Executable:
             ],
         )
 
+    def _tensors(self, args: list[Any]) -> list[torch.Tensor]:
+        """The executable's inputs: the call's tensors, the graph's constants, and its numbers as
+        (host) tensors."""
+        tensors = [*(args[i] for i in self.tensor_args), *self.constants]
+        if self.number_args:
+            at = len(self.tensor_args)
+            tensors[at:at] = [torch.tensor(args[i], dtype=torch.int64) for i in self.number_args]
+        return tensors
+
     def _host_inputs(
         self, args: list[Any]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[int, int, int]]]:
         """The call's input tensors, their dense versions to keep alive during the call, and
         those dense tensors' `(ptr, nbytes, version)`."""
-        tensors = [*(args[i] for i in self.tensor_args), *self.constants]
-        if self.number_args:
-            at = len(self.tensor_args)
-            tensors[at:at] = [torch.tensor(args[i], dtype=torch.int64) for i in self.number_args]
+        tensors = self._tensors(args)
         held, ins = [], []
         # Per input this runs on every call (~150 parameters on a transformer), so it asks each
         # tensor only what it must: `is_cpu` is 5x cheaper than `device.type`, and only
         # resident inputs need `is_inference`.
         for t, resident in zip(tensors, self.resident):
             if not t.is_cpu:
-                raise ValueError(f"tpu_dynamo: inputs must be CPU tensors, got one on {t.device}")
+                raise _OnDevice
             c = t.contiguous()
             held.append(c)
             # A mutated input that is not dense gets a dense copy, and an inference tensor has no
@@ -132,7 +140,21 @@ class Executable:
     def __call__(self, args: list[Any], sizes: CallSizes | None = None) -> tuple[torch.Tensor | None, ...]:
         if self.derived is not None:
             args.extend(self.derived(args))
-        tensors, held, ins = self._host_inputs(args)
+        try:
+            tensors, held, ins = self._host_inputs(args)
+        except _OnDevice:
+            tensors = self._tensors(args)
+            args.clear()
+            device = next(t.device for t in tensors if not t.is_cpu)
+            if device.type != "cuda":
+                raise ValueError(f"tpu_dynamo: inputs must be CPU or CUDA tensors, got one on {device}") from None
+            if self.native.hands_over_outputs:
+                raise ValueError(
+                    "tpu_dynamo: the inputs are CUDA tensors, but the PJRT plugin in use computes on the host"
+                    " (XLA:CPU); for a GPU install the XLA CUDA plugin (`pip install jax-cuda13-pjrt`, or point"
+                    " TPU_DYNAMO_PJRT_PLUGIN at its xla_cuda_plugin.so), or move the model and its inputs to the CPU"
+                ) from None
+            return self._on_device(tensors, sizes, device)
         args.clear()  # boxed convention: let AOTAutograd's caller free inputs early
         s = self.exact if sizes is None else sizes
         outs: list[Any] = [
@@ -154,11 +176,58 @@ class Executable:
             return tuple(outs)
         return tuple(None if i is None else outs[i] for i in self.template)
 
+    def _on_device(
+        self, tensors: list[torch.Tensor], sizes: CallSizes | None, device: torch.device
+    ) -> tuple[torch.Tensor | None, ...]:
+        """`__call__` for inputs in a GPU's memory (CUDA tensors on `device`; a GPU plugin): they
+        are read where they are, the results stay in the GPU's memory, and nothing crosses the
+        host. Inputs `given` smaller than the executable's are padded here, and results `cut`, on
+        the device; an input the executable updates goes in as a copy (the execute may write into
+        what it is given) whose new value is copied back. With a CPU `device` (tests, a CPU
+        plugin) the same path runs on the host."""
+        s = self.exact if sizes is None else sizes
+        padded = {i: (self.in_shapes[i], packed) for i, _, packed in s.given}
+        updated = {i for i, _ in self.mutations}
+        held, ins = [], []
+        for i, (t, resident) in enumerate(zip(tensors, self.resident)):
+            if t.device != device and not t.is_cpu:
+                raise ValueError(f"tpu_dynamo: inputs on two devices in one call ({device} and {t.device})")
+            if i in padded:
+                c = _padded(t, *padded[i])
+            else:
+                c = t.clone(memory_format=torch.contiguous_format) if i in updated else t.contiguous()
+            held.append(c)
+            keep = resident and c is t and not t.is_inference()
+            ins.append((c.data_ptr(), c.nbytes, t._version if keep else -1, c.device == device))
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        capsules = self.native.run_on_device(held, ins, device.index or 0)
+        outs: list[Any] = [
+            torch.empty(shape, dtype=dtype, device=device) if c is None else _from_dlpack(c).to(device)
+            for c, (dtype, shape) in zip(capsules, self.out_types)
+        ]
+        for o, dims, packed in s.cut:
+            outs[o] = _cut(outs[o], dims, packed)
+        for i, o in self.mutations:
+            t = tensors[i]
+            keep = contextlib.nullcontext() if t.is_inference() else torch.autograd._unsafe_preserve_version_counter(t)
+            with keep:
+                t.copy_(outs[o])
+            outs[o] = t
+        torch.autograd.graph.increment_version([tensors[i] for i in self.bump if not tensors[i].is_inference()])
+        for i, api_name, is_matrix in self.checks:
+            torch.ops.aten._linalg_check_errors(outs[i], api_name, is_matrix=is_matrix)
+        if self.in_order:
+            return tuple(outs)
+        return tuple(None if i is None else outs[i] for i in self.template)
+
     def bench_execute(self, args: list[Any], n: int, sizes: CallSizes | None = None) -> list[float]:
         """Seconds per bare PJRT execute on `args` (a call's inputs, at `sizes`, uploaded once),
         `n` times."""
         if self.derived is not None:
             args = [*args, *self.derived(args)]
+        # Inputs in a GPU's memory go through the host once: the upload puts them on the device.
+        args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
         _tensors, held, ins = self._host_inputs(args)
         return self.native.bench_execute(held, ins, n, (sizes or self.exact).given)
 
@@ -188,6 +257,27 @@ class Executable:
         torch.autograd.graph.increment_version(
             [tensors[i] for i in self.bump if held[i] is tensors[i] and not tensors[i].is_inference()]
         )
+
+
+class _OnDevice(Exception):
+    """An input is not a CPU tensor: the call goes to `Executable._on_device`."""
+
+
+def _padded(t: torch.Tensor, shape: tuple[int, ...], packed: bool) -> torch.Tensor:
+    """`t` zero-padded to `shape`: as its corner, or `packed` as its leading elements."""
+    full = torch.zeros(shape, dtype=t.dtype, device=t.device)
+    if packed:
+        full.view(-1)[: t.numel()].copy_(t.reshape(-1))
+    else:
+        full[tuple(slice(0, d) for d in t.shape)].copy_(t)
+    return full
+
+
+def _cut(t: torch.Tensor, dims: list[int], packed: bool) -> torch.Tensor:
+    """`t` cut to `dims`: its leading elements (`packed`, a view), else its corner (dense)."""
+    if packed:
+        return t.view(-1)[: math.prod(dims)].view(dims)
+    return t[tuple(slice(0, d) for d in dims)].contiguous()
 
 
 class Derived:

@@ -1,6 +1,7 @@
 //! Device buffers: upload from host memory, inspect, download into a caller's slice.
 
 use crate::client::{Client, ClientInner, Device};
+use crate::compat::Grown;
 use crate::error::{Error, Result};
 use crate::event;
 use crate::plugin::call;
@@ -180,9 +181,16 @@ impl Buffer {
         let plugin = &*self.client.plugin;
         let mut on_cpu = PJRT_Buffer_IsOnCpu_Args::new();
         on_cpu.buffer = self.raw;
-        if call!(plugin, PJRT_Buffer_IsOnCpu, &mut on_cpu).is_err() || !on_cpu.is_on_cpu || len == 0 {
+        call!(plugin, PJRT_Buffer_IsOnCpu, &mut on_cpu).is_ok() && on_cpu.is_on_cpu && self.dense_row_major(len)
+    }
+
+    /// Whether the buffer's memory, wherever it is, holds exactly `len` (> 0) bytes in the dense
+    /// row-major layout, so that another library may read it as its own array.
+    pub fn dense_row_major(&self, len: usize) -> bool {
+        if len == 0 {
             return false;
         }
+        let plugin = &*self.client.plugin;
         let mut layout = PJRT_Buffer_GetMemoryLayout_Args::new();
         layout.buffer = self.raw;
         if call!(plugin, PJRT_Buffer_GetMemoryLayout, &mut layout).is_err()
@@ -217,6 +225,15 @@ impl Buffer {
         (pointer.buffer_pointer != 0).then_some(pointer.buffer_pointer)
     }
 
+    /// The address of the buffer's memory on its device (a CUDA device pointer on a GPU), for
+    /// handing that memory to another library; valid while the buffer lives.
+    pub fn device_address(&self) -> Result<usize> {
+        let mut args = PJRT_Buffer_OpaqueDeviceMemoryDataPointer_Args::new();
+        args.buffer = self.raw;
+        call!(&self.client.plugin, PJRT_Buffer_OpaqueDeviceMemoryDataPointer, &mut args)?;
+        Ok(args.device_memory_ptr as usize)
+    }
+
     /// Starts the copy into `dst`; the caller must await the event before `dst` is touched.
     fn start_to_host(&self, dst: &mut [u8]) -> Result<Option<event::Event<'_>>> {
         let spec = self.spec()?;
@@ -236,6 +253,8 @@ impl Buffer {
         Ok(event::Event::adopt(plugin, args.event))
     }
 }
+
+extern "C" fn memory_stays_with_its_owner(_memory: *mut std::ffi::c_void, _user: *mut std::ffi::c_void) {}
 
 impl Client {
     /// Copies `data` (dense row-major, exactly `spec`'s size) to `device`. The copy is finished
@@ -272,6 +291,32 @@ impl Client {
         let (mut buffer, done) = self.buffer_of_host(data, spec, device, semantics)?;
         buffer.host_done = done;
         Ok(buffer)
+    }
+
+    /// A buffer over `address`, memory another library allocated on `device` (a CUDA tensor's),
+    /// holding `spec` dense row-major: no copy. The plugin reads it as it is when an execute
+    /// runs, so the memory's producer must have finished writing it by then.
+    ///
+    /// # Safety
+    /// The memory must stay allocated until the returned buffer is dropped, and must not change
+    /// while an execute that takes the buffer runs; an execute that donates the buffer may write
+    /// into it.
+    pub unsafe fn view_of_device_memory(&self, address: usize, spec: &TensorSpec, device: &Device) -> Result<Buffer> {
+        if !device.belongs_to(&self.inner) {
+            return Err(Error::invalid("view_of_device_memory: device belongs to another client"));
+        }
+        let plugin = &*self.inner.plugin;
+        let mut args = Grown::<PJRT_Client_CreateViewOfDeviceBuffer_Args>::new();
+        args.args.client = self.inner.raw;
+        args.args.device_buffer_ptr = address as *mut std::ffi::c_void;
+        args.args.dims = spec.dims.as_ptr();
+        args.args.num_dims = spec.dims.len();
+        args.args.element_type = spec.dtype.to_pjrt();
+        args.args.device = device.raw();
+        // Plugins call it unconditionally (XLA:CPU aborts on a null one); the memory's owner frees it.
+        args.args.on_delete_callback = Some(memory_stays_with_its_owner);
+        call!(plugin, PJRT_Client_CreateViewOfDeviceBuffer, args.as_mut_ptr())?;
+        Ok(Buffer::adopt_typed(&self.inner, args.args.buffer, spec.clone()))
     }
 
     fn buffer_of_host(

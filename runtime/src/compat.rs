@@ -7,7 +7,7 @@
 //! documented default, and plugins from 0.54 up to at least 0.115 accept that size.
 
 use pjrt_sys::{
-    PJRT_Client_Create_Args, PJRT_Executable_DeserializeAndLoad_Args,
+    PJRT_Client_CreateViewOfDeviceBuffer_Args, PJRT_Client_Create_Args, PJRT_Executable_DeserializeAndLoad_Args,
     PJRT_Executable_GetCompiledMemoryStats_Args, PJRT_ExecuteOptions, PJRT_Plugin_Attributes_Args,
 };
 use std::mem::size_of;
@@ -53,6 +53,8 @@ macro_rules! grown {
 grown!(PJRT_Client_Create_Args, 88);
 grown!(PJRT_ExecuteOptions, 112);
 grown!(PJRT_Executable_DeserializeAndLoad_Args, 64);
+// Later headers append the memory space to view the buffer in (null: the device's default).
+grown!(PJRT_Client_CreateViewOfDeviceBuffer_Args, 112);
 // 0.115 appends an output field (104 -> 112 bytes), which the plugin writes into the padding.
 grown!(PJRT_Executable_GetCompiledMemoryStats_Args, 112);
 
@@ -70,6 +72,7 @@ mod tests {
             (&mut g as *mut Grown<_>).cast::<u8>()
         );
         assert_eq!(PLUGIN_ATTRIBUTES_ARGS_SIZE, 32);
+        assert_eq!(size_of::<PJRT_Client_CreateViewOfDeviceBuffer_Args>(), 104);
         assert_eq!(Grown::<PJRT_Client_Create_Args>::new().args.struct_size, 88);
         assert_eq!(
             Grown::<PJRT_Executable_DeserializeAndLoad_Args>::new()
