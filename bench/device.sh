@@ -15,12 +15,14 @@
 # BENCH_GROUPS narrows the run to the time the session has left; BENCH_SECONDS bounds each group.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-# What comes back is at most 8 files: everything is written to $work, and bundled into one
-# archive in $OUT at the end (the log and the test's output beside it).
+# What comes back is at most 8 files: everything is written to $work and bundled into one archive
+# in $OUT (the log and the test's output beside it).
 out=${OUT:-out/device}
 work=/tmp/tpu_dynamo_device_out
 mkdir -p "$out" "$work"
 log() { echo "device: $*" | tee -a "$work/log.txt"; }
+# After each step, so that a run the call's time limit stops still brings back what it did.
+bundle() { tar -czf "$out/device.tgz" -C "$work" . && cp "$work/log.txt" "$out/"; }
 
 python=""
 for candidate in "${PYTHON:-}" /opt/torch/.venv/bin/python python3; do
@@ -56,10 +58,13 @@ export PYTHONPATH=$target${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi > "$work/nvidia-smi.txt" 2>&1
 "$python" -m tpu_dynamo > "$work/selfcheck.txt" 2>&1; log "self-check exit $?"
 "$python" -m tpu_dynamo doctor > "$work/doctor.txt" 2>&1; log "doctor exit $?"
+bundle
 
 export PYTHONUNBUFFERED=1
 timeout 150 "$python" -m pytest -q -p no:cacheprovider tests/test_on_device.py -k cuda > "$work/test_on_device.txt" 2>&1
 log "test_on_device exit $?"
+cp "$work/test_on_device.txt" "$out/"
+bundle
 
 # label:models; a group's table is written only when all its models are done, so a group the
 # timeout cuts short leaves nothing, and the groups before it stand.
@@ -73,8 +78,8 @@ while IFS=: read -r label models; do
     --processes 1 --calls 20 --label "$label" --models $models > "$work/bench-$label.txt" 2>&1
   log "bench $label exit $? ($models)"
   cp "bench/RESULTS-$label.md" "bench/results-$label.json" "bench/ratios-$label.png" "$work/" 2>/dev/null
+  bundle
 done <<< "$groups"
 ls -la "$work" | tee -a "$work/log.txt"
-tar -czf "$out/device.tgz" -C "$work" .
-cp "$work/log.txt" "$work/test_on_device.txt" "$out/" 2>/dev/null
+bundle
 tail -n 15 "$work"/test_on_device.txt "$work"/bench-*.txt
