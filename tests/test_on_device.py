@@ -128,3 +128,25 @@ def test_a_cuda_tensor_on_a_cpu_plugin_says_what_to_install():
     f = compile_tpu(lambda x: x + 1)
     with pytest.raises(Exception, match="jax-cuda13-pjrt"):
         f(torch.ones(3, device="cuda"))
+
+
+ATTENTION_KERNELS = {
+    "flash": lambda q, k, v, mask: torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, is_causal=True)[0],
+    "cudnn": lambda q, k, v, mask: torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, mask, False)[0],
+    "efficient": lambda q, k, v, mask: torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, mask, False)[0],
+}
+
+
+@pytest.mark.parametrize("kernel", list(ATTENTION_KERNELS))
+def test_a_gpu_attention_kernel_is_lowered_as_the_attention_it_computes(kernel):
+    """SDPA on CUDA tensors reaches the backend as one of these kernels; traced here on CPU
+    tensors (their fake kernels know no device), each must give SDPA's math."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 9, 16, generator=g) for _ in range(3))
+    mask = torch.randn(2, 1, 9, 9, generator=g)
+    got = compile_tpu(ATTENTION_KERNELS[kernel])(q, k, v, mask)
+    if kernel == "flash":
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    else:
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

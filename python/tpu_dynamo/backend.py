@@ -38,6 +38,43 @@ _KEEP = {
 }
 
 
+def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale):  # type: ignore[no-untyped-def]
+    """The CPU's fused attention op, which the compiler lowers as one unit, in place of a GPU's."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+    )
+
+
+def _flash_attention(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):  # type: ignore[no-untyped-def]
+    out, lse = _attention(query, key, value, None, dropout_p, is_causal, scale)
+    none = query.new_empty(0, dtype=torch.int64)  # what the kernel keeps for backward and dropout
+    return out, lse, none, none, query.shape[2], key.shape[2], none, none, none
+
+
+def _cudnn_attention(  # type: ignore[no-untyped-def]
+    query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
+    scale=None,
+):
+    out, lse = _attention(query, key, value, attn_bias, dropout_p, is_causal, scale)
+    none = query.new_empty(0, dtype=torch.int64)
+    return out, lse, none, none, query.shape[2], key.shape[2], none, none, none
+
+
+def _efficient_attention(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None):  # type: ignore[no-untyped-def]
+    out, lse = _attention(query, key, value, attn_bias, dropout_p, is_causal, scale)
+    none = query.new_empty(0, dtype=torch.int64)
+    return out, lse, none, none
+
+
+# On CUDA tensors SDPA dispatches to a GPU kernel (flash, cuDNN, memory-efficient), which has no
+# decomposition: each becomes the CPU's fused op, the same attention, which the compiler lowers.
+_GPU_ATTENTION = {
+    torch.ops.aten._scaled_dot_product_flash_attention.default: _flash_attention,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default: _cudnn_attention,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default: _efficient_attention,
+}
+
+
 @functools.cache
 def decompositions() -> dict[Any, Callable[..., Any]]:
     """Core ATen (the compiler lowers core ATen ops, plus what the census shows survives it, e.g.
@@ -50,7 +87,7 @@ def decompositions() -> dict[Any, Callable[..., Any]]:
     for op, fn in decomposition_table.items():
         if op not in table and isinstance(op, torch._ops.OpOverload) and str(op) not in ours:
             table[op] = fn
-    return table
+    return {**table, **_GPU_ATTENTION}
 
 
 def _dynamo_kind(node: torch.fx.Node, value: Any) -> InputKind:

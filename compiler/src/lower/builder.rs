@@ -1023,10 +1023,16 @@ impl<'a> Builder<'a> {
             list(contract.0),
             list(contract.1)
         );
+        // PyTorch multiplies f32 matrices in f32 unless told otherwise
+        // (`torch.get_float32_matmul_precision() == "highest"`); XLA:GPU's default precision
+        // would use TF32 (10-bit mantissas) on an Ampere or later GPU: 2e-4 off on a small MLP.
+        let precision = "[#stablehlo<precision HIGHEST>, #stablehlo<precision HIGHEST>]".to_string();
+        let f32_operands = a.dtype() == DType::F32 && b.dtype() == DType::F32;
+        let attrs = [("dot_dimension_numbers", dn), ("precision_config", precision)];
         self.op(
             "stablehlo.dot_general",
             &[a, b],
-            &[("dot_dimension_numbers", dn)],
+            &attrs[..if f32_operands { 2 } else { 1 }],
             TensorType::new(out, shape),
         )
     }
