@@ -77,3 +77,45 @@ def test_same_model_same_hash_in_two_processes():
         for seed in (1, 2)
     ]
     assert len(hashes[0]) == 64 and hashes[0] == hashes[1]
+
+
+def _graph_with_constant(value):
+    """`x + cat(x, c)[:2]` with `c` read through `get_attr`."""
+    import torch
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    c = graph.get_attr("c")
+    cat = graph.call_function(torch.ops.aten.cat.default, ([x, c],))
+    head = graph.call_function(torch.ops.aten.slice.Tensor, (cat, 0, 0, 2))
+    add = graph.call_function(torch.ops.aten.add.Tensor, (x, head))
+    graph.output((add,))
+    root = torch.nn.Module()
+    root.c = value
+    gm = torch.fx.GraphModule(root, graph)
+    with torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True):
+        x.meta["val"], c.meta["val"] = torch.empty(2), value
+        for n in (cat, head, add):
+            n.meta["val"] = n.target(*torch.fx.node.map_arg(n.args, lambda a: a.meta["val"]))
+    return gm
+
+
+def test_an_empty_fake_constant_stands_for_an_empty_tensor():
+    """A trace on a GPU holds `torch.tensor([], device="cuda")` (a transformers cache layer's
+    first keys) as a FakeTensor constant: it has no elements, so an empty tensor replaces it."""
+    import pytest
+    import torch
+
+    from tpu_dynamo.convert import convert
+    from tpu_dynamo.executable import Executable
+
+    with torch._subclasses.FakeTensorMode():
+        empty = torch.empty(0)
+        full = torch.ones(3)
+    converted = convert(_graph_with_constant(empty), [InputKind.USER])
+    assert [type(c) for c in converted.constants] == [torch.Tensor] and converted.constants[0].numel() == 0
+    x = torch.randn(2)
+    (got,) = Executable(_native.compile(converted.json), converted)([x])
+    torch.testing.assert_close(got, x + x)
+    with pytest.raises(NotImplementedError, match=r"constant c \(torch.float32 \[3\] on cpu\) has no value"):
+        convert(_graph_with_constant(full), [InputKind.USER])

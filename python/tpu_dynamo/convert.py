@@ -19,6 +19,7 @@ import torch
 import torch.fx
 import torch.utils._sympy.functions as symfn
 from torch._functorch._aot_autograd.descriptors import ForwardTokenAOTInput
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ._native import LowerError
 
@@ -294,7 +295,7 @@ class _Builder:
         # get_attr tensors become constant inputs after the placeholders, in graph order.
         for n in self.gm.graph.nodes:
             if n.op == "get_attr":
-                t = operator.attrgetter(n.target)(self.gm)
+                t = _with_value(operator.attrgetter(n.target)(self.gm), n.target)
                 self.add_input(n, self.tensor_type(t, f"constant {n.target}"), InputKind.CONSTANT)
                 self.constants.append(t)
         self.next_value = len(self.inputs)
@@ -443,6 +444,20 @@ class _Builder:
             for i, a in enumerate([*n["args"], *(v for _, v in n["kwargs"])]):
                 visit(a, k, i, [])
         return sizes
+
+
+def _with_value(t: Any, name: str) -> Any:
+    """A constant as a tensor with a value. A trace on a GPU can hold an empty one only as a
+    FakeTensor (`torch.tensor([], device="cuda")`, a transformers cache layer's first keys): an
+    empty host tensor stands for it, as good as any since it has no elements."""
+    if not isinstance(t, FakeTensor):
+        return t
+    if t.numel() == 0:
+        return torch.empty(t.shape, dtype=t.dtype)
+    raise NotImplementedError(
+        f"tpu_dynamo: the traced graph's constant {name} ({t.dtype} {list(t.shape)} on {t.device}) has no value"
+        " (a FakeTensor); make it a buffer of the module or an input"
+    )
 
 
 def convert(

@@ -128,7 +128,14 @@ def load(graph_key: bytes) -> Converted | Traced | None:
 
 
 def store(graph_key: bytes, graph: Converted | Traced) -> None:
-    _native.graph_put(graph_key, pickle.dumps(graph, protocol=pickle.HIGHEST_PROTOCOL))
+    """Keeps `graph` for the next process, where it pickles: the cache only saves work, so a
+    graph holding something that does not (an object of the user's) is converted again there."""
+    try:
+        payload = pickle.dumps(graph, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:
+        debug.log.info("disk cache: converted graph not kept (%s: %s)", type(e).__name__, e)
+        return
+    _native.graph_put(graph_key, payload)
 
 
 def _target_name(node: torch.fx.Node) -> str | None:
