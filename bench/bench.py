@@ -301,8 +301,16 @@ def _child(args: argparse.Namespace, *what: str, env: dict[str, str] | None = No
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout + proc.stderr)
-        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
+        return {"error": _error_line(proc.stderr) or f"exit {proc.returncode}"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _error_line(stderr: str) -> str:
+    """The line of a failed process's stderr that says what failed: the last one naming an error
+    (Dynamo ends its own with advice on logging), else the last."""
+    lines = [ln.strip() for ln in stderr.strip().splitlines() if ln.strip()]
+    named = [ln for ln in lines if "Error" in ln.split(":", 1)[0] or "Exception" in ln.split(":", 1)[0]]
+    return (named or lines or [""])[-1]
 
 
 def _lowest(runs: list[dict[str, Any]]) -> dict[str, Any]:
