@@ -102,9 +102,11 @@ def test_an_updated_buffer_gets_its_new_value_and_one_version_bump(device):
     assert model.total._version == eager.total._version
 
 
-def test_generate_with_a_dynamic_cache_matches_eager(device):
-    """Decode steps pad the cache to the executable's bucket and cut the results back: on the
-    device, both happen there."""
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_generate_matches_eager(device, cache):
+    """With the default dynamic cache, decode steps pad the cache to the executable's bucket and
+    cut the results back; with a static one, each step updates the cache in place. On the device
+    both happen there."""
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -115,7 +117,10 @@ def test_generate_with_a_dynamic_cache_matches_eager(device):
 
     def generate():
         with torch.no_grad():
-            return model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+            return model.generate(
+                ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
+                cache_implementation=cache,
+            )
 
     expected = generate()
     model.forward = compile_tpu(model.forward)
