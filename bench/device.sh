@@ -11,7 +11,8 @@
 # (2026-12-04: the self-check, doctor and tests took ~40 s, the first group ~200 s with two of its
 # models failing early; the whole run should fit 580 s, leaving a 15-minute budget one retry.)
 # It writes into $OUT (else out/device), as device.tgz: the machine, the self-check and `doctor`, the CUDA half of
-# tests/test_on_device.py (CUDA tensors in and out, against eager CUDA), and `bench.py --device
+# tests/test_on_device.py (CUDA tensors in and out, against eager CUDA), a profile of the micro
+# graph's call beside Inductor's (bench/profile_call.py), and `bench.py --device
 # cuda --dtype bf16` (every backend on CUDA tensors) in groups, each its own table
 # (RESULTS-<label>.md, its JSON and chart): copy those into bench/ and read them in their prose.
 # BENCH_GROUPS narrows the run to the time the session has left; BENCH_SECONDS bounds each group.
@@ -66,6 +67,9 @@ export PYTHONUNBUFFERED=1
 timeout 150 "$python" -m pytest -q -p no:cacheprovider tests/test_on_device.py -k cuda > "$work/test_on_device.txt" 2>&1
 log "test_on_device exit $?"
 cp "$work/test_on_device.txt" "$out/"
+# Where the micro graph's call goes outside our callable on the GPU (0.2 ms on 2026-12-04; 16 µs on CPU).
+timeout 120 "$python" bench/profile_call.py --model micro --device cuda --dtype bf16 > "$work/profile_micro.txt" 2>&1
+log "profile_call exit $?"
 bundle
 
 # label:models; a group's table is written only when all its models are done, so a group the
