@@ -9,7 +9,8 @@
 # run it from the repository root as
 #     run(command="bash bench/device.sh", carry=["target/wheels", ".whl"], timeout_s=580)
 # (2026-12-04: the self-check, doctor and tests took ~40 s, the first group ~200 s with two of its
-# models failing early; the whole run should fit 580 s, leaving a 15-minute budget one retry.)
+# models failing early; the whole run should fit 580 s; a 15-minute budget then has no room for a
+# second full run, so narrow a retry with BENCH_GROUPS.)
 # It writes into $OUT (else out/device), as device.tgz: the machine, the self-check and `doctor`, the CUDA half of
 # tests/test_on_device.py (CUDA tensors in and out, against eager CUDA), a profile of the micro
 # graph's call beside Inductor's (bench/profile_call.py), and `bench.py --device
