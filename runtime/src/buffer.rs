@@ -1,4 +1,5 @@
-//! Device buffers: upload from host memory, inspect, download into a caller's slice.
+//! Device buffers: upload from host memory or view memory another library holds on the device,
+//! inspect, download into a caller's slice.
 
 use crate::client::{Client, ClientInner, Device};
 use crate::compat::Grown;

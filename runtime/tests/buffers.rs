@@ -104,3 +104,25 @@ fn a_buffer_over_host_memory_uses_it_in_place_where_aligned() {
     assert_eq!(download(&copied), values[1..1 + 255 * 64]);
     drop((buffer, copied));
 }
+
+#[test]
+fn a_view_of_device_memory_reads_it_where_it_is_and_reports_its_address() {
+    // On the CPU plugin "device memory" is the host's: the view must be the memory itself, as a
+    // CUDA tensor's is on a GPU plugin (that half runs on a GPU: tests/test_on_device.py).
+    let client = client(1);
+    let dev = &client.devices()[0];
+    let spec = f32_spec(&[8, 16]);
+    let values = Rng::new(11).f32s(8 * 16);
+    #[repr(C, align(64))]
+    struct Line([f32; 16]);
+    let host: Vec<Line> = values.chunks_exact(16).map(|c| Line(c.try_into().unwrap())).collect();
+    let address = host.as_ptr() as usize;
+    // SAFETY: `host` outlives the view and is not written while it lives.
+    let view = unsafe { client.view_of_device_memory(address, &spec, dev) }.unwrap();
+    assert_eq!(download(&view), values);
+    assert_eq!(view.device_address().unwrap(), address);
+    assert!(view.dense_row_major(8 * 16 * 4));
+    assert!(!view.dense_row_major(4), "a size other than the buffer's");
+    drop(view);
+    drop(host);
+}
