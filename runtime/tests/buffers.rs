@@ -76,17 +76,23 @@ fn client_device_of_other_client() -> Device {
     client(1).devices().remove(0)
 }
 
+/// 64 bytes of `f32`s, aligned as XLA's CPU client asks of memory it takes in place (and as
+/// torch's CPU allocator aligns tensors).
+#[repr(C, align(64))]
+struct Line([f32; 16]);
+
+/// `values` (a multiple of 16) in 64-byte aligned memory.
+fn aligned(values: &[f32]) -> Vec<Line> {
+    values.chunks_exact(16).map(|c| Line(c.try_into().unwrap())).collect()
+}
+
 #[test]
 fn a_buffer_over_host_memory_uses_it_in_place_where_aligned() {
     let client = client(1);
     let dev = &client.devices()[0];
     let spec = f32_spec(&[256, 64]);
     let values = Rng::new(9).f32s(256 * 64);
-    // 64-byte aligned, as XLA's CPU client asks of memory it takes in place (and as torch's
-    // CPU allocator aligns tensors).
-    #[repr(C, align(64))]
-    struct Line([f32; 16]);
-    let mut host: Vec<Line> = values.chunks_exact(16).map(|c| Line(c.try_into().unwrap())).collect();
+    let mut host = aligned(&values);
     // SAFETY: `host` is 65536 plain bytes, viewed as bytes while nothing else touches it.
     let bytes = unsafe { std::slice::from_raw_parts(host.as_mut_ptr().cast::<u8>(), 256 * 64 * 4) };
     // SAFETY: `host` outlives the buffer and is not written while an execute takes it.
@@ -113,9 +119,7 @@ fn a_view_of_device_memory_reads_it_where_it_is_and_reports_its_address() {
     let dev = &client.devices()[0];
     let spec = f32_spec(&[8, 16]);
     let values = Rng::new(11).f32s(8 * 16);
-    #[repr(C, align(64))]
-    struct Line([f32; 16]);
-    let host: Vec<Line> = values.chunks_exact(16).map(|c| Line(c.try_into().unwrap())).collect();
+    let host = aligned(&values);
     let address = host.as_ptr() as usize;
     // SAFETY: `host` outlives the view and is not written while it lives.
     let view = unsafe { client.view_of_device_memory(address, &spec, dev) }.unwrap();
