@@ -69,6 +69,26 @@ def test_mlp_reads_its_weights_where_they_are(device, dtype):
     assert after["uploads"] == before["uploads"]
 
 
+def test_weights_are_viewed_once_even_when_changed_in_place_or_made_in_inference_mode(device):
+    """A view reads the weight's memory as it is at each execute: neither an in-place update
+    nor an inference tensor's missing version needs a new one."""
+    with torch.inference_mode():
+        model = torch.nn.Linear(16, 8).to(device)
+        x = torch.randn(4, 16, device=device)
+        compiled = compile_tpu(model)
+        compiled(x)
+        before = tpu_dynamo.stats()
+        compiled(x)
+        after_inference = tpu_dynamo.stats()
+        model.weight.mul_(2)
+        got = compiled(x)
+        after_update = tpu_dynamo.stats()
+        expected = model(x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert after_inference["device_views"] - before["device_views"] == 1  # x alone
+    assert after_update["device_views"] - after_inference["device_views"] == 1
+
+
 def test_results_outlive_the_next_calls_and_stay_correct(device):
     """A result is the plugin's memory, lent to torch: later executes must not reuse it while
     torch holds it, and after torch lets go it is freed."""

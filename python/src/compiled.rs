@@ -613,8 +613,9 @@ impl CompiledGraph {
 
     /// The buffer for input `i` of a call on a GPU (`run_on_device`): a view of the device
     /// memory at `ptr` (`on_device`), else an upload of the host memory there; kept, as in
-    /// `input_buffer`, while `(ptr, version)` match (`version >= 0`), except for an input the
-    /// execute donates (the Python caller passes a copy of its own of such an input).
+    /// `input_buffer`, while `(ptr, version)` match (`version >= 0`; the caller gives a view the
+    /// same version whatever changes its memory), except for an input the execute donates (the
+    /// Python caller passes a copy of its own of such an input).
     fn device_input(
         &self,
         i: usize,

@@ -197,8 +197,14 @@ class Executable:
             else:
                 c = t.clone(memory_format=torch.contiguous_format) if i in updated else t.contiguous()
             held.append(c)
-            keep = resident and c is t and not t.is_inference()
-            ins.append((c.data_ptr(), c.nbytes, t._version if keep else -1, c.device == device))
+            # A view reads the memory as it is at each execute, so an in-place change needs no new
+            # one: a view is kept by address alone (version 0), an inference tensor's too.
+            viewed = c.device == device
+            if resident and c is t and (viewed or not t.is_inference()):
+                version = 0 if viewed else t._version
+            else:
+                version = -1
+            ins.append((c.data_ptr(), c.nbytes, version, viewed))
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
         capsules = self.native.run_on_device(held, ins, device.index or 0)
