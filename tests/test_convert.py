@@ -119,3 +119,22 @@ def test_an_empty_fake_constant_stands_for_an_empty_tensor():
     torch.testing.assert_close(got, x + x)
     with pytest.raises(NotImplementedError, match=r"constant c \(torch.float32 \[3\] on cpu\) has no value"):
         convert(_graph_with_constant(full), [InputKind.USER])
+
+
+def test_the_device_each_output_was_traced_on_is_kept():
+    """A graph traced on a GPU gives back on the host what its trace put there (`.cpu()`)."""
+    import torch
+
+    from tpu_dynamo.convert import convert
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    doubled = graph.call_function(torch.ops.aten.add.Tensor, (x, x))
+    on_host = graph.call_function(torch.ops.aten._to_copy.default, (doubled,), {"device": torch.device("cpu")})
+    graph.output((doubled, on_host))
+    with torch._subclasses.FakeTensorMode():
+        x.meta["val"] = torch.empty(3, device="cuda")
+        doubled.meta["val"] = x.meta["val"] + x.meta["val"]
+        on_host.meta["val"] = doubled.meta["val"].cpu()
+    converted = convert(torch.fx.GraphModule(torch.nn.Module(), graph), [InputKind.USER])
+    assert converted.result_devices == ("cuda:0", "cpu")

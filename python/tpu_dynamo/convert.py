@@ -90,6 +90,11 @@ class Converted:
     this graph's last inputs, recomputed only when a weight changes."""
     prep_args: tuple[int, ...] = ()
     """Positions among this graph's arguments of the `prep` graph's inputs."""
+    result_devices: tuple[str, ...] = ()
+    """Per result that is a graph output (the first results), the device it was traced on
+    (`str(torch.device)`): a call on a GPU gives one traced on the CPU (the graph's `.cpu()`)
+    back on the host, and a graph traced on a GPU returns its results there even when called
+    with host tensors alone."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -383,6 +388,7 @@ class _Builder:
         self.placeholders()
         outs: list[int] = []
         template: list[int | None] = []
+        devices: list[str] = []
         for n in self.gm.graph.nodes:
             if n.op == "call_function":
                 self.call(n)
@@ -395,6 +401,7 @@ class _Builder:
                     else:
                         template.append(len(outs))
                         outs.append(self.value_of(o))
+                        devices.append(str(getattr(o.meta.get("val"), "device", "cpu")))
             elif n.op not in ("placeholder", "get_attr"):
                 raise LowerError(f"tpu_dynamo: FX node kind {n.op!r} ({n.format_node()}) is not supported")
         mutations = []
@@ -419,6 +426,7 @@ class _Builder:
             tuple(mutations),
             tuple(self.scalar_args),
             tuple(checks),
+            result_devices=tuple(devices),
         )
 
     def symbolic_sizes(self) -> list[dict[str, Any]]:

@@ -79,6 +79,9 @@ class Executable:
         self.checks = converted.checks
         self.out_types = [(_TORCH_DTYPES[d], tuple(s)) for d, s in native.output_types]
         self.in_shapes = [tuple(s) for _, s in native.input_types]
+        # A graph traced on a GPU: where its results go (see `Converted.result_devices`).
+        self.host_results = tuple(o for o, d in enumerate(converted.result_devices) if d == "cpu")
+        self.traced_on = next((torch.device(d) for d in converted.result_devices if d.startswith("cuda")), None)
         self.out_nbytes = [math.prod(s) * d.itemsize for d, s in self.out_types]
         # Results the plugin hands over as the tensors' storage (CPU plugins) instead of copying
         # them into tensors allocated here; a mutated input's result goes into the input itself.
@@ -156,6 +159,8 @@ class Executable:
                 ) from None
             return self._on_device(tensors, sizes, device)
         args.clear()  # boxed convention: let AOTAutograd's caller free inputs early
+        if self.traced_on is not None and not self.native.hands_over_outputs:
+            return self._on_device(tensors, sizes, self.traced_on)
         s = self.exact if sizes is None else sizes
         outs: list[Any] = [
             None if handed else torch.empty(shape, dtype=dtype)
@@ -214,6 +219,9 @@ class Executable:
         ]
         for o, dims, packed in s.cut:
             outs[o] = _cut(outs[o], dims, packed)
+        if device.type != "cpu":
+            for o in self.host_results:
+                outs[o] = outs[o].cpu()
         for i, o in self.mutations:
             t = tensors[i]
             keep = contextlib.nullcontext() if t.is_inference() else torch.autograd._unsafe_preserve_version_counter(t)
