@@ -176,6 +176,11 @@ def inside_ms(fn: Callable[[], Any], calls: int) -> float:
     """Median per call of `fn` of the time spent inside our executables (`Executable.__call__`):
     the call less what Dynamo (guards, frame, the model's output objects) and any AOTAutograd
     wrapper spend around them. A separate pass, so the timed calls carry no instrumentation."""
+    return statistics.median(inside for inside, _ in inside_and_whole(fn, calls)) * 1e3
+
+
+def inside_and_whole(fn: Callable[[], Any], calls: int) -> list[tuple[float, float]]:
+    """Per call of `fn`: seconds inside our executables, and seconds of the whole call."""
     spent = [0.0]
 
     def timed(call: Callable[..., Any], self: Any, args: list[Any], *sizes: Any) -> Any:
@@ -189,9 +194,10 @@ def inside_ms(fn: Callable[[], Any], calls: int) -> float:
     with _around_executables(timed):
         for _ in range(calls):
             spent[0] = 0.0
+            start = time.perf_counter()
             fn()
-            times.append(spent[0])
-    return statistics.median(times) * 1e3
+            times.append((spent[0], time.perf_counter() - start))
+    return times
 
 
 def _autocast(device: str, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:

@@ -27,9 +27,10 @@ def test_steady_state_calls_reuse_the_executable_and_match_eager(name):
             torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
         (executable, args, sizes), = bench.recorded_executions(call)
         seconds = executable.bench_execute(args, 3, *sizes)
-        whole, inside = bench.median_ms(call, 3, lambda: None), bench.inside_ms(call, 3)
+        calls = bench.inside_and_whole(call, 3)
     assert len(seconds) == 3 and all(s > 0 for s in seconds)
-    assert 0 < inside < whole, "the time inside our executables is part of the call"
+    # Of the same calls (two passes' medians differ by this VM's noise alone).
+    assert all(0 < inside < whole for inside, whole in calls), "the time inside our executables is part of the call"
 
 
 def test_a_decode_times_the_bare_execute_of_every_step_padded_ones_included():
