@@ -283,12 +283,12 @@ def cold(
     if backend == "inductor":
         import torch._inductor.compile_fx  # noqa: F401
     torch._dynamo.config.caching_precompile = precompile
-    case = build(name, (ours_on or device) if backend == "tpu" else device, dtype)
+    on = (ours_on or device) if backend == "tpu" else device
+    case = build(name, on, dtype)
     with torch.no_grad(), _autocast(device, autocast):
         start = time.perf_counter()
         _compiled(case, backend)()
-        _sync(device)()
-        _sync(ours_on or device)()
+        _sync(on)()
         seconds = time.perf_counter() - start
     if precompile:
         torch.compiler.save_cache_artifacts()
@@ -479,7 +479,7 @@ def write_results(args: argparse.Namespace, rows: list[dict[str, Any]], colds: d
     print(f"wrote {md} and {png}")
 
 
-def ours_on(args: argparse.Namespace) -> str:
+def _ours_device(args: argparse.Namespace) -> str:
     return "cpu" if args.host_inputs else args.device
 
 
@@ -512,10 +512,10 @@ def main() -> None:
     dtype = DTYPES[args.dtype]
     autocast = DTYPES[args.autocast] if args.autocast else None
     if args.one:
-        print(json.dumps(steady(args.one, args.device, dtype, max(args.calls, 20), autocast, ours_on(args))))
+        print(json.dumps(steady(args.one, args.device, dtype, max(args.calls, 20), autocast, _ours_device(args))))
         return
     if args.cold:
-        print(json.dumps(cold(args.cold[1], args.cold[0], args.device, dtype, args.precompile, autocast, ours_on(args))))
+        print(json.dumps(cold(args.cold[1], args.cold[0], args.device, dtype, args.precompile, autocast, _ours_device(args))))
         return
     passes = [[{"model": m, **_child(args, "--one", m)} for m in args.models] for _ in range(args.processes)]
     rows = [_lowest(list(runs)) for runs in zip(*passes)]

@@ -295,6 +295,25 @@ impl Resident {
 /// alive once it has the GIL again (`CompiledGraph::pin`).
 type Unpinned = Vec<(usize, usize, i64)>;
 
+/// An input's resident slot, locked for one call; `None` for an input that is not kept.
+type Slot<'a> = Option<MutexGuard<'a, Option<Resident>>>;
+
+/// The buffer `slot` keeps, if it still holds the value at `(ptr, version)`.
+fn kept(slot: &Slot<'_>, ptr: usize, version: i64) -> Option<Arc<Buffer>> {
+    let r = slot.as_deref()?.as_ref().filter(|r| (r.ptr, r.version) == (ptr, version))?;
+    STATS.resident_hits.fetch_add(1, Relaxed);
+    Some(r.copy.clone())
+}
+
+/// Makes `buf` the buffer `slot` keeps for input `i`'s value at `(ptr, version)`; its host
+/// storage is pinned once the call has the GIL again.
+fn keep(slot: &mut Slot<'_>, (i, ptr, version): (usize, usize, i64), buf: &Arc<Buffer>, unpinned: &mut Unpinned) {
+    if let Some(slot) = slot.as_deref_mut() {
+        *slot = Some(Resident::new(ptr, version, buf.clone()));
+        unpinned.push((i, ptr, version));
+    }
+}
+
 /// A graph compiled for one concrete input signature.
 #[pyclass(frozen, module = "tpu_dynamo._native")]
 pub struct CompiledGraph {
@@ -556,12 +575,9 @@ impl CompiledGraph {
             let bytes = unsafe { host_slice(ptr, nbytes) };
             return Ok(Arg::Padded(PaddedInput::upload(t, bytes, given, spec, packed)?));
         }
-        let mut slot = (version >= 0).then(|| self.resident[i].lock().unwrap_or_else(|p| p.into_inner()));
-        if let Some(Some(r)) = slot.as_deref() {
-            if (r.ptr, r.version) == (ptr, version) {
-                STATS.resident_hits.fetch_add(1, Relaxed);
-                return Ok(Arg::Owned(r.copy.clone()));
-            }
+        let mut slot = self.slot(i, version >= 0);
+        if let Some(buf) = kept(&slot, ptr, version) {
+            return Ok(Arg::Owned(buf));
         }
         if let Some(shared) = Shared::find(ptr, spec) {
             STATS.view_hits.fetch_add(1, Relaxed);
@@ -604,10 +620,7 @@ impl CompiledGraph {
                 buf
             }
         };
-        if let Some(slot) = slot.as_deref_mut() {
-            *slot = Some(Resident::new(ptr, version, buf.clone()));
-            unpinned.push((i, ptr, version));
-        }
+        keep(&mut slot, (i, ptr, version), &buf, unpinned);
         Ok(Arg::Owned(buf))
     }
 
@@ -624,12 +637,9 @@ impl CompiledGraph {
     ) -> Result<Arc<Buffer>, RtError> {
         let spec = &self.entry.inputs[i];
         let donated = self.aliases.iter().any(|&(a, _)| a == i);
-        let mut slot = (version >= 0 && !donated).then(|| self.resident[i].lock().unwrap_or_else(|p| p.into_inner()));
-        if let Some(Some(r)) = slot.as_deref() {
-            if (r.ptr, r.version) == (ptr, version) {
-                STATS.resident_hits.fetch_add(1, Relaxed);
-                return Ok(r.copy.clone());
-            }
+        let mut slot = self.slot(i, version >= 0 && !donated);
+        if let Some(buf) = kept(&slot, ptr, version) {
+            return Ok(buf);
         }
         let t = &self.target;
         let buffer = if on_device {
@@ -645,11 +655,13 @@ impl CompiledGraph {
             t.client.buffer_from_host(unsafe { host_slice(ptr, nbytes) }, spec, &t.device)?
         };
         let buffer = Arc::new(buffer);
-        if let Some(slot) = slot.as_deref_mut() {
-            *slot = Some(Resident::new(ptr, version, buffer.clone()));
-            unpinned.push((i, ptr, version));
-        }
+        keep(&mut slot, (i, ptr, version), &buffer, unpinned);
         Ok(buffer)
+    }
+
+    /// Input `i`'s resident slot, locked, where the input may be kept (`keepable`).
+    fn slot(&self, i: usize, keepable: bool) -> Slot<'_> {
+        keepable.then(|| self.resident[i].lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     fn input_buffers(
@@ -885,10 +897,11 @@ impl CompiledGraph {
     /// the memory of CUDA device `device_id` (read where they are) or on the host (uploaded);
     /// versions as for `run`. Returns one DLPack capsule per output, over the plugin's result in
     /// the device's memory (a CPU capsule where the plugin keeps a result in a layout of its
-    /// own), or `None` for an empty one. On a CPU plugin, "the device" is the host. The caller must have synchronized torch's stream (see
-    /// `on_device`), keep every tensor alive until this returns, and pass an input the executable
-    /// updates in place as a copy of its own, whose new value it then copies back from the
-    /// result. Use it through `tpu_dynamo.executable.Executable`, which does.
+    /// own), or `None` for an empty one. On a CPU plugin, "the device" is the host. The caller
+    /// must have synchronized torch's stream (see `on_device`), keep every tensor alive until
+    /// this returns, and pass an input the executable updates in place as a copy of its own,
+    /// whose new value it then copies back from the result. Use it through
+    /// `tpu_dynamo.executable.Executable`, which does.
     fn run_on_device(
         &self,
         py: Python<'_>,
@@ -909,9 +922,10 @@ impl CompiledGraph {
                 .collect::<Result<Vec<_>, _>>()?;
             let refs: Vec<&Buffer> = args.iter().map(|b| &**b).collect();
             self.forget_donated();
-            let results = self.entry.exe.execute(&refs)?;
-            drop(refs);
-            let memories = results
+            let memories = self
+                .entry
+                .exe
+                .execute(&refs)?
                 .into_iter()
                 .zip(&self.entry.outputs)
                 .map(|(result, spec)| on_device::result_memory(result, spec, cuda_device))

@@ -45,24 +45,27 @@ def _attention(query, key, value, attn_mask, dropout_p, is_causal, scale):  # ty
     )
 
 
-def _flash_attention(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):  # type: ignore[no-untyped-def]
-    out, lse = _attention(query, key, value, None, dropout_p, is_causal, scale)
-    none = query.new_empty(0, dtype=torch.int64)  # what the kernel keeps for backward and dropout
+def _with_kernel_state(out, lse, query, key):  # type: ignore[no-untyped-def]
+    """Flash and cuDNN attention's results: beside the output and logsumexp, what the kernel keeps
+    for backward and dropout (empty here) and the longest query and key lengths."""
+    none = query.new_empty(0, dtype=torch.int64)
     return out, lse, none, none, query.shape[2], key.shape[2], none, none, none
+
+
+def _flash_attention(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):  # type: ignore[no-untyped-def]
+    return _with_kernel_state(*_attention(query, key, value, None, dropout_p, is_causal, scale), query, key)
 
 
 def _cudnn_attention(  # type: ignore[no-untyped-def]
     query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
     scale=None,
 ):
-    out, lse = _attention(query, key, value, attn_bias, dropout_p, is_causal, scale)
-    none = query.new_empty(0, dtype=torch.int64)
-    return out, lse, none, none, query.shape[2], key.shape[2], none, none, none
+    return _with_kernel_state(*_attention(query, key, value, attn_bias, dropout_p, is_causal, scale), query, key)
 
 
 def _efficient_attention(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None):  # type: ignore[no-untyped-def]
     out, lse = _attention(query, key, value, attn_bias, dropout_p, is_causal, scale)
-    none = query.new_empty(0, dtype=torch.int64)
+    none = query.new_empty(0, dtype=torch.int64)  # the dropout's seed and offset
     return out, lse, none, none
 
 

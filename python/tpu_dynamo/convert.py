@@ -93,8 +93,10 @@ class Converted:
     result_devices: tuple[str, ...] = ()
     """Per result that is a graph output (the first results), the device it was traced on
     (`str(torch.device)`): a call on a GPU gives one traced on the CPU (the graph's `.cpu()`)
-    back on the host, and a graph traced on a GPU returns its results there even when called
-    with host tensors alone."""
+    back on the host."""
+    gpu: str | None = None
+    """The GPU the graph was traced on (`str(torch.device)`), if any tensor of the trace was on
+    one: its calls run there (`Executable._on_device`), even with host tensors alone as inputs."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -427,6 +429,7 @@ class _Builder:
             tuple(self.scalar_args),
             tuple(checks),
             result_devices=tuple(devices),
+            gpu=next((str(v.device) for n in self.gm.graph.nodes if _on_gpu(v := n.meta.get("val"))), None),
         )
 
     def symbolic_sizes(self) -> list[dict[str, Any]]:
@@ -452,6 +455,10 @@ class _Builder:
             for i, a in enumerate([*n["args"], *(v for _, v in n["kwargs"])]):
                 visit(a, k, i, [])
         return sizes
+
+
+def _on_gpu(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and not value.is_cpu
 
 
 def _with_value(t: Any, name: str) -> Any:

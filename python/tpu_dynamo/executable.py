@@ -79,9 +79,9 @@ class Executable:
         self.checks = converted.checks
         self.out_types = [(_TORCH_DTYPES[d], tuple(s)) for d, s in native.output_types]
         self.in_shapes = [tuple(s) for _, s in native.input_types]
-        # A graph traced on a GPU: where its results go (see `Converted.result_devices`).
+        # A graph traced on a GPU: where it runs, and which results go back to the host.
+        self.gpu = None if converted.gpu is None else torch.device(converted.gpu)
         self.host_results = tuple(o for o, d in enumerate(converted.result_devices) if d == "cpu")
-        self.traced_on = next((torch.device(d) for d in converted.result_devices if d.startswith("cuda")), None)
         self.out_nbytes = [math.prod(s) * d.itemsize for d, s in self.out_types]
         # Results the plugin hands over as the tensors' storage (CPU plugins) instead of copying
         # them into tensors allocated here; a mutated input's result goes into the input itself.
@@ -131,7 +131,7 @@ class Executable:
         # resident inputs need `is_inference`.
         for t, resident in zip(tensors, self.resident):
             if not t.is_cpu:
-                raise _OnDevice
+                raise ValueError(f"tpu_dynamo: inputs must be CPU tensors, got one on {t.device}")
             c = t.contiguous()
             held.append(c)
             # A mutated input that is not dense gets a dense copy, and an inference tensor has no
@@ -143,24 +143,12 @@ class Executable:
     def __call__(self, args: list[Any], sizes: CallSizes | None = None) -> tuple[torch.Tensor | None, ...]:
         if self.derived is not None:
             args.extend(self.derived(args))
-        try:
-            tensors, held, ins = self._host_inputs(args)
-        except _OnDevice:
+        if self.gpu is not None:
             tensors = self._tensors(args)
             args.clear()
-            device = next(t.device for t in tensors if not t.is_cpu)
-            if device.type != "cuda":
-                raise ValueError(f"tpu_dynamo: inputs must be CPU or CUDA tensors, got one on {device}") from None
-            if self.native.hands_over_outputs:
-                raise ValueError(
-                    "tpu_dynamo: the inputs are CUDA tensors, but the PJRT plugin in use computes on the host"
-                    " (XLA:CPU); for a GPU install the XLA CUDA plugin (`pip install jax-cuda13-pjrt`, or point"
-                    " TPU_DYNAMO_PJRT_PLUGIN at its xla_cuda_plugin.so), or move the model and its inputs to the CPU"
-                ) from None
-            return self._on_device(tensors, sizes, device)
+            return self._on_gpu(tensors, sizes)
+        tensors, held, ins = self._host_inputs(args)
         args.clear()  # boxed convention: let AOTAutograd's caller free inputs early
-        if self.traced_on is not None and not self.native.hands_over_outputs:
-            return self._on_device(tensors, sizes, self.traced_on)
         s = self.exact if sizes is None else sizes
         outs: list[Any] = [
             None if handed else torch.empty(shape, dtype=dtype)
@@ -181,6 +169,18 @@ class Executable:
             return tuple(outs)
         return tuple(None if i is None else outs[i] for i in self.template)
 
+    def _on_gpu(self, tensors: list[torch.Tensor], sizes: CallSizes | None) -> tuple[torch.Tensor | None, ...]:
+        """`__call__` for a graph traced on a GPU, which a GPU plugin runs there."""
+        if self.gpu.type != "cuda":
+            raise ValueError(f"tpu_dynamo: inputs must be CPU or CUDA tensors, got one on {self.gpu}")
+        if self.native.hands_over_outputs:
+            raise ValueError(
+                "tpu_dynamo: the inputs are CUDA tensors, but the PJRT plugin in use computes on the host"
+                " (XLA:CPU); for a GPU install the XLA CUDA plugin (`pip install jax-cuda13-pjrt`, or point"
+                " TPU_DYNAMO_PJRT_PLUGIN at its xla_cuda_plugin.so), or move the model and its inputs to the CPU"
+            )
+        return self._on_device(tensors, sizes, self.gpu)
+
     def _on_device(
         self, tensors: list[torch.Tensor], sizes: CallSizes | None, device: torch.device
     ) -> tuple[torch.Tensor | None, ...]:
@@ -193,9 +193,12 @@ class Executable:
         s = self.exact if sizes is None else sizes
         padded = {i: (self.in_shapes[i], packed) for i, _, packed in s.given}
         updated = {i for i, _ in self.mutations}
+        # Per input on every call: `is_cpu`/`is_cuda` and `get_device` cost less than `device`.
+        on_host, index = device.type == "cpu", device.index or 0
         held, ins = [], []
         for i, (t, resident) in enumerate(zip(tensors, self.resident)):
-            if t.device != device and not t.is_cpu:
+            viewed = t.is_cpu if on_host else t.is_cuda and t.get_device() == index
+            if not (viewed or t.is_cpu):
                 raise ValueError(f"tpu_dynamo: inputs on two devices in one call ({device} and {t.device})")
             if i in padded:
                 c = _padded(t, *padded[i])
@@ -204,7 +207,6 @@ class Executable:
             held.append(c)
             # A view reads the memory as it is at each execute, so an in-place change needs no new
             # one: a view is kept by address alone (version 0), an inference tensor's too.
-            viewed = c.device == device
             if resident and c is t and (viewed or not t.is_inference()):
                 version = 0 if viewed else t._version
             else:
@@ -212,7 +214,7 @@ class Executable:
             ins.append((c.data_ptr(), c.nbytes, version, viewed))
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
-        capsules = self.native.run_on_device(held, ins, device.index or 0)
+        capsules = self.native.run_on_device(held, ins, index)
         outs: list[Any] = [
             torch.empty(shape, dtype=dtype, device=device) if c is None else _from_dlpack(c).to(device)
             for c, (dtype, shape) in zip(capsules, self.out_types)
@@ -271,10 +273,6 @@ class Executable:
         torch.autograd.graph.increment_version(
             [tensors[i] for i in self.bump if held[i] is tensors[i] and not tensors[i].is_inference()]
         )
-
-
-class _OnDevice(Exception):
-    """An input is not a CPU tensor: the call goes to `Executable._on_device`."""
 
 
 def _padded(t: torch.Tensor, shape: tuple[int, ...], packed: bool) -> torch.Tensor:
