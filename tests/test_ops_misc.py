@@ -379,6 +379,39 @@ def test_a_bf16_vector_times_a_matrix_converts_no_matrix_to_f32(name, compiled):
     assert 0 <= graph.temp_bytes < w.nbytes, graph.temp_bytes
 
 
+# name: (product, shapes, rows computed per row asked for: one token is two equal rows).
+SHORT_BF16_PRODUCTS = {
+    "linear": (lambda a, b: torch.nn.functional.linear(a, b), (8, 128, 64), (1000, 64), 1),
+    "lora_up": (lambda a, b: a @ b.t(), (1024, 16), (3072, 16), 1),
+    "scores": (lambda a, b: a @ b.transpose(-1, -2), (2, 4, 128, 64), (2, 4, 128, 64), 1),
+    "one_token": (lambda a, b: a @ b.t(), (1, 256), (1024, 256), 2),
+}
+
+
+@pytest.mark.parametrize("name", SHORT_BF16_PRODUCTS)
+def test_a_short_bf16_product_is_written_in_bf16_and_rounded_once(name, compiled):
+    """A bf16 product contracting at most 256 elements is asked for in bf16, so XLA:CPU writes
+    no f32 product to convert afterwards (no scratch for one), while still accumulating in f32:
+    every element within one bf16 step of the exact product plus what f32 sums may lose
+    (2^-16 of the sum of the terms' magnitudes; summing in bf16 loses up to 2^-8 of it), and
+    each that eager rounds to the nearest bf16 rounded so too, but for the rare sum that lands
+    on the other side of a tie in another order."""
+    fn, shape_a, shape_b, rows = SHORT_BF16_PRODUCTS[name]
+    torch.manual_seed(0)
+    a, b = torch.randn(shape_a, dtype=torch.bfloat16), torch.randn(shape_b, dtype=torch.bfloat16)
+    with torch.no_grad():
+        got, want = compile_tpu(fn)(a, b), fn(a, b)
+    exact = fn(a.double(), b.double())
+    assert got.dtype == torch.bfloat16
+    step = 2.0 ** (torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7)
+    magnitudes = fn(a.double().abs(), b.double().abs())
+    assert ((got.double() - exact).abs() <= step + 2.0**-16 * magnitudes).all()
+    nearest = exact.to(torch.bfloat16)
+    assert ((got != nearest) & (want == nearest)).sum() <= max(2, exact.numel() // 10000)
+    ((_, graph),) = compiled
+    assert 0 <= graph.temp_bytes < rows * exact.numel() * 4, graph.temp_bytes
+
+
 def test_softmax_rows_with_nan_and_infinities_match_eager():
     """The softmax rules take the row max without a NaN pass of their own (NaN still reaches
     every output of its row through the sum) and tell masked rows by their sum: each edge row

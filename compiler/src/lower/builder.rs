@@ -1170,7 +1170,7 @@ pub fn keep_dims_shape(shape: &[i64], dims: &[usize]) -> Vec<i64> {
 
 /// Whether `dot_general(a, b)` multiplies a bf16 vector (no batch dims, every free dim of `a`
 /// of size 1) by a bf16 matrix large enough (64 K elements) for converting it to cost more
-/// than the GEMM's own overhead, accumulating in f32.
+/// than the GEMM's own overhead (accumulated in f32 either way, a bf16 product as well).
 fn is_bf16_vector_times_matrix(
     a: &Val<'_>,
     b: &Val<'_>,
@@ -1180,7 +1180,7 @@ fn is_bf16_vector_times_matrix(
 ) -> bool {
     a.dtype() == DType::Bf16
         && b.dtype() == DType::Bf16
-        && out == DType::F32
+        && matches!(out, DType::F32 | DType::Bf16)
         && batch.0.is_empty()
         && free_sizes(a, batch.0, contract.0).iter().product::<i64>() == 1
         && free_sizes(b, batch.1, contract.1).iter().product::<i64>() > 1
