@@ -64,19 +64,14 @@ fn flash_attention_for_cpu(n: NodeCtx<'_>) -> Res<'_> {
     };
     let b = &n.b;
     let f = opmath(q.dtype());
-    // bf16 queries, keys and values go into the products as they are, as eager's CPU kernel
-    // passes them to its GEMMs (f32 sums; the scale on the f32 scores, the weights rounded to
-    // bf16 for the product with V): converting them to f32 first wrote out the whole of K and
-    // V in f32 on every call, a decode step's whole cache. Other types are scaled before the
-    // product: fewer multiplies than on the scores, and none that XLA:CPU would feed to the
-    // product's fusion as a materialized [L, S] broadcast of the scale.
-    let as_stored = q.dtype() == DType::Bf16 && k.dtype() == DType::Bf16 && v.dtype() == DType::Bf16;
-    let (q, scores_scale) = if as_stored { (q, Some(scale)) } else { (b.mul_scalar(&b.convert(&q, f)?, scale)?, None) };
-    let (k, mut v) = if as_stored { (k, v) } else { (b.convert(&k, f)?, b.convert(&v, f)?) };
+    // Scaled before the product: fewer multiplies than on the scores, and none that XLA:CPU
+    // would feed to the product's fusion as a materialized [L, S] broadcast of the scale.
+    let q = b.mul_scalar(&b.convert(&q, f)?, scale)?;
+    let (k, mut v) = (b.convert(&k, f)?, b.convert(&v, f)?);
     let visible = keys_visible(&n, len_kv)?;
     if let Some(visible) = &visible {
         // Padding may hold anything, and 0 * inf is NaN: hidden values become 0 too.
-        v = b.select(&b.reshape(visible, &[len_kv, 1])?, &v, &b.scalar(Scalar::Float(0.0), v.dtype())?)?;
+        v = b.select(&b.reshape(visible, &[len_kv, 1])?, &v, &b.scalar(Scalar::Float(0.0), f)?)?;
     }
     let mask = mask.map(|m| b.convert(&m, f)).transpose()?;
     let (mut outs, mut lses) = (vec![], vec![]);
@@ -84,7 +79,6 @@ fn flash_attention_for_cpu(n: NodeCtx<'_>) -> Res<'_> {
         let (out, lse) = attend(
             b,
             &b.slice_dim(&q, 2, rows.start, rows.end, 1)?,
-            scores_scale,
             (&b.slice_dim(&k, 2, 0, rows.keys, 1)?, &b.slice_dim(&v, 2, 0, rows.keys, 1)?),
             visible.as_ref().map(|m| b.slice_dim(m, 0, 0, rows.keys, 1)).transpose()?,
             mask.as_ref().map(|m| mask_block(b, m, &rows, len_q, len_kv)).transpose()?,
@@ -156,14 +150,13 @@ fn mask_block<'a>(
     Ok(m)
 }
 
-/// `(output [B, H, l, E], logsumexp [B, H, l, 1])`, in the compute type, of queries `q`
-/// `[B, H, l, E]` over keys and values `[B, Hkv, s, E]`: in that type with `q` scaled, or bf16
-/// with the (f32) scores to scale by `scores_scale`; `visible`: `[s]`, the keys below a padded graph's true count;
-/// `mask`: broadcastable to the scores; `causal_from`: the index of the first query when causal.
+/// `(output [B, H, l, E], logsumexp [B, H, l, 1])` of queries `q` `[B, H, l, E]` (scaled, in
+/// `f`) over keys and values `[B, Hkv, s, E]`; `visible`: `[s]`, the keys below a padded
+/// graph's true count; `mask`: broadcastable to the scores; `causal_from`: the index of the
+/// first query when causal.
 fn attend<'a>(
     b: &Builder<'a>,
     q: &Val<'a>,
-    scores_scale: Option<f64>,
     (k, v): (&Val<'a>, &Val<'a>),
     visible: Option<Val<'a>>,
     mask: Option<Val<'a>>,
@@ -171,15 +164,11 @@ fn attend<'a>(
 ) -> R<(Val<'a>, Val<'a>)> {
     let [batch, heads, len_q, dim] = [0, 1, 2, 3].map(|i| q.shape()[i]);
     let (kv_heads, len_kv) = (k.shape()[1], k.shape()[2]);
-    let f = if scores_scale.is_some() { DType::F32 } else { q.dtype() };
+    let f = q.dtype();
     let group = heads / kv_heads;
     // Grouped query heads share their key/value head's batch entry: [B, Hkv, group * l, E].
     let q = b.reshape(q, &[batch, kv_heads, group * len_q, dim])?;
     let scores = b.dot_general(&q, k, (&[0, 1], &[0, 1]), (&[3], &[3]), f)?;
-    let scores = match scores_scale {
-        Some(scale) => b.mul_scalar(&scores, scale)?,
-        None => scores,
-    };
     let full = [batch, heads, len_q, len_kv];
     let mut scores = b.reshape(&scores, &full)?;
     if let Some(visible) = &visible {
@@ -201,7 +190,7 @@ fn attend<'a>(
 
     let rows = exponentials(b, &scores, 3, false)?;
 
-    let e = b.convert(&b.reshape(&rows.e, &[batch, kv_heads, group * len_q, len_kv])?, v.dtype())?;
+    let e = b.reshape(&rows.e, &[batch, kv_heads, group * len_q, len_kv])?;
     let weighted = b.dot_general(&e, v, (&[0, 1], &[0, 1]), (&[3], &[2]), f)?;
     let weighted = b.reshape(&weighted, &[batch, heads, len_q, dim])?;
     let mut out = b.div(&weighted, &rows.total)?;
