@@ -20,6 +20,7 @@ import torch
 import tpu_dynamo
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench import DTYPES  # noqa: E402
 from models import _smollm_135m_model  # noqa: E402
 
 
@@ -28,14 +29,14 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=1024, help="prompt tokens")
     parser.add_argument("--tokens", type=int, default=16, help="decode steps timed per round")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="f32")
     parser.add_argument("--backends", nargs="+", choices=["eager", "inductor", "tpu"], default=["eager", "inductor", "tpu"])
     args = parser.parse_args()
     # The plugin's allocator setting (README "Devices") holds for every backend, as in bench.py.
     tpu_dynamo.device_info()
     torch.manual_seed(0)
     torch.set_num_threads(2)
-    eager = _smollm_135m_model().eval().to({"f32": torch.float32, "bf16": torch.bfloat16}[args.dtype])
+    eager = _smollm_135m_model().eval().to(DTYPES[args.dtype])
     ids = torch.randint(0, eager.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(1))
     models = {name: eager if name == "eager" else copy.deepcopy(eager) for name in args.backends}
     for name, model in models.items():
