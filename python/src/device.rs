@@ -6,7 +6,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use tpu_dynamo_cache::{host_cpu_features, DiskCache, PluginIdentity};
-use tpu_dynamo_runtime::{Client, ClientOptions, Device, Error, Plugin};
+use tpu_dynamo_compiler::lower::HOST_MATVEC;
+use tpu_dynamo_runtime::{host_kernels, Client, ClientOptions, Device, Error, Plugin};
 
 use crate::counters::{add_time, STATS};
 
@@ -18,6 +19,9 @@ pub struct Target {
     /// The environment variables through which plugins take compiler flags, as the plugin read
     /// them (once, when it started): they change the code an executable holds.
     pub compiler_env: String,
+    /// The custom call targets of our own kernels the plugin runs (`host_kernels`), which the
+    /// lowering calls.
+    pub host_kernels: Vec<&'static str>,
     /// Built on first use, and only by processes that compile or inspect the cache; the plugin
     /// file's hash (hundreds of MB to read) comes from the disk cache's memo when it can.
     identity: OnceLock<Result<PluginIdentity, String>>,
@@ -219,7 +223,13 @@ pub fn target() -> Result<Arc<Target>, Error> {
         .into_iter()
         .next()
         .ok_or_else(|| Error::InvalidArgument("the PJRT plugin reports no devices".into()))?;
-    let t = Arc::new(Target { client, device, host_memory, compiler_env: compiler_env(), identity: OnceLock::new() });
+    // Our kernels run where the plugin computes on the host and lets us register them; the
+    // lowering then calls them, so whether it does is part of every executable's cache key.
+    let registered = host_memory && not_off("TPU_DYNAMO_HOST_KERNELS") && host_kernels::register(client.plugin());
+    let host_kernels: Vec<&'static str> = registered.then_some(host_kernels::BF16_MATVEC_TARGET).into_iter().collect();
+    *HOST_MATVEC.write().unwrap_or_else(|poisoned| poisoned.into_inner()) = host_kernels.first().copied();
+    let compiler_env = format!("{}\nhost_kernels={}", compiler_env(), host_kernels.join(","));
+    let t = Arc::new(Target { client, device, host_memory, compiler_env, host_kernels, identity: OnceLock::new() });
     *slot = Some(t.clone());
     Ok(t)
 }

@@ -77,6 +77,7 @@ fn device_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("platform_version", t.client.platform_version().map_err(runtime_err)?)?;
     let devices: Vec<String> = t.client.devices().iter().map(|dev| format!("{dev:?}")).collect();
     d.set_item("devices", devices)?;
+    d.set_item("host_kernels", t.host_kernels.clone())?;
     Ok(d)
 }
 

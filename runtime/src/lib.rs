@@ -16,6 +16,7 @@ mod env_flags;
 mod error;
 mod event;
 mod executable;
+pub mod host_kernels;
 mod plugin;
 mod tensor;
 

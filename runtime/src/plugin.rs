@@ -234,6 +234,11 @@ impl Plugin {
         }
     }
 
+    /// The head of the plugin's extension chain (null when it has none).
+    pub(crate) fn extension_start(&self) -> *mut pjrt_sys::PJRT_Extension_Base {
+        self.api.extension_start
+    }
+
     pub(crate) fn missing(&self, name: &str) -> Error {
         Error::unimplemented(name, self.version)
     }

@@ -5,6 +5,7 @@
 //! way the StableHLO spec does, and rules only combine helpers.
 
 use crate::ir::{DType, TensorType};
+use std::sync::RwLock;
 use melior::{
     ir::operation::{OperationBuilder, OperationLike, OperationResult},
     ir::{
@@ -875,6 +876,27 @@ impl<'a> Builder<'a> {
         self.op("stablehlo.select", &[&p, &a, &b], &[], ty)
     }
 
+    /// A bf16 vector times a weight stored `[N, K]` through our host kernel
+    /// (`tpu_dynamo_runtime::host_kernels`), where the process's plugin has it: `None` otherwise
+    /// or for another layout.
+    fn host_matvec(&self, a: &Val<'a>, b: &Val<'a>, contract: (&[i64], &[i64]), out: DType) -> R<Option<Val<'a>>> {
+        let (b, _, b_contract) = fold_transpose(b, &[], contract.1);
+        let lhs_last = a.rank() as i64 - 1;
+        let target = *HOST_MATVEC.read().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let Some(target) = target.filter(|_| b.rank() == 2 && b_contract == [1] && contract.0 == [lhs_last]) else {
+            return Ok(None);
+        };
+        let n = b.shape()[0];
+        let mut shape = a.shape()[..a.rank() - 1].to_vec();
+        shape.push(n);
+        let attrs = [
+            ("call_target_name", format!("\"{target}\"")),
+            ("api_version", "4 : i32".to_string()),
+            ("backend_config", "{}".to_string()),
+        ];
+        Ok(Some(self.op("stablehlo.custom_call", &[a, &b], &attrs, TensorType::new(out, shape))?))
+    }
+
     // ---- reductions ----
 
     /// Reduces `dims` (sorted, unique) with `combiner`; `keepdim` keeps them as size 1. A 0-d
@@ -979,14 +1001,20 @@ impl<'a> Builder<'a> {
         contract: (&[i64], &[i64]),
         out: DType,
     ) -> R<Val<'a>> {
-        if is_bf16_vector_times_matrix(a, b, batch, contract, out) {
-            // XLA:CPU gives a bf16 product to its bf16 GEMM (YNNPACK) only when neither side is
-            // a vector; a vector times a matrix (a linear layer at batch 1 and one token, a
-            // decode step's) it computes in f32 after converting the whole matrix to f32, on
-            // every call. Two equal rows make it a GEMM: a bf16 LM head of 49152 x 576 took
-            // 9.5-10.2 ms that way, 3.7-3.9 ms as two rows (PyTorch's 2.8-3.2 ms). The first row
-            // is the product. Other plugins get the same two rows: a product this size is bound by
-            // reading the matrix, which two rows read once as one does.
+        let vector_times_matrix = is_bf16_vector_times_matrix(a, b, batch, contract, out);
+        if vector_times_matrix {
+            if let Some(product) = self.host_matvec(a, b, contract, out)? {
+                return Ok(product);
+            }
+        }
+        if vector_times_matrix && b.ty.numel() >= 1 << 16 {
+            // Without our kernel: XLA:CPU gives a bf16 product to its bf16 GEMM (YNNPACK) only
+            // when neither side is a vector; a vector times a matrix it computes in f32 after
+            // converting the whole matrix to f32, on every call. Two equal rows make it a GEMM:
+            // a bf16 LM head of 49152 x 576 took 9.5-10.2 ms that way, 3.7-3.9 ms as two rows
+            // (PyTorch's 2.8-3.2 ms). The first row is the product. Other plugins get the same
+            // two rows: a product this size is bound by reading the matrix, which two rows read
+            // once as one does.
             let rows: Vec<i64> = std::iter::once(2).chain(a.shape().iter().copied()).collect();
             let a2 = self.broadcast_in_dim(a, &rows, &(1..rows.len()).collect::<Vec<_>>())?;
             let contract2: Vec<i64> = contract.0.iter().map(|d| d + 1).collect();
@@ -1168,9 +1196,12 @@ pub fn keep_dims_shape(shape: &[i64], dims: &[usize]) -> Vec<i64> {
         .collect()
 }
 
+/// The custom call target of a host kernel for a bf16 vector times a `[N, K]` matrix, where the
+/// process's plugin has one registered (set by whoever creates the client), else `None`.
+pub static HOST_MATVEC: RwLock<Option<&'static str>> = RwLock::new(None);
+
 /// Whether `dot_general(a, b)` multiplies a bf16 vector (no batch dims, every free dim of `a`
-/// of size 1) by a bf16 matrix large enough (64 K elements) for converting it to cost more
-/// than the GEMM's own overhead (accumulated in f32 either way, a bf16 product as well).
+/// of size 1) by a bf16 matrix (accumulated in f32 either way, a bf16 product as well).
 fn is_bf16_vector_times_matrix(
     a: &Val<'_>,
     b: &Val<'_>,
@@ -1184,7 +1215,6 @@ fn is_bf16_vector_times_matrix(
         && batch.0.is_empty()
         && free_sizes(a, batch.0, contract.0).iter().product::<i64>() == 1
         && free_sizes(b, batch.1, contract.1).iter().product::<i64>() > 1
-        && b.ty.numel() >= 1 << 16
 }
 
 /// The sizes of a dot operand's free dims (neither batch nor contracting), in order: the

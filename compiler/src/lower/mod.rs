@@ -6,6 +6,7 @@
 
 mod attention;
 mod builder;
+pub use builder::HOST_MATVEC;
 mod compare;
 mod convert;
 mod convolution;

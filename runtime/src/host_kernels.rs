@@ -1,0 +1,422 @@
+//! Kernels of our own that a host (XLA:CPU) plugin calls as typed-FFI custom calls, registered
+//! through the plugin's PJRT FFI extension when a client is created.
+//!
+//! One for now: a bf16 vector times a bf16 matrix stored `[N, K]` (a linear layer's weight),
+//! the product of every decode step of a bf16 model. XLA:CPU's own ways run at half the rate
+//! of its f32 products (YNNPACK packs the whole weight on every call; its own dot emitter has no
+//! bf16 kernel), so a bf16 decode step was slower than an f32 one although it reads half the
+//! bytes. This one streams the weight once, with f32 sums as PyTorch's CPU kernels keep them.
+
+mod pool;
+
+use crate::plugin::Plugin;
+use pjrt_sys::PJRT_Extension_Base;
+use std::ffi::{c_char, c_int, c_void};
+
+/// The custom call target of [`bf16_matvec`], as the compiler names it in StableHLO.
+pub const BF16_MATVEC_TARGET: &str = "tpu_dynamo.bf16_matvec";
+
+const PJRT_EXTENSION_FFI: u32 = 5;
+const XLA_FFI_EXTENSION_METADATA: c_int = 1;
+const XLA_FFI_STAGE_EXECUTE: c_int = 3;
+const XLA_FFI_BF16: c_int = 16;
+const XLA_FFI_F32: c_int = 11;
+
+/// `PJRT_FFI_Extension` with `register_handler`, the slot added after `user_data_add`.
+#[repr(C)]
+struct PjrtFfiExtension {
+    base: PJRT_Extension_Base,
+    type_id_register: *const c_void,
+    user_data_add: *const c_void,
+    register_handler: Option<unsafe extern "C" fn(*mut RegisterHandlerArgs) -> *mut pjrt_sys::PJRT_Error>,
+}
+
+/// `PJRT_FFI_Register_Handler_Args` as plugins of PJRT API 0.115 lay it out (52 bytes; later
+/// headers add an `api_version` field after the name, which such a plugin reads as garbage).
+#[repr(C)]
+struct RegisterHandlerArgs {
+    struct_size: usize,
+    target_name: *const c_char,
+    target_name_size: usize,
+    handler: *const c_void,
+    platform_name: *const c_char,
+    platform_name_size: usize,
+    traits: u32,
+}
+const REGISTER_HANDLER_ARGS_SIZE: usize = 52;
+
+#[repr(C)]
+struct FfiExtensionBase {
+    struct_size: usize,
+    kind: c_int,
+    next: *mut FfiExtensionBase,
+}
+
+#[repr(C)]
+struct FfiApiVersion {
+    struct_size: usize,
+    extension_start: *mut c_void,
+    major: c_int,
+    minor: c_int,
+}
+
+#[repr(C)]
+struct FfiMetadata {
+    struct_size: usize,
+    api_version: FfiApiVersion,
+    traits: u32,
+}
+
+#[repr(C)]
+struct FfiMetadataExtension {
+    base: FfiExtensionBase,
+    metadata: *mut FfiMetadata,
+}
+
+#[repr(C)]
+struct FfiList {
+    struct_size: usize,
+    extension_start: *mut c_void,
+    size: i64,
+    types: *const c_int,
+    items: *const *mut FfiBuffer,
+}
+
+#[repr(C)]
+struct FfiBuffer {
+    struct_size: usize,
+    extension_start: *mut c_void,
+    dtype: c_int,
+    data: *mut c_void,
+    rank: i64,
+    dims: *const i64,
+}
+
+#[repr(C)]
+struct FfiCallFrame {
+    struct_size: usize,
+    extension_start: *mut FfiExtensionBase,
+    api: *const c_void,
+    ctx: *mut c_void,
+    stage: c_int,
+    args: FfiList,
+    rets: FfiList,
+}
+
+/// Registers our handlers with `plugin` for the host platform. False where the plugin has no
+/// FFI extension that can register handlers (then the compiler must not emit the calls).
+pub fn register(plugin: &Plugin) -> bool {
+    // The argument layout below is the one of PJRT API 0.115; later headers differ.
+    if !fast_on_this_cpu() || plugin.api_version().1 > 115 {
+        return false;
+    }
+    let mut ext = plugin.extension_start();
+    // SAFETY: the plugin's extension chain is a list of structs it owns for its lifetime, each
+    // starting with a `PJRT_Extension_Base` whose size covers the struct.
+    unsafe {
+        while !ext.is_null() {
+            if (*ext).type_ == PJRT_EXTENSION_FFI && (*ext).struct_size >= std::mem::size_of::<PjrtFfiExtension>() {
+                let ffi = &*(ext as *const PjrtFfiExtension);
+                let Some(register) = ffi.register_handler else { return false };
+                let (name, platform) = (BF16_MATVEC_TARGET, "Host");
+                let mut args = RegisterHandlerArgs {
+                    struct_size: REGISTER_HANDLER_ARGS_SIZE,
+                    target_name: name.as_ptr().cast(),
+                    target_name_size: name.len(),
+                    handler: bf16_matvec as *const c_void,
+                    platform_name: platform.as_ptr().cast(),
+                    platform_name_size: platform.len(),
+                    traits: 0,
+                };
+                return plugin.status(register(&mut args)).is_ok();
+            }
+            ext = (*ext).next;
+        }
+    }
+    false
+}
+
+#[repr(C)]
+struct FfiErrorCreateArgs {
+    struct_size: usize,
+    extension_start: *mut c_void,
+    message: *const c_char,
+    code: c_int,
+}
+/// `XLA_FFI_Error_Create`'s slot in `XLA_FFI_Api`: after its size, extension list,
+/// `XLA_FFI_Api_Version` (24 bytes) and internal API pointer.
+const ERROR_CREATE_OFFSET: usize = 48;
+const XLA_FFI_INTERNAL: c_int = 13;
+
+/// An XLA FFI error saying `message` (the plugin turns it into the execute's error), or null
+/// where the API table is too old to make one.
+unsafe fn error(frame: &FfiCallFrame, message: &str) -> *mut c_void {
+    type Create = unsafe extern "C" fn(*mut FfiErrorCreateArgs) -> *mut c_void;
+    let api = frame.api as *const u8;
+    if api.is_null() || *(api as *const usize) < ERROR_CREATE_OFFSET + std::mem::size_of::<usize>() {
+        return std::ptr::null_mut();
+    }
+    let Some(create) = *(api.add(ERROR_CREATE_OFFSET) as *const Option<Create>) else { return std::ptr::null_mut() };
+    let message = std::ffi::CString::new(format!("tpu_dynamo host kernel {BF16_MATVEC_TARGET}: {message}")).unwrap_or_default();
+    let mut args = FfiErrorCreateArgs {
+        struct_size: std::mem::size_of::<FfiErrorCreateArgs>() - 4,
+        extension_start: std::ptr::null_mut(),
+        message: message.as_ptr(),
+        code: XLA_FFI_INTERNAL,
+    };
+    create(&mut args)
+}
+
+/// The typed-FFI handler: `y[m, n] = sum_k x[m, k] * w[n, k]` for bf16 `x` `[.., K]` (every
+/// leading dim 1 or a few rows) and `w` `[N, K]`, into `y` (bf16 or f32) `[.., N]`. Answers
+/// XLA's metadata query at registration; never unwinds into the plugin.
+unsafe extern "C" fn bf16_matvec(frame: *mut FfiCallFrame) -> *mut c_void {
+    let frame = &mut *frame;
+    let mut ext = frame.extension_start;
+    while !ext.is_null() {
+        if (*ext).kind == XLA_FFI_EXTENSION_METADATA {
+            let metadata = &mut *(*(ext as *mut FfiMetadataExtension)).metadata;
+            metadata.api_version.major = 0;
+            metadata.api_version.minor = 1;
+            metadata.traits = 0;
+            return std::ptr::null_mut();
+        }
+        ext = (*ext).next;
+    }
+    if frame.stage != XLA_FFI_STAGE_EXECUTE {
+        return std::ptr::null_mut();
+    }
+    if frame.args.size != 2 || frame.rets.size != 1 {
+        return error(frame, "expects two operands and one result");
+    }
+    let (x, w, y) = (&**frame.args.items, &**frame.args.items.add(1), &**frame.rets.items);
+    let dims = |b: &FfiBuffer| std::slice::from_raw_parts(b.dims, b.rank as usize);
+    let (xd, wd, yd) = (dims(x), dims(w), dims(y));
+    let (Some((&k, lead)), &[n, kw]) = (xd.split_last(), wd) else {
+        return error(frame, &format!("expects x [.., K] and w [N, K], got {xd:?} and {wd:?}"));
+    };
+    let rows: i64 = lead.iter().product();
+    let out = match y.dtype {
+        XLA_FFI_F32 => Out::F32(y.data as *mut f32),
+        XLA_FFI_BF16 => Out::Bf16(y.data as *mut u16),
+        other => return error(frame, &format!("expects a bf16 or f32 result, got XLA type {other}")),
+    };
+    if x.dtype != XLA_FFI_BF16 || w.dtype != XLA_FFI_BF16 || kw != k || yd.iter().product::<i64>() != rows * n {
+        return error(frame, &format!("expects bf16 x [.., K], w [N, K] and y [.., N], got {xd:?}, {wd:?}, {yd:?}"));
+    }
+    let (k, n, rows) = (k as usize, n as usize, rows as usize);
+    let ran = std::panic::catch_unwind(|| {
+        let xb = std::slice::from_raw_parts(x.data as *const u16, rows * k).to_vec();
+        let xf = xb.iter().map(|&v| bf16_to_f32(v)).collect();
+        let job = MatVec { w: w.data as *const u16, x: xb, x_f32: xf, out, k, n, rows };
+        pool::run(&job, n.div_ceil(ROWS_PER_CHUNK));
+    });
+    match ran {
+        Ok(()) => std::ptr::null_mut(),
+        Err(_) => error(frame, "panicked"),
+    }
+}
+
+/// Rows of the weight per unit of work: 64 rows of a 576-wide weight are 72 KiB, within L2.
+const ROWS_PER_CHUNK: usize = 64;
+
+enum Out {
+    F32(*mut f32),
+    Bf16(*mut u16),
+}
+
+/// One product: `w` `[n, k]`, `x` `[rows, k]` (and widened to f32), `out` `[rows, n]`.
+struct MatVec {
+    w: *const u16,
+    x: Vec<u16>,
+    x_f32: Vec<f32>,
+    out: Out,
+    k: usize,
+    n: usize,
+    rows: usize,
+}
+
+impl MatVec {
+    /// Output columns `chunk * ROWS_PER_CHUNK ..` for every row of `x`.
+    ///
+    /// # Safety
+    /// The pointers must cover the shapes; chunks are disjoint, so threads may run different
+    /// ones at once.
+    unsafe fn chunk(&self, chunk: usize) {
+        let (k, first) = (self.k, chunk * ROWS_PER_CHUNK);
+        let last = (first + ROWS_PER_CHUNK).min(self.n);
+        let w = std::slice::from_raw_parts(self.w.add(first * k), (last - first) * k);
+        for r in 0..self.rows {
+            let x = (&self.x[r * k..(r + 1) * k], &self.x_f32[r * k..(r + 1) * k]);
+            let at = r * self.n + first;
+            match self.out {
+                Out::F32(y) => matvec(w, x, |i, v| *y.add(at + i) = v),
+                Out::Bf16(y) => matvec(w, x, |i, v| *y.add(at + i) = f32_to_bf16(v)),
+            }
+        }
+    }
+}
+
+fn bf16_to_f32(v: u16) -> f32 {
+    f32::from_bits(u32::from(v) << 16)
+}
+
+/// Round to nearest even, NaN kept NaN (as PyTorch rounds).
+fn f32_to_bf16(v: f32) -> u16 {
+    let bits = v.to_bits();
+    if v.is_nan() {
+        return ((bits >> 16) | 0x40) as u16;
+    }
+    let round = 0x7fff + ((bits >> 16) & 1);
+    (bits.wrapping_add(round) >> 16) as u16
+}
+
+/// Whether this CPU runs one of the vector kernels below; elsewhere XLA's own products are
+/// faster than the scalar loop, so nothing is registered.
+fn fast_on_this_cpu() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512bf16")
+            || (std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma"))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// `put(n, sum_k w[n, k] * x[k])` for every row `n` of `w` (`[N, K]` bf16); `x` `[K]` as bf16
+/// and as f32.
+fn matvec(w: &[u16], (xb, x): (&[u16], &[f32]), mut put: impl FnMut(usize, f32)) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512bf16") {
+            // SAFETY: the CPU has AVX-512 BF16; every read lies inside `w` and `x`.
+            return unsafe { x86::matvec_avx512_bf16(w, xb, x, &mut put) };
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU has AVX2 and FMA; every read lies inside `w` and `x`.
+            return unsafe { x86::matvec_avx2(w, x, &mut put) };
+        }
+    }
+    for (n, row) in w.chunks_exact(x.len()).enumerate() {
+        put(n, row.iter().zip(x).map(|(&a, &b)| bf16_to_f32(a) * b).sum());
+    }
+}
+
+/// Both kernels read the weight one row after another, front to back, as one stream (four rows
+/// at a time, four streams, ran at a third of the memory's rate), into four independent sums.
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::bf16_to_f32;
+    use std::arch::x86_64::*;
+
+    /// 32 columns per `vdpbf16ps` (products of bf16 pairs summed into f32 lanes, as oneDNN's
+    /// bf16 kernels for PyTorch do); the tail of K in scalar code from `x`, `xb` widened.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn matvec_avx512_bf16(w: &[u16], xb: &[u16], x: &[f32], put: &mut impl FnMut(usize, f32)) {
+        let k = x.len();
+        let body = k - k % 32;
+        let load = |p: *const u16| -> __m512bh { std::mem::transmute(_mm512_loadu_si512(p as *const __m512i)) };
+        for (n, row) in w.chunks_exact(k).enumerate() {
+            let (w, xp) = (row.as_ptr(), xb.as_ptr());
+            let mut acc = [_mm512_setzero_ps(); 4];
+            let mut at = 0;
+            while at + 128 <= body {
+                for (j, a) in acc.iter_mut().enumerate() {
+                    let o = at + 32 * j;
+                    *a = _mm512_dpbf16_ps(*a, load(w.add(o)), load(xp.add(o)));
+                }
+                at += 128;
+            }
+            while at < body {
+                acc[0] = _mm512_dpbf16_ps(acc[0], load(w.add(at)), load(xp.add(at)));
+                at += 32;
+            }
+            let sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+            let tail: f32 = (body..k).map(|i| bf16_to_f32(row[i]) * x[i]).sum();
+            put(n, _mm512_reduce_add_ps(sum) + tail);
+        }
+    }
+
+    /// 8 columns per step, widened to f32 by a shift, fused multiply-adds; the tail of K in
+    /// scalar code.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn matvec_avx2(w: &[u16], x: &[f32], put: &mut impl FnMut(usize, f32)) {
+        let k = x.len();
+        let body = k - k % 8;
+        let load = |p: *const u16| {
+            let raw = _mm_loadu_si128(p as *const __m128i);
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(raw)))
+        };
+        for (n, row) in w.chunks_exact(k).enumerate() {
+            let (w, xp) = (row.as_ptr(), x.as_ptr());
+            let mut acc = [_mm256_setzero_ps(); 4];
+            let mut at = 0;
+            while at + 32 <= body {
+                for (j, a) in acc.iter_mut().enumerate() {
+                    let o = at + 8 * j;
+                    *a = _mm256_fmadd_ps(load(w.add(o)), _mm256_loadu_ps(xp.add(o)), *a);
+                }
+                at += 32;
+            }
+            while at < body {
+                acc[0] = _mm256_fmadd_ps(load(w.add(at)), _mm256_loadu_ps(xp.add(at)), acc[0]);
+                at += 8;
+            }
+            let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+            let half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps::<1>(sum));
+            let lanes: [f32; 4] = std::mem::transmute(half);
+            let tail: f32 = (body..k).map(|i| bf16_to_f32(row[i]) * x[i]).sum();
+            put(n, lanes.iter().sum::<f32>() + tail);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every kernel this CPU has gives the scalar loop's sums to f32 summation's rounding.
+    #[test]
+    fn vector_kernels_agree_with_the_scalar_loop() {
+        let (k, n) = (200, 37);
+        let mut seed = 1u32;
+        let mut next = || {
+            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            (seed >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+        };
+        let w: Vec<u16> = (0..n * k).map(|_| f32_to_bf16(next())).collect();
+        let xb: Vec<u16> = (0..k).map(|_| f32_to_bf16(next())).collect();
+        let x: Vec<f32> = xb.iter().map(|&v| bf16_to_f32(v)).collect();
+        let scalar: Vec<f32> = w.chunks_exact(k).map(|r| r.iter().zip(&x).map(|(&a, &b)| bf16_to_f32(a) * b).sum()).collect();
+        let check = |got: &[f32]| {
+            for (g, s) in got.iter().zip(&scalar) {
+                assert!((g - s).abs() <= 1e-5, "{g} vs {s}");
+            }
+        };
+        #[cfg(target_arch = "x86_64")]
+        {
+            let mut got = vec![0.0; n];
+            if std::arch::is_x86_feature_detected!("avx512bf16") {
+                unsafe { x86::matvec_avx512_bf16(&w, &xb, &x, &mut |i, v| got[i] = v) };
+                check(&got);
+            }
+            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                unsafe { x86::matvec_avx2(&w, &x, &mut |i, v| got[i] = v) };
+                check(&got);
+            }
+        }
+        let mut got = vec![0.0; n];
+        matvec(&w, (&xb, &x), |i, v| got[i] = v);
+        check(&got);
+    }
+
+    #[test]
+    fn bf16_rounds_to_nearest_even() {
+        assert_eq!(f32_to_bf16(1.0), 0x3f80);
+        assert_eq!(f32_to_bf16(f32::from_bits(0x3f80_8000)), 0x3f80); // tie, even stays
+        assert_eq!(f32_to_bf16(f32::from_bits(0x3f81_8000)), 0x3f82); // tie, odd rounds up
+        assert_eq!(f32_to_bf16(f32::from_bits(0x3f80_8001)), 0x3f81);
+        assert!(bf16_to_f32(f32_to_bf16(f32::NAN)).is_nan());
+        assert_eq!(f32_to_bf16(f32::INFINITY), 0x7f80);
+    }
+}

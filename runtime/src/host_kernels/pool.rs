@@ -1,0 +1,140 @@
+//! Helper threads that share a host kernel's work with the thread XLA calls it on: a decode
+//! step's products are bound by reading their weights, which one core does at a fraction of
+//! the memory's rate.
+//!
+//! The caller publishes a job and takes chunks of it as the helpers do, so a helper slow to
+//! wake (a halted vCPU of a VM takes ~100 µs) costs nothing but the share it did not take.
+//! After a job a helper spins for the next one a while, as a step's products follow each
+//! other within microseconds, then sleeps until a job comes.
+
+use super::MatVec;
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering::SeqCst};
+use std::sync::{Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// How long a helper looks for the next job before it sleeps.
+const SPIN: Duration = Duration::from_micros(100);
+/// Helpers beyond the calling thread, at most (more cores than this do not read memory faster).
+const MAX_HELPERS: usize = 7;
+
+struct Job {
+    task: *const MatVec,
+    id: u64,
+    chunks: usize,
+    next: AtomicUsize,
+    done: AtomicUsize,
+}
+
+impl Job {
+    /// Runs chunks until none is left; a panic (none is expected) still counts its chunk done,
+    /// so that the caller never waits for it forever.
+    fn work(&self) {
+        loop {
+            let chunk = self.next.fetch_add(1, SeqCst);
+            if chunk >= self.chunks {
+                return;
+            }
+            // SAFETY: the caller keeps `task` alive until every taken chunk is done.
+            let _ = std::panic::catch_unwind(|| unsafe { (*self.task).chunk(chunk) });
+            self.done.fetch_add(1, SeqCst);
+        }
+    }
+}
+
+struct Pool {
+    published: AtomicPtr<Job>,
+    /// Per helper: inside a published job (the caller waits for none before its job ends).
+    in_job: Vec<AtomicBool>,
+    busy: Mutex<()>,
+    sleepers: AtomicUsize,
+    asleep: Mutex<()>,
+    wake: Condvar,
+    ids: AtomicU64,
+    /// The process the helpers run in: a forked child has none of them.
+    pid: u32,
+}
+
+fn pool() -> &'static Pool {
+    static POOL: OnceLock<&'static Pool> = OnceLock::new();
+    POOL.get_or_init(|| {
+        let helpers = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, MAX_HELPERS + 1) - 1;
+        let pool: &'static Pool = Box::leak(Box::new(Pool {
+            published: AtomicPtr::new(std::ptr::null_mut()),
+            in_job: (0..helpers).map(|_| AtomicBool::new(false)).collect(),
+            busy: Mutex::new(()),
+            sleepers: AtomicUsize::new(0),
+            asleep: Mutex::new(()),
+            wake: Condvar::new(),
+            ids: AtomicU64::new(1),
+            pid: std::process::id(),
+        }));
+        for i in 0..helpers {
+            // A helper that cannot start only leaves its share to the others.
+            let _ = std::thread::Builder::new().name("tpu_dynamo-host".into()).spawn(move || help(pool, i));
+        }
+        pool
+    })
+}
+
+fn help(pool: &'static Pool, me: usize) {
+    let mut last = 0;
+    loop {
+        let mut idle_since = Instant::now();
+        let mut spins = 0u32;
+        // The clock is read every 256 spins: reading it each time took a tenth of the helpers' time.
+        while !spins.is_multiple_of(256) || idle_since.elapsed() < SPIN {
+            spins = spins.wrapping_add(1);
+            let job = pool.published.load(SeqCst);
+            if !job.is_null() {
+                pool.in_job[me].store(true, SeqCst);
+                if pool.published.load(SeqCst) == job {
+                    // SAFETY: published and `in_job` set: the caller keeps the job alive until
+                    // it sees `in_job` false after unpublishing it.
+                    let job = unsafe { &*job };
+                    if job.id != last {
+                        last = job.id;
+                        job.work();
+                    }
+                }
+                pool.in_job[me].store(false, SeqCst);
+                idle_since = Instant::now();
+            }
+            std::hint::spin_loop();
+        }
+        let mut guard = pool.asleep.lock().unwrap_or_else(|p| p.into_inner());
+        pool.sleepers.fetch_add(1, SeqCst);
+        while pool.published.load(SeqCst).is_null() {
+            guard = pool.wake.wait(guard).unwrap_or_else(|p| p.into_inner());
+        }
+        pool.sleepers.fetch_sub(1, SeqCst);
+    }
+}
+
+/// Runs `task`'s chunks `0..chunks` on this thread and the helpers, returning when all are done.
+/// Alone when there is one chunk, no helper (a forked child has none), or another job is
+/// running.
+pub(super) fn run(task: &MatVec, chunks: usize) {
+    let pool = pool();
+    let shared = chunks > 1 && !pool.in_job.is_empty() && std::process::id() == pool.pid;
+    let guard = shared.then(|| pool.busy.try_lock().ok()).flatten();
+    let job = Job { task, id: pool.ids.fetch_add(1, SeqCst), chunks, next: AtomicUsize::new(0), done: AtomicUsize::new(0) };
+    if guard.is_none() {
+        job.work();
+        return;
+    }
+    pool.published.store(&job as *const Job as *mut Job, SeqCst);
+    // A helper holding the lock has yet to check for a job (or has just woken to check again):
+    // it finds this one without a notification. Not blocking also keeps a child process forked
+    // while a helper held the lock from waiting forever.
+    if pool.sleepers.load(SeqCst) > 0 && pool.asleep.try_lock().is_ok() {
+        pool.wake.notify_all();
+    }
+    job.work();
+    while job.done.load(SeqCst) < chunks {
+        std::hint::spin_loop();
+    }
+    pool.published.store(std::ptr::null_mut(), SeqCst);
+    while pool.in_job.iter().any(|h| h.load(SeqCst)) {
+        std::hint::spin_loop();
+    }
+}

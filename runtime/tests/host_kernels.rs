@@ -1,0 +1,100 @@
+//! Our host kernels, called by XLA:CPU as typed-FFI custom calls, against exact products.
+
+mod common;
+
+use common::*;
+use tpu_dynamo_runtime::host_kernels::{register, BF16_MATVEC_TARGET};
+use tpu_dynamo_runtime::*;
+
+fn bf16(v: f32) -> u16 {
+    let bits = v.to_bits();
+    ((bits + 0x7fff + ((bits >> 16) & 1)) >> 16) as u16
+}
+
+fn widen(v: u16) -> f64 {
+    f64::from(f32::from_bits(u32::from(v) << 16))
+}
+
+fn upload_bf16(client: &Client, data: &[u16], dims: &[i64]) -> Buffer {
+    let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+    client
+        .buffer_from_host(&bytes, &TensorSpec::new(DType::Bf16, dims), &client.devices()[0])
+        .unwrap()
+}
+
+/// The result as f64, from bf16 or f32 bytes.
+fn download_any(buffer: &Buffer, dtype: DType) -> Vec<f64> {
+    let mut bytes = vec![0u8; buffer.spec().unwrap().byte_size().unwrap()];
+    buffer.to_host(&mut bytes).unwrap();
+    match dtype {
+        DType::Bf16 => bytes.chunks_exact(2).map(|c| widen(u16::from_le_bytes([c[0], c[1]]))).collect(),
+        _ => bytes.chunks_exact(4).map(|c| f64::from(f32::from_le_bytes(c.try_into().unwrap()))).collect(),
+    }
+}
+
+/// A bf16 vector `[1, 1, K]` times weights `[N, K]` (a decode step's linear layer), with K and N
+/// off the kernels' block sizes too, in both result types: within f32 summation's rounding of
+/// the exact product (and one bf16 rounding for a bf16 result).
+#[test]
+fn bf16_matvec_matches_the_exact_product() {
+    let client = client(1);
+    // The embedded plugin (PJRT 0.115) on an x86-64 CPU with AVX2 takes them; no other is tested.
+    #[cfg(target_arch = "x86_64")]
+    let expected = client.plugin().api_version().1 <= 115 && std::arch::is_x86_feature_detected!("avx2");
+    #[cfg(not(target_arch = "x86_64"))]
+    let expected = false;
+    assert_eq!(register(client.plugin()), expected);
+    if !expected {
+        return;
+    }
+    let mut rng = Rng::new(7);
+    for (k, n) in [(576i64, 1536i64), (1536, 576), (100, 7), (33, 130)] {
+        for (dtype, name) in [(DType::Bf16, "bf16"), (DType::F32, "f32")] {
+            let text = format!(
+                r#"
+func.func @main(%x: tensor<1x1x{k}xbf16>, %w: tensor<{n}x{k}xbf16>) -> tensor<1x1x{n}x{name}> {{
+  %y = stablehlo.custom_call @{BF16_MATVEC_TARGET}(%x, %w) {{api_version = 4 : i32, backend_config = {{}}}} : (tensor<1x1x{k}xbf16>, tensor<{n}x{k}xbf16>) -> tensor<1x1x{n}x{name}>
+  return %y : tensor<1x1x{n}x{name}>
+}}"#
+            );
+            let spec = |d: &[i64]| TensorSpec::new(DType::Bf16, d);
+            let exe = compile(&client, &text, vec![spec(&[1, 1, k]), spec(&[n, k])]);
+            let x: Vec<u16> = rng.f32s(k as usize).into_iter().map(bf16).collect();
+            let w: Vec<u16> = rng.f32s((n * k) as usize).into_iter().map(bf16).collect();
+            let out = exe.execute(&[&upload_bf16(&client, &x, &[1, 1, k]), &upload_bf16(&client, &w, &[n, k])]).unwrap();
+            let got = download_any(&out[0], dtype);
+            for (row, &got) in got.iter().enumerate() {
+                let terms = (0..k as usize).map(|i| widen(x[i]) * widen(w[row * k as usize + i]));
+                let exact: f64 = terms.clone().sum();
+                let magnitude: f64 = terms.map(f64::abs).sum();
+                let rounding = if dtype == DType::Bf16 { exact.abs() / 256.0 } else { 0.0 };
+                let allowed = magnitude * k as f64 * f64::from(f32::EPSILON) + rounding;
+                assert!((got - exact).abs() <= allowed, "{name} [{n}, {k}] row {row}: {got} vs {exact}");
+            }
+        }
+    }
+}
+
+/// Operands the kernel does not take (f32 here; the compiler never emits such a call) fail the
+/// execute with the kernel's message, instead of leaving the result unwritten.
+#[test]
+fn a_call_on_other_operands_is_an_error() {
+    let client = client(1);
+    if !register(client.plugin()) {
+        return; // bf16_matvec_matches_the_exact_product checks where it must register
+    }
+    let text = format!(
+        r#"
+func.func @main(%x: tensor<1x8xf32>, %w: tensor<4x8xf32>) -> tensor<1x4xf32> {{
+  %y = stablehlo.custom_call @{BF16_MATVEC_TARGET}(%x, %w) {{api_version = 4 : i32, backend_config = {{}}}} : (tensor<1x8xf32>, tensor<4x8xf32>) -> tensor<1x4xf32>
+  return %y : tensor<1x4xf32>
+}}"#
+    );
+    let exe = compile(&client, &text, vec![f32_spec(&[1, 8]), f32_spec(&[4, 8])]);
+    let dev = &client.devices()[0];
+    let error = exe
+        .execute(&[&upload(&client, &[1.0; 8], &[1, 8], dev), &upload(&client, &[1.0; 32], &[4, 8], dev)])
+        .map(|_| ())
+        .unwrap_err();
+    assert!(error.to_string().contains("tpu_dynamo host kernel tpu_dynamo.bf16_matvec: expects bf16"), "{error}");
+}

@@ -1,0 +1,59 @@
+"""Our host kernel for a bf16 vector times a weight (runtime/src/host_kernels.rs): a linear
+layer at one token, a decode step's, through backend="tpu" on the CPU plugin."""
+import pytest
+import torch
+
+import tpu_dynamo
+from tpu_dynamo import _native
+
+from conftest import compile_tpu
+
+# (K, N, bias): a decode step's projections at SmolLM-135M's width, an LM head's shape in small,
+# and sizes off the kernels' blocks (K not a multiple of 32, N of the 64-row chunks).
+LINEARS = [(576, 1536, False), (1536, 576, False), (576, 4099, False), (100, 7, False), (576, 192, True), (33, 130, True)]
+
+
+def host_kernels() -> list[str]:
+    return tpu_dynamo.device_info()["host_kernels"]
+
+
+def test_the_embedded_plugin_runs_our_kernel():
+    """On x86-64 with AVX2 (this CI's machines) the embedded plugin registers it."""
+    assert host_kernels() == ["tpu_dynamo.bf16_matvec"]
+
+
+@pytest.mark.parametrize("k, n, bias", LINEARS)
+def test_a_one_token_bf16_linear_matches_the_exact_product(k, n, bias, compiled):
+    """Within one bf16 step of the exact (f64) product plus what f32 sums may lose (2^-16 of the
+    sum of the terms' magnitudes), rounded as eager rounds but for rare ties summed in another
+    order; the product is our custom call, not XLA's dot."""
+    torch.manual_seed(k + n)
+    x = torch.randn(1, 1, k, dtype=torch.bfloat16)
+    w = torch.randn(n, k, dtype=torch.bfloat16)
+    b = torch.randn(n, dtype=torch.bfloat16) if bias else None
+    fn = lambda x, w, b: torch.nn.functional.linear(x, w, b)
+    with torch.no_grad():
+        got, want = compile_tpu(fn)(x, w, b), fn(x, w, b)
+    exact = fn(x.double(), w.double(), None if b is None else b.double())
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    step = 2.0 ** (torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7)
+    magnitudes = fn(x.double().abs(), w.double().abs(), None if b is None else b.double().abs())
+    assert ((got.double() - exact).abs() <= step + 2.0**-16 * magnitudes).all()
+    nearest = exact.to(torch.bfloat16)
+    assert ((got != nearest) & (want == nearest)).sum() <= max(2, n // 500)
+    ((graph_json, _),) = compiled
+    assert "tpu_dynamo.bf16_matvec" in _native.compile(graph_json, need_stablehlo=True).stablehlo
+
+
+def test_nan_and_infinity_reach_the_outputs_they_touch():
+    """A NaN or an infinite weight makes its output row NaN or infinite, as in eager."""
+    x = torch.randn(1, 1, 64, dtype=torch.bfloat16)
+    w = torch.randn(96, 64, dtype=torch.bfloat16)
+    w[3, 5], w[70, 0] = float("nan"), float("inf")
+    x[0, 0, 0] = 1.0
+    fn = lambda x, w: torch.nn.functional.linear(x, w)
+    with torch.no_grad():
+        got, want = compile_tpu(fn)(x, w), fn(x, w)
+    assert got[0, 0, 3].isnan() and want[0, 0, 3].isnan()
+    assert got[0, 0, 70] == want[0, 0, 70] == float("inf")
+    assert torch.isfinite(got[0, 0, [0, 1, 2, 4, 69, 71]]).all()
