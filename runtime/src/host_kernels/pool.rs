@@ -94,12 +94,18 @@ fn help(pool: &'static Pool, me: usize) {
                     if job.id != last {
                         last = job.id;
                         job.work();
+                        idle_since = Instant::now();
                     }
                 }
                 pool.in_job[me].store(false, SeqCst);
-                idle_since = Instant::now();
             }
-            std::hint::spin_loop();
+            // Spinning gives way to any thread that wants this core (XLA's own workers run the
+            // step's other parallel work between our products).
+            if spins.is_multiple_of(16) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
         }
         let mut guard = pool.asleep.lock().unwrap_or_else(|p| p.into_inner());
         pool.sleepers.fetch_add(1, SeqCst);
