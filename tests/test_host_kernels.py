@@ -1,5 +1,6 @@
-"""Our host kernel for a bf16 vector times a weight (runtime/src/host_kernels.rs): a linear
-layer at one token, a decode step's, through backend="tpu" on the CPU plugin."""
+"""Our host kernels for a bf16 vector times a weight (runtime/src/host_kernels.rs): a linear
+layer at one token, a decode step's, through backend="tpu" on the CPU plugin, with the weight
+stored `[N, K]` (`nn.Linear`) or `[K, N]` (GPT-2's `Conv1D`, `x @ W`)."""
 import pytest
 import torch
 
@@ -9,8 +10,10 @@ from tpu_dynamo import _native
 from conftest import compile_tpu
 
 # (K, N, bias): a decode step's projections at SmolLM-135M's width, an LM head's shape in small,
-# and sizes off the kernels' blocks (K not a multiple of 32, N of the 64-row chunks).
+# and sizes off the kernels' blocks (K not a multiple of 32, N of the 64-output chunks).
 LINEARS = [(576, 1536, False), (1536, 576, False), (576, 4099, False), (100, 7, False), (576, 192, True), (33, 130, True)]
+# (K, N): GPT-2 small's attention and MLP projections, and sizes off the blocks.
+CONV1DS = [(768, 2304), (3072, 768), (100, 7), (33, 130)]
 
 
 def host_kernels() -> list[str]:
@@ -19,19 +22,13 @@ def host_kernels() -> list[str]:
 
 def test_the_embedded_plugin_runs_our_kernel():
     """On x86-64 with AVX2 (this CI's machines) the embedded plugin registers it."""
-    assert host_kernels() == ["tpu_dynamo.bf16_matvec"]
+    assert host_kernels() == ["tpu_dynamo.bf16_matvec", "tpu_dynamo.bf16_vecmat"]
 
 
-@pytest.mark.parametrize("k, n, bias", LINEARS)
-def test_a_one_token_bf16_linear_matches_the_exact_product(k, n, bias, compiled):
+def check_product(fn, x, w, b, target, compiled):
     """Within one bf16 step of the exact (f64) product plus what f32 sums may lose (2^-16 of the
     sum of the terms' magnitudes), rounded as eager rounds but for rare ties summed in another
-    order; the product is our custom call, not XLA's dot."""
-    torch.manual_seed(k + n)
-    x = torch.randn(1, 1, k, dtype=torch.bfloat16)
-    w = torch.randn(n, k, dtype=torch.bfloat16)
-    b = torch.randn(n, dtype=torch.bfloat16) if bias else None
-    fn = lambda x, w, b: torch.nn.functional.linear(x, w, b)
+    order; the product is our custom call `target`, not XLA's dot."""
     with torch.no_grad():
         got, want = compile_tpu(fn)(x, w, b), fn(x, w, b)
     exact = fn(x.double(), w.double(), None if b is None else b.double())
@@ -40,9 +37,26 @@ def test_a_one_token_bf16_linear_matches_the_exact_product(k, n, bias, compiled)
     magnitudes = fn(x.double().abs(), w.double().abs(), None if b is None else b.double().abs())
     assert ((got.double() - exact).abs() <= step + 2.0**-16 * magnitudes).all()
     nearest = exact.to(torch.bfloat16)
-    assert ((got != nearest) & (want == nearest)).sum() <= max(2, n // 500)
+    assert ((got != nearest) & (want == nearest)).sum() <= max(2, exact.numel() // 500)
     ((graph_json, _),) = compiled
-    assert "tpu_dynamo.bf16_matvec" in _native.compile(graph_json, need_stablehlo=True).stablehlo
+    assert target in _native.compile(graph_json, need_stablehlo=True).stablehlo
+
+
+@pytest.mark.parametrize("k, n, bias", LINEARS)
+def test_a_one_token_bf16_linear_matches_the_exact_product(k, n, bias, compiled):
+    torch.manual_seed(k + n)
+    x, w = torch.randn(1, 1, k, dtype=torch.bfloat16), torch.randn(n, k, dtype=torch.bfloat16)
+    b = torch.randn(n, dtype=torch.bfloat16) if bias else None
+    check_product(torch.nn.functional.linear, x, w, b, "tpu_dynamo.bf16_matvec", compiled)
+
+
+@pytest.mark.parametrize("k, n", CONV1DS)
+def test_a_one_token_bf16_conv1d_matches_the_exact_product(k, n, compiled):
+    """GPT-2's `Conv1D`: `addmm(bias, x, W)` with W stored `[K, N]`."""
+    torch.manual_seed(k * n)
+    x, w, b = torch.randn(1, 1, k, dtype=torch.bfloat16), torch.randn(k, n, dtype=torch.bfloat16), torch.randn(n, dtype=torch.bfloat16)
+    conv1d = lambda x, w, b: torch.addmm(b, x.view(-1, k), w).view(1, 1, n) if b is not None else (x @ w)
+    check_product(conv1d, x, w, b, "tpu_dynamo.bf16_vecmat", compiled)
 
 
 def test_nan_and_infinity_reach_the_outputs_they_touch():

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use tpu_dynamo_cache::{host_cpu_features, DiskCache, PluginIdentity};
-use tpu_dynamo_compiler::lower::HOST_MATVEC;
+use tpu_dynamo_compiler::lower::{HostMatVec, HOST_MATVEC};
 use tpu_dynamo_runtime::{host_kernels, Client, ClientOptions, Device, Error, Plugin};
 
 use crate::counters::{add_time, STATS};
@@ -226,8 +226,9 @@ pub fn target() -> Result<Arc<Target>, Error> {
     // Our kernels run where the plugin computes on the host and lets us register them; the
     // lowering then calls them, so whether it does is part of every executable's cache key.
     let registered = host_memory && not_off("TPU_DYNAMO_HOST_KERNELS") && host_kernels::register(client.plugin());
-    let host_kernels: Vec<&'static str> = registered.then_some(host_kernels::BF16_MATVEC_TARGET).into_iter().collect();
-    *HOST_MATVEC.write().unwrap_or_else(|poisoned| poisoned.into_inner()) = host_kernels.first().copied();
+    let kernels = HostMatVec { row_per_output: host_kernels::BF16_MATVEC_TARGET, row_per_input: host_kernels::BF16_VECMAT_TARGET };
+    let host_kernels = if registered { vec![kernels.row_per_output, kernels.row_per_input] } else { vec![] };
+    *HOST_MATVEC.write().unwrap_or_else(|poisoned| poisoned.into_inner()) = registered.then_some(kernels);
     let compiler_env = format!("{}\nhost_kernels={}", compiler_env(), host_kernels.join(","));
     let t = Arc::new(Target { client, device, host_memory, compiler_env, host_kernels, identity: OnceLock::new() });
     *slot = Some(t.clone());

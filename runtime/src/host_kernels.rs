@@ -1,8 +1,8 @@
 //! Kernels of our own that a host (XLA:CPU) plugin calls as typed-FFI custom calls, registered
 //! through the plugin's PJRT FFI extension when a client is created.
 //!
-//! One for now: a bf16 vector times a bf16 matrix stored `[N, K]` (a linear layer's weight),
-//! the product of every decode step of a bf16 model. XLA:CPU's own ways run at half the rate
+//! One product: a bf16 vector times a bf16 matrix stored `[N, K]` (`nn.Linear`'s weight) or
+//! `[K, N]` (GPT-2's `Conv1D`), the products of every decode step of a bf16 model. XLA:CPU's own ways run at half the rate
 //! of its f32 products (YNNPACK packs the whole weight on every call; its own dot emitter has no
 //! bf16 kernel), so a bf16 decode step was slower than an f32 one although it reads half the
 //! bytes. This one streams the weight once, with f32 sums as PyTorch's CPU kernels keep them.
@@ -13,8 +13,10 @@ use crate::plugin::Plugin;
 use pjrt_sys::PJRT_Extension_Base;
 use std::ffi::{c_char, c_int, c_void};
 
-/// The custom call target of [`bf16_matvec`], as the compiler names it in StableHLO.
+/// The custom call targets of a bf16 vector times a weight stored `[N, K]` and `[K, N]`, as
+/// the compiler names them in StableHLO.
 pub const BF16_MATVEC_TARGET: &str = "tpu_dynamo.bf16_matvec";
+pub const BF16_VECMAT_TARGET: &str = "tpu_dynamo.bf16_vecmat";
 
 const PJRT_EXTENSION_FFI: u32 = 5;
 const XLA_FFI_EXTENSION_METADATA: c_int = 1;
@@ -118,17 +120,20 @@ pub fn register(plugin: &Plugin) -> bool {
             if (*ext).type_ == PJRT_EXTENSION_FFI && (*ext).struct_size >= std::mem::size_of::<PjrtFfiExtension>() {
                 let ffi = &*(ext as *const PjrtFfiExtension);
                 let Some(register) = ffi.register_handler else { return false };
-                let (name, platform) = (BF16_MATVEC_TARGET, "Host");
-                let mut args = RegisterHandlerArgs {
-                    struct_size: REGISTER_HANDLER_ARGS_SIZE,
-                    target_name: name.as_ptr().cast(),
-                    target_name_size: name.len(),
-                    handler: bf16_matvec as *const c_void,
-                    platform_name: platform.as_ptr().cast(),
-                    platform_name_size: platform.len(),
-                    traits: 0,
-                };
-                return plugin.status(register(&mut args)).is_ok();
+                let handlers = [(BF16_MATVEC_TARGET, bf16_matvec as *const c_void), (BF16_VECMAT_TARGET, bf16_vecmat as *const c_void)];
+                return handlers.into_iter().all(|(name, handler)| {
+                    let platform = "Host";
+                    let mut args = RegisterHandlerArgs {
+                        struct_size: REGISTER_HANDLER_ARGS_SIZE,
+                        target_name: name.as_ptr().cast(),
+                        target_name_size: name.len(),
+                        handler,
+                        platform_name: platform.as_ptr().cast(),
+                        platform_name_size: platform.len(),
+                        traits: 0,
+                    };
+                    plugin.status(register(&mut args)).is_ok()
+                });
             }
             ext = (*ext).next;
         }
@@ -150,14 +155,14 @@ const XLA_FFI_INTERNAL: c_int = 13;
 
 /// An XLA FFI error saying `message` (the plugin turns it into the execute's error), or null
 /// where the API table is too old to make one.
-unsafe fn error(frame: &FfiCallFrame, message: &str) -> *mut c_void {
+unsafe fn error(frame: &FfiCallFrame, target: &str, message: &str) -> *mut c_void {
     type Create = unsafe extern "C" fn(*mut FfiErrorCreateArgs) -> *mut c_void;
     let api = frame.api as *const u8;
     if api.is_null() || *(api as *const usize) < ERROR_CREATE_OFFSET + std::mem::size_of::<usize>() {
         return std::ptr::null_mut();
     }
     let Some(create) = *(api.add(ERROR_CREATE_OFFSET) as *const Option<Create>) else { return std::ptr::null_mut() };
-    let message = std::ffi::CString::new(format!("tpu_dynamo host kernel {BF16_MATVEC_TARGET}: {message}")).unwrap_or_default();
+    let message = std::ffi::CString::new(format!("tpu_dynamo host kernel {target}: {message}")).unwrap_or_default();
     let mut args = FfiErrorCreateArgs {
         struct_size: std::mem::size_of::<FfiErrorCreateArgs>() - 4,
         extension_start: std::ptr::null_mut(),
@@ -167,11 +172,29 @@ unsafe fn error(frame: &FfiCallFrame, message: &str) -> *mut c_void {
     create(&mut args)
 }
 
-/// The typed-FFI handler: `y[m, n] = sum_k x[m, k] * w[n, k]` for bf16 `x` `[.., K]` (every
-/// leading dim 1 or a few rows) and `w` `[N, K]`, into `y` (bf16 or f32) `[.., N]`. Answers
-/// XLA's metadata query at registration; never unwinds into the plugin.
+/// The weight's layout: `[N, K]` (`y = x @ w.T`) or `[K, N]` (`y = x @ w`).
+#[derive(Clone, Copy, PartialEq)]
+enum Layout {
+    RowPerOutput,
+    RowPerInput,
+}
+
 unsafe extern "C" fn bf16_matvec(frame: *mut FfiCallFrame) -> *mut c_void {
-    let frame = &mut *frame;
+    handle(&mut *frame, Layout::RowPerOutput)
+}
+
+unsafe extern "C" fn bf16_vecmat(frame: *mut FfiCallFrame) -> *mut c_void {
+    handle(&mut *frame, Layout::RowPerInput)
+}
+
+/// The typed-FFI handlers: `y[m, n] = sum_k x[m, k] * w[n, k]` (or `w[k, n]`) for bf16 `x`
+/// `[.., K]` (leading dims of one or a few rows), into `y` (bf16 or f32) `[.., N]`. Answers
+/// XLA's metadata query at registration; never unwinds into the plugin.
+unsafe fn handle(frame: &mut FfiCallFrame, layout: Layout) -> *mut c_void {
+    let target = match layout {
+        Layout::RowPerOutput => BF16_MATVEC_TARGET,
+        Layout::RowPerInput => BF16_VECMAT_TARGET,
+    };
     let mut ext = frame.extension_start;
     while !ext.is_null() {
         if (*ext).kind == XLA_FFI_EXTENSION_METADATA {
@@ -187,47 +210,50 @@ unsafe extern "C" fn bf16_matvec(frame: *mut FfiCallFrame) -> *mut c_void {
         return std::ptr::null_mut();
     }
     if frame.args.size != 2 || frame.rets.size != 1 {
-        return error(frame, "expects two operands and one result");
+        return error(frame, target, "expects two operands and one result");
     }
     let (x, w, y) = (&**frame.args.items, &**frame.args.items.add(1), &**frame.rets.items);
     let dims = |b: &FfiBuffer| std::slice::from_raw_parts(b.dims, b.rank as usize);
     let (xd, wd, yd) = (dims(x), dims(w), dims(y));
-    let (Some((&k, lead)), &[n, kw]) = (xd.split_last(), wd) else {
-        return error(frame, &format!("expects x [.., K] and w [N, K], got {xd:?} and {wd:?}"));
+    let (Some((&k, lead)), &[rows_w, cols_w]) = (xd.split_last(), wd) else {
+        return error(frame, target, &format!("expects x [.., K] and a matrix w, got {xd:?} and {wd:?}"));
     };
+    let (n, kw) = if layout == Layout::RowPerOutput { (rows_w, cols_w) } else { (cols_w, rows_w) };
     let rows: i64 = lead.iter().product();
     let out = match y.dtype {
         XLA_FFI_F32 => Out::F32(y.data as *mut f32),
         XLA_FFI_BF16 => Out::Bf16(y.data as *mut u16),
-        other => return error(frame, &format!("expects a bf16 or f32 result, got XLA type {other}")),
+        other => return error(frame, target, &format!("expects a bf16 or f32 result, got XLA type {other}")),
     };
     if x.dtype != XLA_FFI_BF16 || w.dtype != XLA_FFI_BF16 || kw != k || yd.iter().product::<i64>() != rows * n {
-        return error(frame, &format!("expects bf16 x [.., K], w [N, K] and y [.., N], got {xd:?}, {wd:?}, {yd:?}"));
+        return error(frame, target, &format!("expects bf16 x [.., K], w and y [.., N], got {xd:?}, {wd:?}, {yd:?}"));
     }
     let (k, n, rows) = (k as usize, n as usize, rows as usize);
     let ran = std::panic::catch_unwind(|| {
         let xb = std::slice::from_raw_parts(x.data as *const u16, rows * k).to_vec();
         let xf = xb.iter().map(|&v| bf16_to_f32(v)).collect();
-        let job = MatVec { w: w.data as *const u16, x: xb, x_f32: xf, out, k, n, rows };
-        pool::run(&job, n.div_ceil(ROWS_PER_CHUNK));
+        let job = MatVec { w: w.data as *const u16, layout, x: xb, x_f32: xf, out, k, n, rows };
+        pool::run(&job, n.div_ceil(OUTPUTS_PER_CHUNK));
     });
     match ran {
         Ok(()) => std::ptr::null_mut(),
-        Err(_) => error(frame, "panicked"),
+        Err(_) => error(frame, target, "panicked"),
     }
 }
 
-/// Rows of the weight per unit of work: 64 rows of a 576-wide weight are 72 KiB, within L2.
-const ROWS_PER_CHUNK: usize = 64;
+/// Outputs per unit of work: 64 rows of a 576-wide `[N, K]` weight are 72 KiB, within L2; a
+/// `[K, N]` weight's 64 columns are 128 bytes of each row, two cache lines.
+const OUTPUTS_PER_CHUNK: usize = 64;
 
 enum Out {
     F32(*mut f32),
     Bf16(*mut u16),
 }
 
-/// One product: `w` `[n, k]`, `x` `[rows, k]` (and widened to f32), `out` `[rows, n]`.
+/// One product: `w` `[n, k]` or `[k, n]`, `x` `[rows, k]` (and widened to f32), `out` `[rows, n]`.
 struct MatVec {
     w: *const u16,
+    layout: Layout,
     x: Vec<u16>,
     x_f32: Vec<f32>,
     out: Out,
@@ -237,21 +263,24 @@ struct MatVec {
 }
 
 impl MatVec {
-    /// Output columns `chunk * ROWS_PER_CHUNK ..` for every row of `x`.
+    /// Outputs `chunk * OUTPUTS_PER_CHUNK ..` for every row of `x`.
     ///
     /// # Safety
     /// The pointers must cover the shapes; chunks are disjoint, so threads may run different
     /// ones at once.
     unsafe fn chunk(&self, chunk: usize) {
-        let (k, first) = (self.k, chunk * ROWS_PER_CHUNK);
-        let last = (first + ROWS_PER_CHUNK).min(self.n);
-        let w = std::slice::from_raw_parts(self.w.add(first * k), (last - first) * k);
+        let (k, n, first) = (self.k, self.n, chunk * OUTPUTS_PER_CHUNK);
+        let last = (first + OUTPUTS_PER_CHUNK).min(n);
         for r in 0..self.rows {
             let x = (&self.x[r * k..(r + 1) * k], &self.x_f32[r * k..(r + 1) * k]);
-            let at = r * self.n + first;
-            match self.out {
-                Out::F32(y) => matvec(w, x, |i, v| *y.add(at + i) = v),
-                Out::Bf16(y) => matvec(w, x, |i, v| *y.add(at + i) = f32_to_bf16(v)),
+            let at = r * n + first;
+            let put = |i: usize, v: f32| match self.out {
+                Out::F32(y) => *y.add(at + i) = v,
+                Out::Bf16(y) => *y.add(at + i) = f32_to_bf16(v),
+            };
+            match self.layout {
+                Layout::RowPerOutput => matvec(std::slice::from_raw_parts(self.w.add(first * k), (last - first) * k), x, put),
+                Layout::RowPerInput => vecmat(std::slice::from_raw_parts(self.w, k * n), n, first..last, x.1, put),
             }
         }
     }
@@ -302,12 +331,63 @@ fn matvec(w: &[u16], (xb, x): (&[u16], &[f32]), mut put: impl FnMut(usize, f32))
     }
 }
 
-/// Both kernels read the weight one row after another, front to back, as one stream (four rows
+/// `put(j, sum_k x[k] * w[k, c])` for the columns `c = cols.start + j` of `w` (`[K, n]` bf16),
+/// 64 at a time as independent f32 sums (vectorized by the compiler, 64 columns being 128 bytes
+/// of each row), the rest one by one.
+fn vecmat(w: &[u16], n: usize, cols: std::ops::Range<usize>, x: &[f32], mut put: impl FnMut(usize, f32)) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F.
+            return unsafe { x86::vecmat_avx512(w, n, cols, x, &mut put) };
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU has AVX2 and FMA.
+            return unsafe { x86::vecmat_avx2(w, n, cols, x, &mut put) };
+        }
+    }
+    vecmat_columns(w, n, cols, x, &mut put)
+}
+
+#[inline(always)]
+fn vecmat_columns(w: &[u16], n: usize, cols: std::ops::Range<usize>, x: &[f32], put: &mut impl FnMut(usize, f32)) {
+    const BLOCK: usize = 64;
+    let start = cols.start;
+    let mut c = start;
+    while c + BLOCK <= cols.end {
+        let mut acc = [0f32; BLOCK];
+        for (kk, &xk) in x.iter().enumerate() {
+            let row = &w[kk * n + c..kk * n + c + BLOCK];
+            for (a, &v) in acc.iter_mut().zip(row) {
+                *a = xk.mul_add(bf16_to_f32(v), *a);
+            }
+        }
+        for (j, &a) in acc.iter().enumerate() {
+            put(c - start + j, a);
+        }
+        c += BLOCK;
+    }
+    for col in c..cols.end {
+        put(col - start, x.iter().enumerate().map(|(kk, &xk)| xk * bf16_to_f32(w[kk * n + col])).sum());
+    }
+}
+
+/// The `[N, K]` kernels read the weight one row after another, front to back, as one stream (four rows
 /// at a time, four streams, ran at a third of the memory's rate), into four independent sums.
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::bf16_to_f32;
+    use super::{bf16_to_f32, vecmat_columns};
     use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx512f,fma")]
+    pub(super) unsafe fn vecmat_avx512(w: &[u16], n: usize, cols: std::ops::Range<usize>, x: &[f32], put: &mut impl FnMut(usize, f32)) {
+        vecmat_columns(w, n, cols, x, put)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn vecmat_avx2(w: &[u16], n: usize, cols: std::ops::Range<usize>, x: &[f32], put: &mut impl FnMut(usize, f32)) {
+        vecmat_columns(w, n, cols, x, put)
+    }
 
     /// 32 columns per `vdpbf16ps` (products of bf16 pairs summed into f32 lanes, as oneDNN's
     /// bf16 kernels for PyTorch do); the tail of K in scalar code from `x`, `xb` widened.
@@ -408,6 +488,20 @@ mod tests {
         let mut got = vec![0.0; n];
         matvec(&w, (&xb, &x), |i, v| got[i] = v);
         check(&got);
+    }
+
+    /// The `[K, N]` kernels against the scalar sum, columns off the 64-column blocks included.
+    #[test]
+    fn vecmat_agrees_with_the_scalar_sum() {
+        let (k, n, cols) = (70, 203, 3..200);
+        let w: Vec<u16> = (0..k * n).map(|i| f32_to_bf16(((i * 7919) % 1000) as f32 / 1000.0 - 0.5)).collect();
+        let x: Vec<f32> = (0..k).map(|i| ((i * 31) % 17) as f32 / 17.0 - 0.5).collect();
+        let mut got = vec![0.0; cols.len()];
+        vecmat(&w, n, cols.clone(), &x, |j, v| got[j] = v);
+        for (j, c) in cols.enumerate() {
+            let want: f32 = (0..k).map(|i| x[i] * bf16_to_f32(w[i * n + c])).sum();
+            assert!((got[j] - want).abs() <= 1e-5, "column {c}: {} vs {want}", got[j]);
+        }
     }
 
     #[test]

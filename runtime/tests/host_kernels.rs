@@ -3,7 +3,7 @@
 mod common;
 
 use common::*;
-use tpu_dynamo_runtime::host_kernels::{register, BF16_MATVEC_TARGET};
+use tpu_dynamo_runtime::host_kernels::{register, BF16_MATVEC_TARGET, BF16_VECMAT_TARGET};
 use tpu_dynamo_runtime::*;
 
 fn bf16(v: f32) -> u16 {
@@ -32,9 +32,10 @@ fn download_any(buffer: &Buffer, dtype: DType) -> Vec<f64> {
     }
 }
 
-/// A bf16 vector `[1, 1, K]` times weights `[N, K]` (a decode step's linear layer), with K and N
-/// off the kernels' block sizes too, in both result types: within f32 summation's rounding of
-/// the exact product (and one bf16 rounding for a bf16 result).
+/// A bf16 vector `[1, 1, K]` times weights stored `[N, K]` (a decode step's linear layer) and
+/// `[K, N]` (GPT-2's `Conv1D`), with K and N off the kernels' block sizes too, in both result
+/// types: within f32 summation's rounding of the exact product (and one bf16 rounding for a
+/// bf16 result).
 #[test]
 fn bf16_matvec_matches_the_exact_product() {
     let client = client(1);
@@ -48,28 +49,33 @@ fn bf16_matvec_matches_the_exact_product() {
         return;
     }
     let mut rng = Rng::new(7);
-    for (k, n) in [(576i64, 1536i64), (1536, 576), (100, 7), (33, 130)] {
+    let shapes = [(576i64, 1536i64), (1536, 576), (100, 7), (33, 130), (768, 2304)];
+    for ((k, n), row_per_input) in shapes.into_iter().flat_map(|s| [(s, false), (s, true)]) {
+        let (target, w_dims) = if row_per_input { (BF16_VECMAT_TARGET, [k, n]) } else { (BF16_MATVEC_TARGET, [n, k]) };
+        // Element (output, input) of the weight.
+        let at = |o: usize, i: usize| if row_per_input { i * n as usize + o } else { o * k as usize + i };
         for (dtype, name) in [(DType::Bf16, "bf16"), (DType::F32, "f32")] {
+            let w_ty = format!("tensor<{}x{}xbf16>", w_dims[0], w_dims[1]);
             let text = format!(
                 r#"
-func.func @main(%x: tensor<1x1x{k}xbf16>, %w: tensor<{n}x{k}xbf16>) -> tensor<1x1x{n}x{name}> {{
-  %y = stablehlo.custom_call @{BF16_MATVEC_TARGET}(%x, %w) {{api_version = 4 : i32, backend_config = {{}}}} : (tensor<1x1x{k}xbf16>, tensor<{n}x{k}xbf16>) -> tensor<1x1x{n}x{name}>
+func.func @main(%x: tensor<1x1x{k}xbf16>, %w: {w_ty}) -> tensor<1x1x{n}x{name}> {{
+  %y = stablehlo.custom_call @{target}(%x, %w) {{api_version = 4 : i32, backend_config = {{}}}} : (tensor<1x1x{k}xbf16>, {w_ty}) -> tensor<1x1x{n}x{name}>
   return %y : tensor<1x1x{n}x{name}>
 }}"#
             );
             let spec = |d: &[i64]| TensorSpec::new(DType::Bf16, d);
-            let exe = compile(&client, &text, vec![spec(&[1, 1, k]), spec(&[n, k])]);
+            let exe = compile(&client, &text, vec![spec(&[1, 1, k]), spec(&w_dims)]);
             let x: Vec<u16> = rng.f32s(k as usize).into_iter().map(bf16).collect();
             let w: Vec<u16> = rng.f32s((n * k) as usize).into_iter().map(bf16).collect();
-            let out = exe.execute(&[&upload_bf16(&client, &x, &[1, 1, k]), &upload_bf16(&client, &w, &[n, k])]).unwrap();
+            let out = exe.execute(&[&upload_bf16(&client, &x, &[1, 1, k]), &upload_bf16(&client, &w, &w_dims)]).unwrap();
             let got = download_any(&out[0], dtype);
             for (row, &got) in got.iter().enumerate() {
-                let terms = (0..k as usize).map(|i| widen(x[i]) * widen(w[row * k as usize + i]));
+                let terms = (0..k as usize).map(|i| widen(x[i]) * widen(w[at(row, i)]));
                 let exact: f64 = terms.clone().sum();
                 let magnitude: f64 = terms.map(f64::abs).sum();
                 let rounding = if dtype == DType::Bf16 { exact.abs() / 256.0 } else { 0.0 };
                 let allowed = magnitude * k as f64 * f64::from(f32::EPSILON) + rounding;
-                assert!((got - exact).abs() <= allowed, "{name} [{n}, {k}] row {row}: {got} vs {exact}");
+                assert!((got - exact).abs() <= allowed, "{target} {name} {w_dims:?} output {row}: {got} vs {exact}");
             }
         }
     }

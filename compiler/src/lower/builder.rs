@@ -876,17 +876,19 @@ impl<'a> Builder<'a> {
         self.op("stablehlo.select", &[&p, &a, &b], &[], ty)
     }
 
-    /// A bf16 vector times a weight stored `[N, K]` through our host kernel
-    /// (`tpu_dynamo_runtime::host_kernels`), where the process's plugin has it: `None` otherwise
-    /// or for another layout.
+    /// A bf16 vector times a weight stored `[N, K]` or `[K, N]` through our host kernels
+    /// (`tpu_dynamo_runtime::host_kernels`), where the process's plugin has them: `None`
+    /// otherwise or for another layout.
     fn host_matvec(&self, a: &Val<'a>, b: &Val<'a>, contract: (&[i64], &[i64]), out: DType) -> R<Option<Val<'a>>> {
         let (b, _, b_contract) = fold_transpose(b, &[], contract.1);
         let lhs_last = a.rank() as i64 - 1;
-        let target = *HOST_MATVEC.read().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let Some(target) = target.filter(|_| b.rank() == 2 && b_contract == [1] && contract.0 == [lhs_last]) else {
-            return Ok(None);
+        let kernels = *HOST_MATVEC.read().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let (Some(kernels), 2, [lhs]) = (kernels, b.rank(), contract.0) else { return Ok(None) };
+        let (target, n) = match (b_contract.as_slice(), *lhs == lhs_last) {
+            ([1], true) => (kernels.row_per_output, b.shape()[0]),
+            ([0], true) => (kernels.row_per_input, b.shape()[1]),
+            _ => return Ok(None),
         };
-        let n = b.shape()[0];
         let mut shape = a.shape()[..a.rank() - 1].to_vec();
         shape.push(n);
         let attrs = [
@@ -1196,9 +1198,17 @@ pub fn keep_dims_shape(shape: &[i64], dims: &[usize]) -> Vec<i64> {
         .collect()
 }
 
-/// The custom call target of a host kernel for a bf16 vector times a `[N, K]` matrix, where the
-/// process's plugin has one registered (set by whoever creates the client), else `None`.
-pub static HOST_MATVEC: RwLock<Option<&'static str>> = RwLock::new(None);
+/// The custom call targets of host kernels for a bf16 vector times a matrix, where the
+/// process's plugin has them registered (set by whoever creates the client), else `None`.
+pub static HOST_MATVEC: RwLock<Option<HostMatVec>> = RwLock::new(None);
+
+/// A host kernel's target per weight layout: `[N, K]` (a row per output, `x @ W.T`) and
+/// `[K, N]` (a row per input, `x @ W`).
+#[derive(Clone, Copy, Debug)]
+pub struct HostMatVec {
+    pub row_per_output: &'static str,
+    pub row_per_input: &'static str,
+}
 
 /// Whether `dot_general(a, b)` multiplies a bf16 vector (no batch dims, every free dim of `a`
 /// of size 1) by a bf16 matrix (accumulated in f32 either way, a bf16 product as well).

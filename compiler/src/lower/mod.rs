@@ -6,7 +6,7 @@
 
 mod attention;
 mod builder;
-pub use builder::HOST_MATVEC;
+pub use builder::{HostMatVec, HOST_MATVEC};
 mod compare;
 mod convert;
 mod convolution;
