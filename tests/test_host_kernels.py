@@ -50,6 +50,19 @@ def test_a_one_token_bf16_linear_matches_the_exact_product(k, n, bias, compiled)
     check_product(torch.nn.functional.linear, x, w, b, "tpu_dynamo.bf16_matvec", compiled)
 
 
+def test_two_rows_go_to_the_kernel_and_more_do_not(compiled):
+    """Two prompts decoded together still read each weight once through our kernel; eight rows
+    stay XLA's GEMM, faster there."""
+    torch.manual_seed(2)
+    w = torch.randn(1536, 576, dtype=torch.bfloat16)
+    check_product(torch.nn.functional.linear, torch.randn(2, 1, 576, dtype=torch.bfloat16), w, None, "tpu_dynamo.bf16_matvec", compiled)
+    x8 = torch.randn(8, 1, 576, dtype=torch.bfloat16)
+    torch._dynamo.reset()  # a new shape would otherwise be traced with symbolic sizes
+    with torch.no_grad():
+        compile_tpu(torch.nn.functional.linear)(x8, w, None)
+    assert "tpu_dynamo.bf16_matvec" not in _native.compile(compiled[-1][0], need_stablehlo=True).stablehlo
+
+
 @pytest.mark.parametrize("k, n", CONV1DS)
 def test_a_one_token_bf16_conv1d_matches_the_exact_product(k, n, compiled):
     """GPT-2's `Conv1D`: `addmm(bias, x, W)` with W stored `[K, N]`."""

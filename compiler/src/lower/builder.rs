@@ -876,7 +876,7 @@ impl<'a> Builder<'a> {
         self.op("stablehlo.select", &[&p, &a, &b], &[], ty)
     }
 
-    /// A bf16 vector times a weight stored `[N, K]` or `[K, N]` through our host kernels
+    /// A bf16 vector (or a few rows) times a weight stored `[N, K]` or `[K, N]` through our host kernels
     /// (`tpu_dynamo_runtime::host_kernels`), where the process's plugin has them: `None`
     /// otherwise or for another layout.
     fn host_matvec(&self, a: &Val<'a>, b: &Val<'a>, contract: (&[i64], &[i64]), out: DType) -> R<Option<Val<'a>>> {
@@ -1003,13 +1003,13 @@ impl<'a> Builder<'a> {
         contract: (&[i64], &[i64]),
         out: DType,
     ) -> R<Val<'a>> {
-        let vector_times_matrix = is_bf16_vector_times_matrix(a, b, batch, contract, out);
-        if vector_times_matrix {
+        let rows = bf16_rows_times_matrix(a, b, batch, contract, out);
+        if rows.is_some_and(|rows| rows <= HOST_MATVEC_MAX_ROWS) {
             if let Some(product) = self.host_matvec(a, b, contract, out)? {
                 return Ok(product);
             }
         }
-        if vector_times_matrix && b.ty.numel() >= 1 << 16 {
+        if rows == Some(1) && b.ty.numel() >= 1 << 16 {
             // Without our kernel: XLA:CPU gives a bf16 product to its bf16 GEMM (YNNPACK) only
             // when neither side is a vector; a vector times a matrix it computes in f32 after
             // converting the whole matrix to f32, on every call. Two equal rows make it a GEMM:
@@ -1210,21 +1210,29 @@ pub struct HostMatVec {
     pub row_per_input: &'static str,
 }
 
-/// Whether `dot_general(a, b)` multiplies a bf16 vector (no batch dims, every free dim of `a`
-/// of size 1) by a bf16 matrix (accumulated in f32 either way, a bf16 product as well).
-fn is_bf16_vector_times_matrix(
+/// Rows of `a` up to which a bf16 product goes to the host kernel (two prompts decoded
+/// together). It reads the weight once per chunk of outputs and again from L2 for each further
+/// row, so its time grows with the rows where YNNPACK's (which packs the whole weight first)
+/// hardly does: `[2, 576] x [576, 1536]` 33 against 40 µs, `[4, ..]` 55 against 48, `[8, ..]`
+/// 115 against 65.
+const HOST_MATVEC_MAX_ROWS: i64 = 2;
+
+/// The rows of `a` when `dot_general(a, b)` multiplies bf16 rows (no batch dims; the product of
+/// `a`'s free dims, 1 for a vector) by a bf16 matrix (accumulated in f32 either way, a bf16
+/// product as well).
+fn bf16_rows_times_matrix(
     a: &Val<'_>,
     b: &Val<'_>,
     batch: (&[i64], &[i64]),
     contract: (&[i64], &[i64]),
     out: DType,
-) -> bool {
-    a.dtype() == DType::Bf16
+) -> Option<i64> {
+    let matrix = a.dtype() == DType::Bf16
         && b.dtype() == DType::Bf16
         && matches!(out, DType::F32 | DType::Bf16)
         && batch.0.is_empty()
-        && free_sizes(a, batch.0, contract.0).iter().product::<i64>() == 1
-        && free_sizes(b, batch.1, contract.1).iter().product::<i64>() > 1
+        && free_sizes(b, batch.1, contract.1).iter().product::<i64>() > 1;
+    matrix.then(|| free_sizes(a, batch.0, contract.0).iter().product())
 }
 
 /// The sizes of a dot operand's free dims (neither batch nor contracting), in order: the
