@@ -2,10 +2,11 @@
 //! through the plugin's PJRT FFI extension when a client is created.
 //!
 //! One product: a bf16 vector times a bf16 matrix stored `[N, K]` (`nn.Linear`'s weight) or
-//! `[K, N]` (GPT-2's `Conv1D`), the products of every decode step of a bf16 model. XLA:CPU's own ways run at half the rate
-//! of its f32 products (YNNPACK packs the whole weight on every call; its own dot emitter has no
-//! bf16 kernel), so a bf16 decode step was slower than an f32 one although it reads half the
-//! bytes. This one streams the weight once, with f32 sums as PyTorch's CPU kernels keep them.
+//! `[K, N]` (GPT-2's `Conv1D`), the products of every decode step of a bf16 model. XLA:CPU's
+//! own ways run at half the rate of its f32 products (YNNPACK packs the whole weight on every
+//! call; its own dot emitter has no bf16 kernel), so a bf16 decode step was slower than an f32
+//! one although it reads half the bytes. This one streams the weight once, with f32 sums as
+//! PyTorch's CPU kernels keep them.
 
 mod pool;
 
