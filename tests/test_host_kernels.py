@@ -50,12 +50,14 @@ def test_a_one_token_bf16_linear_matches_the_exact_product(k, n, bias, compiled)
     check_product(torch.nn.functional.linear, x, w, b, "tpu_dynamo.bf16_matvec", compiled)
 
 
-def test_two_rows_go_to_the_kernel_and_more_do_not(compiled):
-    """Two prompts decoded together still read each weight once through our kernel; eight rows
-    stay XLA's GEMM, faster there."""
-    torch.manual_seed(2)
+@pytest.mark.parametrize("rows", [2, 3, 4])
+def test_a_few_rows_go_to_the_kernel_and_eight_do_not(rows, compiled):
+    """A few prompts decoded together read each weight row once for all of them through our
+    kernel (in fours, twos and ones); eight rows stay XLA's GEMM, as fast there."""
+    torch.manual_seed(rows)
     w = torch.randn(1536, 576, dtype=torch.bfloat16)
-    check_product(torch.nn.functional.linear, torch.randn(2, 1, 576, dtype=torch.bfloat16), w, None, "tpu_dynamo.bf16_matvec", compiled)
+    x = torch.randn(rows, 1, 576, dtype=torch.bfloat16)
+    check_product(torch.nn.functional.linear, x, w, None, "tpu_dynamo.bf16_matvec", compiled)
     x8 = torch.randn(8, 1, 576, dtype=torch.bfloat16)
     torch._dynamo.reset()  # a new shape would otherwise be traced with symbolic sizes
     with torch.no_grad():

@@ -272,17 +272,36 @@ impl MatVec {
     unsafe fn chunk(&self, chunk: usize) {
         let (k, n, first) = (self.k, self.n, chunk * OUTPUTS_PER_CHUNK);
         let last = (first + OUTPUTS_PER_CHUNK).min(n);
-        for r in 0..self.rows {
-            let x = (&self.x[r * k..(r + 1) * k], &self.x_f32[r * k..(r + 1) * k]);
-            let at = r * n + first;
-            let put = |i: usize, v: f32| match self.out {
-                Out::F32(y) => *y.add(at + i) = v,
-                Out::Bf16(y) => *y.add(at + i) = f32_to_bf16(v),
-            };
-            match self.layout {
-                Layout::RowPerOutput => matvec(std::slice::from_raw_parts(self.w.add(first * k), (last - first) * k), x, put),
-                Layout::RowPerInput => vecmat(std::slice::from_raw_parts(self.w, k * n), n, first..last, x.1, put),
+        let put = |r: usize, i: usize, v: f32| match self.out {
+            Out::F32(y) => *y.add(r * n + first + i) = v,
+            Out::Bf16(y) => *y.add(r * n + first + i) = f32_to_bf16(v),
+        };
+        let x = |r: usize| (&self.x[r * k..(r + 1) * k], &self.x_f32[r * k..(r + 1) * k]);
+        if self.layout == Layout::RowPerInput {
+            let w = std::slice::from_raw_parts(self.w, k * n);
+            for r in 0..self.rows {
+                vecmat(w, n, first..last, x(r).1, |i, v| put(r, i, v));
             }
+            return;
+        }
+        let w = std::slice::from_raw_parts(self.w.add(first * k), (last - first) * k);
+        let mut r = 0;
+        #[cfg(target_arch = "x86_64")]
+        if self.rows > 1 && std::arch::is_x86_feature_detected!("avx512bf16") {
+            // Rows in fours, then twos: each weight row is read once for all of them.
+            while r + 4 <= self.rows {
+                let xs = [r, r + 1, r + 2, r + 3].map(|r| x(r));
+                x86::matvec_rows_avx512_bf16(w, xs.map(|x| x.0), xs.map(|x| x.1), &mut |j, i, v| put(r + j, i, v));
+                r += 4;
+            }
+            while r + 2 <= self.rows {
+                let xs = [r, r + 1].map(|r| x(r));
+                x86::matvec_rows_avx512_bf16(w, xs.map(|x| x.0), xs.map(|x| x.1), &mut |j, i, v| put(r + j, i, v));
+                r += 2;
+            }
+        }
+        for r in r..self.rows {
+            matvec(w, x(r), |i, v| put(r, i, v));
         }
     }
 }
@@ -418,6 +437,35 @@ mod x86 {
         }
     }
 
+    /// `M` rows of `x` at once, one sum each: every 64 bytes of a weight row, read once, go
+    /// into all of them (`put(row, output, value)`).
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn matvec_rows_avx512_bf16<const M: usize>(
+        w: &[u16],
+        xb: [&[u16]; M],
+        x: [&[f32]; M],
+        put: &mut impl FnMut(usize, usize, f32),
+    ) {
+        let k = x[0].len();
+        let body = k - k % 32;
+        let load = |p: *const u16| -> __m512bh { std::mem::transmute(_mm512_loadu_si512(p as *const __m512i)) };
+        for (n, row) in w.chunks_exact(k).enumerate() {
+            let mut acc = [_mm512_setzero_ps(); M];
+            let mut at = 0;
+            while at < body {
+                let wv = load(row.as_ptr().add(at));
+                for (a, xr) in acc.iter_mut().zip(&xb) {
+                    *a = _mm512_dpbf16_ps(*a, wv, load(xr.as_ptr().add(at)));
+                }
+                at += 32;
+            }
+            for (r, (a, xr)) in acc.iter().zip(&x).enumerate() {
+                let tail: f32 = (body..k).map(|i| bf16_to_f32(row[i]) * xr[i]).sum();
+                put(r, n, _mm512_reduce_add_ps(*a) + tail);
+            }
+        }
+    }
+
     /// 8 columns per step, widened to f32 by a shift, fused multiply-adds; the tail of K in
     /// scalar code.
     #[target_feature(enable = "avx2,fma")]
@@ -489,6 +537,15 @@ mod tests {
         let mut got = vec![0.0; n];
         matvec(&w, (&xb, &x), |i, v| got[i] = v);
         check(&got);
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512bf16") {
+            // Several rows at once: every row of x the same vector, so each must give `scalar`.
+            let mut rows = vec![vec![0.0; n]; 4];
+            unsafe { x86::matvec_rows_avx512_bf16(&w, [&xb[..]; 4], [&x[..]; 4], &mut |r, i, v| rows[r][i] = v) };
+            rows.iter().for_each(|row| check(row));
+            unsafe { x86::matvec_rows_avx512_bf16(&w, [&xb[..]; 2], [&x[..]; 2], &mut |r, i, v| rows[r][i] = v + 1.0) };
+            rows[..2].iter().for_each(|row| check(&row.iter().map(|v| v - 1.0).collect::<Vec<_>>()));
+        }
     }
 
     /// The `[K, N]` kernels against the scalar sum, columns off the 64-column blocks included.

@@ -1210,12 +1210,12 @@ pub struct HostMatVec {
     pub row_per_input: &'static str,
 }
 
-/// Rows of `a` up to which a bf16 product goes to the host kernel (two prompts decoded
-/// together). It reads the weight once per chunk of outputs and again from L2 for each further
-/// row, so its time grows with the rows where YNNPACK's (which packs the whole weight first)
-/// hardly does: `[2, 576] x [576, 1536]` 33 against 40 µs, `[4, ..]` 55 against 48, `[8, ..]`
-/// 115 against 65.
-const HOST_MATVEC_MAX_ROWS: i64 = 2;
+/// Rows of `a` up to which a bf16 product goes to the host kernel (a few prompts decoded
+/// together), which reads each weight row once for all of them where YNNPACK's GEMM packs the
+/// whole weight first: `[4, 576] x [576, 1536]` 48-60 against 47-77 µs, `[4, 576] x [576,
+/// 49152]` 1543-2877 against 3169-3420. At eight rows the two are even (a step decoding eight
+/// prompts: 40.6 against 39.2 ms), so XLA keeps them.
+const HOST_MATVEC_MAX_ROWS: i64 = 4;
 
 /// The rows of `a` when `dot_general(a, b)` multiplies bf16 rows (no batch dims; the product of
 /// `a`'s free dims, 1 for a vector) by a bf16 matrix (accumulated in f32 either way, a bf16
