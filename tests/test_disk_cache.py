@@ -200,5 +200,5 @@ def test_cli_cache_info_list_clear_and_doctor():
     assert entries() == [] and "entries: 0 " in info and "graphs:  0 " in info
     doctor = cli("doctor")
     assert f"MLIR {tpu_dynamo._native.MLIR_VERSION}" in doctor and "MLIR 22." in doctor
-    for needed in ("torch:", "transformers:", "diffusers:", "plugin:", "devices:", "cache dir:"):
+    for needed in ("torch:", "transformers:", "diffusers:", "plugin:", "devices:", "host kernels:", "cache dir:"):
         assert needed in doctor

@@ -105,6 +105,7 @@ def doctor(_args: argparse.Namespace) -> int:
     print(f"plugin id:     {_plugin_line()}")
     print(f"platform:      {info['platform']} ({info['platform_version']})")
     print(f"devices:       {', '.join(info['devices'])}")
+    print(f"host kernels:  {', '.join(info['host_kernels']) or 'none (TPU_DYNAMO_HOST_KERNELS=0, or not this plugin or CPU)'}")
     _print_cache_info()
     return 0
 
