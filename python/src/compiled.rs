@@ -220,8 +220,8 @@ enum Source {
 /// Key: canonical graph bytes (which include every input's shape and dtype), plugin identity
 /// (the plugin file's hash included, so another build never even opens this entry), the MLIR
 /// release, the compiler's source hash (a changed lowering rule never reuses an old executable),
-/// compile options, compiler flags from the environment (`XLA_FLAGS`, ...) and this crate's
-/// version. `plugin` is `None` without a disk cache: a key that never leaves the process needs
+/// compile options, compiler flags from the environment (`XLA_FLAGS`, ...), the host kernels
+/// the lowering calls (`Target::host_kernels`) and this crate's version. `plugin` is `None` without a disk cache: a key that never leaves the process needs
 /// no file hash.
 fn cache_key(canonical: &[u8], target: &Target, plugin: Option<&PluginIdentity>) -> Key {
     // The rest of the identity is in `Plugin::identity()`.
@@ -237,6 +237,7 @@ fn cache_key(canonical: &[u8], target: &Target, plugin: Option<&PluginIdentity>)
         .field(SOURCE_HASH.as_bytes())
         .field(format!("{:?}", CompileOptions::default()).as_bytes())
         .field(target.compiler_env.as_bytes())
+        .field(target.host_kernels.join(",").as_bytes())
         .field(CACHE_VERSION.as_bytes())
         .finish()
 }

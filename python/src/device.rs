@@ -20,7 +20,7 @@ pub struct Target {
     /// them (once, when it started): they change the code an executable holds.
     pub compiler_env: String,
     /// The custom call targets of our own kernels the plugin runs (`host_kernels`), which the
-    /// lowering calls.
+    /// lowering calls (part of the cache key).
     pub host_kernels: Vec<&'static str>,
     /// Built on first use, and only by processes that compile or inspect the cache; the plugin
     /// file's hash (hundreds of MB to read) comes from the disk cache's memo when it can.
@@ -224,13 +224,12 @@ pub fn target() -> Result<Arc<Target>, Error> {
         .next()
         .ok_or_else(|| Error::InvalidArgument("the PJRT plugin reports no devices".into()))?;
     // Our kernels run where the plugin computes on the host and lets us register them; the
-    // lowering then calls them, so whether it does is part of every executable's cache key.
+    // lowering then calls them, so which it calls is part of every executable's cache key.
     let registered = host_memory && not_off("TPU_DYNAMO_HOST_KERNELS") && host_kernels::register(client.plugin());
     let kernels = HostMatVec { row_per_output: host_kernels::BF16_MATVEC_TARGET, row_per_input: host_kernels::BF16_VECMAT_TARGET };
     let host_kernels = if registered { vec![kernels.row_per_output, kernels.row_per_input] } else { vec![] };
     *HOST_MATVEC.write().unwrap_or_else(|poisoned| poisoned.into_inner()) = registered.then_some(kernels);
-    let compiler_env = format!("{}\nhost_kernels={}", compiler_env(), host_kernels.join(","));
-    let t = Arc::new(Target { client, device, host_memory, compiler_env, host_kernels, identity: OnceLock::new() });
+    let t = Arc::new(Target { client, device, host_memory, compiler_env: compiler_env(), host_kernels, identity: OnceLock::new() });
     *slot = Some(t.clone());
     Ok(t)
 }
