@@ -35,6 +35,18 @@ pub fn register(r: &mut Registry) {
         ],
         bitwise,
     );
+    let mut shifts = vec![];
+    for op in ["bitwise_left_shift", "bitwise_right_shift"] {
+        for overload in ["Tensor", "Tensor_Scalar", "Scalar_Tensor"] {
+            shifts.push(&*Box::leak(format!("aten.{op}.{overload}").into_boxed_str()));
+        }
+    }
+    for op in ["__lshift__", "__rshift__"] {
+        for overload in ["Tensor", "Scalar"] {
+            shifts.push(&*Box::leak(format!("aten.{op}.{overload}").into_boxed_str()));
+        }
+    }
+    r.add(&shifts, shift);
     r.add(&["aten.isnan.default", "aten.isinf.default"], classify);
 }
 
@@ -77,6 +89,23 @@ fn bitwise(n: NodeCtx<'_>) -> Res<'_> {
     let v =
         n.b.coerce(&[&n.operand(0, "self")?, &n.operand(1, "other")?], out)?;
     Ok(vec![n.b.binary(name, &v[0], &v[1])?])
+}
+
+/// `x << y`, `x >> y` in the result dtype: a right shift is arithmetic for signed integers and
+/// logical for `uint8`, as in ATen. StableHLO's shifts give what ATen gives for a count out of
+/// range (negative, or the width or more): 0, or the sign for an arithmetic right shift.
+fn shift(n: NodeCtx<'_>) -> Res<'_> {
+    let out = n.out_dtype()?;
+    if !out.is_integer() {
+        return Err(format!("{} of {}: shifts need integers", n.op, out.name()));
+    }
+    let v = n.b.coerce(&[&n.operand(0, "self")?, &n.operand(1, "other")?], out)?;
+    let op = match (n.op.contains("left") || n.op.contains("lshift"), out.is_signed_integer()) {
+        (true, _) => "shift_left",
+        (false, true) => "shift_right_arithmetic",
+        (false, false) => "shift_right_logical",
+    };
+    Ok(vec![n.b.binary(op, &v[0], &v[1])?])
 }
 
 fn classify(n: NodeCtx<'_>) -> Res<'_> {
