@@ -5,6 +5,7 @@
 //! way the StableHLO spec does, and rules only combine helpers.
 
 use crate::ir::{DType, TensorType};
+use std::sync::atomic::AtomicBool;
 use std::sync::RwLock;
 use melior::{
     ir::operation::{OperationBuilder, OperationLike, OperationResult},
@@ -1197,6 +1198,10 @@ pub fn keep_dims_shape(shape: &[i64], dims: &[usize]) -> Vec<i64> {
         .map(|(i, &s)| if dims.contains(&i) { 1 } else { s })
         .collect()
 }
+
+/// Whether the plugin compiling the lowered graphs is XLA:CPU (set by whoever creates the
+/// client): some ops then get a form its code generator vectorizes (`trig`).
+pub static CPU_PLUGIN: AtomicBool = AtomicBool::new(false);
 
 /// The custom call targets of host kernels for a bf16 vector times a matrix, where the
 /// process's plugin has them registered (set by whoever creates the client), else `None`.

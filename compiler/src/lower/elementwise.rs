@@ -4,7 +4,10 @@
 //! Like PyTorch's CPU kernels, half-precision results are computed in f32 ("opmath") and rounded
 //! once at the end; operands are promoted to the dtype FX recorded for the result.
 
-use super::builder::{opmath, type_str, Builder, Operand, Scalar, Val, R};
+use std::sync::atomic::Ordering::Relaxed;
+
+use super::builder::{opmath, type_str, Builder, Operand, Scalar, Val, CPU_PLUGIN, R};
+use super::trig::{sin_cos, Trig, VECTOR_TRIG_MIN_ELEMENTS};
 use super::{NodeCtx, Registry, Res};
 use crate::ir::{DType, TensorType};
 
@@ -411,6 +414,14 @@ fn unary(n: NodeCtx<'_>) -> Res<'_> {
         return Ok(vec![b.convert(&b.op("stablehlo.abs", &[&x], &[], ty)?, out)?]);
     }
     let x = b.convert(&x, opmath(out))?;
+    if matches!(name, "sin" | "cos")
+        && x.dtype() == DType::F32
+        && x.ty.numel() >= VECTOR_TRIG_MIN_ELEMENTS
+        && CPU_PLUGIN.load(Relaxed)
+    {
+        let f = if name == "sin" { Trig::Sin } else { Trig::Cos };
+        return Ok(vec![b.convert(&sin_cos(b, &x, f)?, out)?]);
+    }
     let one = || b.full_like(Scalar::Int(1), &x);
     let simple = match name {
         "neg" => Some("negate"),

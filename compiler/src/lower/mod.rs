@@ -6,7 +6,7 @@
 
 mod attention;
 mod builder;
-pub use builder::{HostMatVec, HOST_MATVEC};
+pub use builder::{HostMatVec, CPU_PLUGIN, HOST_MATVEC};
 mod compare;
 mod convert;
 mod convolution;
@@ -23,6 +23,7 @@ mod reduction;
 mod sampling;
 mod sorting;
 mod special;
+mod trig;
 mod view;
 mod window;
 
