@@ -290,12 +290,12 @@ impl MatVec {
         if self.rows > 1 && std::arch::is_x86_feature_detected!("avx512bf16") {
             // Rows in fours, then twos: each weight row is read once for all of them.
             while r + 4 <= self.rows {
-                let xs = [r, r + 1, r + 2, r + 3].map(|r| x(r));
+                let xs = [r, r + 1, r + 2, r + 3].map(&x);
                 x86::matvec_rows_avx512_bf16(w, xs.map(|x| x.0), xs.map(|x| x.1), &mut |j, i, v| put(r + j, i, v));
                 r += 4;
             }
             while r + 2 <= self.rows {
-                let xs = [r, r + 1].map(|r| x(r));
+                let xs = [r, r + 1].map(&x);
                 x86::matvec_rows_avx512_bf16(w, xs.map(|x| x.0), xs.map(|x| x.1), &mut |j, i, v| put(r + j, i, v));
                 r += 2;
             }
