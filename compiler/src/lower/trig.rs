@@ -76,7 +76,9 @@ pub fn sin_cos<'a>(b: &Builder<'a>, x: &Val<'a>, f: Trig) -> R<Val<'a>> {
     let (c1, c2, c3) = (c1?, c2?, c3?);
 
     let f64c = |v: f64, like: &Val<'a>| b.full_like(Scalar::Float(v), like);
-    // m · c(s) mod 4 = high + low: `high`, exact, holds the quadrant; q the nearest integer.
+    // m · c mod 4 = high + middle + m·c3, the first two exact: q, the quadrant, is the integer
+    // nearest high + middle, and the remainder (high − q) + middle + m·c3 loses only its last
+    // roundings, relative to its own size.
     let high = b.mul(&m, &c1)?;
     let high = b.sub(&high, &b.mul_scalar(&b.unary("floor", &b.mul_scalar(&high, 0.25)?)?, 4.0)?)?;
     let middle = b.mul(&m, &c2)?;
