@@ -1,6 +1,7 @@
 """`sin` and `cos` of large f32 tensors on the CPU plugin (compiler/src/lower/trig.rs): an
-argument reduction exact over the whole f32 range and f64 polynomials, against the f64 value
-(correctly rounded but for f64's own rounding) and eager (NaN, signed zero, subnormals)."""
+argument reduction exact over the whole f32 range (2/π's parts below 2^24, a table by exponent
+for a tensor with larger values) and f64 polynomials, against the f64 value (correctly rounded
+but for f64's own rounding) and eager (NaN, signed zero, subnormals)."""
 import math
 
 import pytest
@@ -13,21 +14,25 @@ from conftest import compile_tpu
 LARGE = 1 << 16  # VECTOR_TRIG_MIN_ELEMENTS
 
 
-def specials() -> torch.Tensor:
+def specials(below: float = math.inf) -> torch.Tensor:
     """Non-finite values, signed zeros, subnormals, the extremes, and the f32 values nearest
-    multiples of π/2 (where the reduction must not lose the remainder to cancellation)."""
+    multiples of π/2 (where the reduction must not lose the remainder to cancellation); of the
+    finite ones only those below `below`."""
     near = (torch.arange(1, 2001, dtype=torch.float64) * (math.pi / 2)).float()
     far = (torch.tensor([1e5, 1e7, 1e9, 1e12], dtype=torch.float64).repeat_interleave(16)
            + torch.arange(64, dtype=torch.float64)).mul(math.pi / 2).float()
     fixed = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1e-45, -1e-40, 2e-38, -3e-39, 1e-30,
                           2.0**-12, 2.0**-13, 3.4028235e38, -3.4028235e38, 2.0**24, 2.0**24 + 2, 16367173.0 * 2.0**72])
-    return torch.cat([fixed, near, -near, far])
+    every = torch.cat([fixed, near, -near, far, torch.tensor([2.0**24 - 1, -(2.0**24 - 1), 2.0**24 - 3])])
+    return every[~every.isfinite() | (every.abs() < below)]
 
 
 def arguments(scale: float, seed: int) -> torch.Tensor:
+    """Random arguments of `scale` with the specials in front. Up to 1e4 every finite one is
+    below 2^24, where the lowering needs no table; larger scales take the table's form."""
     torch.manual_seed(seed)
     x = (torch.rand(LARGE) * 2 - 1) * scale if scale > 1e30 else torch.randn(LARGE) * scale
-    extra = specials()
+    extra = specials() if scale > 1e4 else specials(below=2.0**24)
     x[: extra.numel()] = extra
     return x
 

@@ -12,21 +12,25 @@
 //! exponent and held as three f64 parts. The first two parts have few enough bits that their
 //! products with `m` are exact, so the quadrant and the remainder lose nothing to cancellation,
 //! even for the f32 values nearest a multiple of π/2; the polynomials run on `|r| ≤ π/4` in f64.
+//! Below 2^24, `c(s)` is 2/π's own parts scaled, so `m · c(s)` is `|x|` times them and the loop
+//! needs no lookup (Fourier features, 524288 of each function: 1.05-1.12 ms against 1.88-2.01
+//! with three table loads an element); the table's form runs only for a tensor holding a finite
+//! |x| ≥ 2^24, in a `while` of one trip after a max-reduce finds one.
 //! Results are f32's correctly rounded values but for f64's own rounding (0.5001 ulp at most
 //! over 9 M arguments, |x| from 1e-3 to 3e38, against eager's 0.6: glibc's and Sleef's are
 //! within 1 ulp).
 
-use super::builder::{Builder, IndexMap, Scalar, Val, R};
+use super::builder::{Builder, Combiner, IndexMap, Scalar, Val, R};
 use crate::ir::DType;
 
-/// Elements from which `sin`/`cos` take this form. It is ~60 operations an element where
+/// Elements from which `sin`/`cos` take this form. It is ~45 operations an element where
 /// libm's call counted as one, so XLA's cost model splits its loop across two threads, and on
 /// smaller tensors waking the second costs more than it saves. Steady calls on the CPU plugin
-/// (2 vCPUs), libm's form against this one, µs: `[16384]` cos and sin 110 against 188; `[32768]`
-/// 365 / 258, a RoPE-like `[1, 512, 64]` pair 183 / 242; from `[65536]` on this one is faster
-/// everywhere: 725 / 340, 488 / 326, `sin(2x + 1) · cos(x)` 591 / 267; `[131072]` 1378-1473 /
-/// 509-562, `[524288]` 4670-4734 / 1350-1389 (bare executes).
-pub const VECTOR_TRIG_MIN_ELEMENTS: i64 = 1 << 16;
+/// (2 vCPUs), libm's form against this one, µs: cos and sin of `[8192]` 68 / 77-85, `[16384]`
+/// 110 / 113-124 (a RoPE-like `[1, 256, 64]` pair 105 / 100-105); from `[32768]` on this one is
+/// faster: 365 / 125, RoPE-like 183 / 125, `sin(2x + 1) · cos(x)` 507 / 124-130; `[65536]` 725-753
+/// / 161-208; `[131072]` 1379-1473 / 251-255.
+pub const VECTOR_TRIG_MIN_ELEMENTS: i64 = 1 << 15;
 
 /// The bits of 2/π after the binary point, 32 at a time (0.A2F9836E…).
 const TWO_OVER_PI: [u32; 10] = [
@@ -53,27 +57,65 @@ pub enum Trig {
     Cos,
 }
 
-/// `sin(x)` or `cos(x)` of an f32 tensor.
+/// `sin(x)` or `cos(x)` of an f32 tensor: the form without the table, which holds below 2^24,
+/// and, only when some |x| is larger (and finite), the table's form in a loop of one trip.
 pub fn sin_cos<'a>(b: &Builder<'a>, x: &Val<'a>, f: Trig) -> R<Val<'a>> {
+    let quick = reduced(b, x, f, false)?;
+    let exponent = biased_exponent(b, x)?;
+    let int = |v: i64| b.full_like(Scalar::Int(v), &exponent);
+    let beyond = b.binary(
+        "and",
+        &b.compare(&exponent, &int(SMALL_EXPONENTS)?, "GE")?,
+        &b.compare(&exponent, &int(0xFF)?, "NE")?,
+    )?;
+    let all: Vec<usize> = (0..x.rank()).collect();
+    let any_beyond = b.reduce(&beyond, &all, Combiner::Or, false)?;
+    let state = b.while_loop(
+        &[&any_beyond, x, &quick],
+        |_, s| Ok(s[0].clone()),
+        |b, s| Ok(vec![b.scalar(Scalar::Bool(false), DType::Bool)?, s[1].clone(), reduced(&b, &s[1], f, true)?]),
+    )?;
+    Ok(state[2].clone())
+}
+
+/// The biased exponent field of f32 values, as i32.
+fn biased_exponent<'a>(b: &Builder<'a>, x: &Val<'a>) -> R<Val<'a>> {
+    let bits = b.bitcast(x, DType::I32)?;
+    let int = |v: i64| b.full_like(Scalar::Int(v), &bits);
+    b.binary("and", &b.binary("shift_right_logical", &bits, &int(23)?)?, &int(0xFF)?)
+}
+
+/// Below this biased exponent (|x| < 2^24) `c = 2^s · 2/π` needs no reduction mod 4, so its
+/// parts are 2/π's own scaled by 2^s, and `m · c` is `|x|` times them: no table.
+const SMALL_EXPONENTS: i64 = 151;
+
+/// `sin(x)` or `cos(x)` by the reduction described above, `c`'s parts looked up in the table
+/// (any f32) or 2/π's own (exact below 2^24 only).
+fn reduced<'a>(b: &Builder<'a>, x: &Val<'a>, f: Trig, table: bool) -> R<Val<'a>> {
     let int = |v: i64, like: &Val<'a>| b.full_like(Scalar::Int(v), like);
     let bits = b.bitcast(x, DType::I32)?;
-    let exponent = b.binary("and", &b.binary("shift_right_logical", &bits, &int(23, &bits)?)?, &int(0xFF, &bits)?)?;
-    let fraction = b.binary("and", &bits, &int(0x7F_FFFF, &bits)?)?;
-    let normal = b.compare(&exponent, &int(0, &exponent)?, "NE")?;
-    let implicit = b.select(&normal, &int(0x80_0000, &bits)?, &int(0, &bits)?)?;
-    let m = b.convert(&b.binary("or", &fraction, &implicit)?, DType::F64)?;
-
-    let mut idx_shape = exponent.shape().to_vec();
-    idx_shape.push(1);
-    let idx = b.reshape(&exponent, &idx_shape)?;
-    let map = IndexMap { window_dims: vec![], collapsed: vec![0], index_to_operand: vec![0], index_vector_dim: exponent.rank() };
+    let exponent = biased_exponent(b, x)?;
     // Sin's parts lead with 29 bits, cos's with 28: the tables differ, so XLA keeps the two
     // lookups of one argument apart, each inside its function's loop. Merged (by CSE), the
     // lookup became a loop of its own writing its f64 parts to memory: 1.9 ms instead of 0.75
     // for the `[262144]` pair.
     let lead = if f == Trig::Sin { 29 } else { 28 };
-    let [c1, c2, c3] = reduction_table(lead).map(|column| b.gather(&b.table(&column, DType::F64)?, &idx, &map, &[1], exponent.shape().to_vec()));
-    let (c1, c2, c3) = (c1?, c2?, c3?);
+    let (m, c1, c2, c3) = if table {
+        let fraction = b.binary("and", &bits, &int(0x7F_FFFF, &bits)?)?;
+        let normal = b.compare(&exponent, &int(0, &exponent)?, "NE")?;
+        let implicit = b.select(&normal, &int(0x80_0000, &bits)?, &int(0, &bits)?)?;
+        let m = b.convert(&b.binary("or", &fraction, &implicit)?, DType::F64)?;
+        let mut idx_shape = exponent.shape().to_vec();
+        idx_shape.push(1);
+        let idx = b.reshape(&exponent, &idx_shape)?;
+        let map = IndexMap { window_dims: vec![], collapsed: vec![0], index_to_operand: vec![0], index_vector_dim: exponent.rank() };
+        let [c1, c2, c3] = reduction_table(lead).map(|column| b.gather(&b.table(&column, DType::F64)?, &idx, &map, &[1], exponent.shape().to_vec()));
+        (m, c1?, c2?, c3?)
+    } else {
+        let m = b.convert(&b.unary("abs", x)?, DType::F64)?;
+        let [c1, c2, c3] = two_over_pi_parts(lead).map(|c| b.full_like(Scalar::Float(c), &m));
+        (m.clone(), c1?, c2?, c3?)
+    };
 
     let f64c = |v: f64, like: &Val<'a>| b.full_like(Scalar::Float(v), like);
     // m · c mod 4 = high + middle + m·c3, the first two exact: q, the quadrant, is the integer
@@ -132,6 +174,11 @@ fn two_over_pi_bit(j: i64) -> u64 {
         Some(word) => u64::from((word >> (31 - j % 32)) & 1),
         None => 0,
     }
+}
+
+/// 2/π in the parts `reduction_table` holds for s = 0.
+fn two_over_pi_parts(lead: i64) -> [f64; 3] {
+    reduction_table(lead).map(|column| column[150])
 }
 
 /// Per biased f32 exponent `e` (0..=255; 0, the subnormals, as 1), `c = 2^s · 2/π mod 4` for
