@@ -221,8 +221,8 @@ enum Source {
 /// (the plugin file's hash included, so another build never even opens this entry), the MLIR
 /// release, the compiler's source hash (a changed lowering rule never reuses an old executable),
 /// compile options, compiler flags from the environment (`XLA_FLAGS`, ...), the host kernels
-/// the lowering calls (`Target::host_kernels`) and this crate's version. `plugin` is `None` without a disk cache: a key that never leaves the process needs
-/// no file hash.
+/// the lowering calls (`Target::host_kernels`) and this crate's version. `plugin` is `None`
+/// without a disk cache: a key that never leaves the process needs no file hash.
 fn cache_key(canonical: &[u8], target: &Target, plugin: Option<&PluginIdentity>) -> Key {
     // The rest of the identity is in `Plugin::identity()`.
     let (file_hash, platform_version, cpu_features) =

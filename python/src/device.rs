@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use tpu_dynamo_cache::{host_cpu_features, DiskCache, PluginIdentity};
-use tpu_dynamo_compiler::lower::{HostMatVec, CPU_PLUGIN, HOST_MATVEC};
+use tpu_dynamo_compiler::lower::{HostMatVec, LoweringTarget, LOWERING_TARGET};
 use tpu_dynamo_runtime::{host_kernels, Client, ClientOptions, Device, Error, Plugin};
 
 use crate::counters::{add_time, STATS};
@@ -228,8 +228,8 @@ pub fn target() -> Result<Arc<Target>, Error> {
     let registered = host_memory && not_off("TPU_DYNAMO_HOST_KERNELS") && host_kernels::register(client.plugin());
     let kernels = HostMatVec { row_per_output: host_kernels::BF16_MATVEC_TARGET, row_per_input: host_kernels::BF16_VECMAT_TARGET };
     let host_kernels = if registered { vec![kernels.row_per_output, kernels.row_per_input] } else { vec![] };
-    *HOST_MATVEC.write().unwrap_or_else(|poisoned| poisoned.into_inner()) = registered.then_some(kernels);
-    CPU_PLUGIN.store(host_memory, std::sync::atomic::Ordering::Relaxed);
+    *LOWERING_TARGET.write().unwrap_or_else(|poisoned| poisoned.into_inner()) =
+        LoweringTarget { cpu: host_memory, host_matvec: registered.then_some(kernels) };
     let t = Arc::new(Target { client, device, host_memory, compiler_env: compiler_env(), host_kernels, identity: OnceLock::new() });
     *slot = Some(t.clone());
     Ok(t)

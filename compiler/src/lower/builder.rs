@@ -5,7 +5,6 @@
 //! way the StableHLO spec does, and rules only combine helpers.
 
 use crate::ir::{DType, TensorType};
-use std::sync::atomic::AtomicBool;
 use std::sync::RwLock;
 use melior::{
     ir::operation::{OperationBuilder, OperationLike, OperationResult},
@@ -883,7 +882,7 @@ impl<'a> Builder<'a> {
     fn host_matvec(&self, a: &Val<'a>, b: &Val<'a>, contract: (&[i64], &[i64]), out: DType) -> R<Option<Val<'a>>> {
         let (b, _, b_contract) = fold_transpose(b, &[], contract.1);
         let lhs_last = a.rank() as i64 - 1;
-        let kernels = *HOST_MATVEC.read().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let kernels = lowering_target().host_matvec;
         let (Some(kernels), 2, [lhs]) = (kernels, b.rank(), contract.0) else { return Ok(None) };
         let (target, n) = match (b_contract.as_slice(), *lhs == lhs_last) {
             ([1], true) => (kernels.row_per_output, b.shape()[0]),
@@ -1199,13 +1198,22 @@ pub fn keep_dims_shape(shape: &[i64], dims: &[usize]) -> Vec<i64> {
         .collect()
 }
 
-/// Whether the plugin compiling the lowered graphs is XLA:CPU (set by whoever creates the
-/// client): some ops then get a form its code generator vectorizes (`trig`).
-pub static CPU_PLUGIN: AtomicBool = AtomicBool::new(false);
+/// What the plugin that compiles the lowered graphs offers the lowering, set by whoever
+/// creates the client (before that, for a graph lowered without one: neither).
+#[derive(Clone, Copy, Debug)]
+pub struct LoweringTarget {
+    /// The plugin is XLA:CPU: some ops get a form its code generator vectorizes (`trig`).
+    pub cpu: bool,
+    /// The custom call targets of host kernels for a bf16 vector times a matrix, where the
+    /// plugin has them registered.
+    pub host_matvec: Option<HostMatVec>,
+}
 
-/// The custom call targets of host kernels for a bf16 vector times a matrix, where the
-/// process's plugin has them registered (set by whoever creates the client), else `None`.
-pub static HOST_MATVEC: RwLock<Option<HostMatVec>> = RwLock::new(None);
+pub static LOWERING_TARGET: RwLock<LoweringTarget> = RwLock::new(LoweringTarget { cpu: false, host_matvec: None });
+
+pub fn lowering_target() -> LoweringTarget {
+    *LOWERING_TARGET.read().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
 
 /// A host kernel's target per weight layout: `[N, K]` (a row per output, `x @ W.T`) and
 /// `[K, N]` (a row per input, `x @ W`).

@@ -4,9 +4,7 @@
 //! Like PyTorch's CPU kernels, half-precision results are computed in f32 ("opmath") and rounded
 //! once at the end; operands are promoted to the dtype FX recorded for the result.
 
-use std::sync::atomic::Ordering::Relaxed;
-
-use super::builder::{opmath, type_str, Builder, Operand, Scalar, Val, CPU_PLUGIN, R};
+use super::builder::{lowering_target, opmath, type_str, Builder, Operand, Scalar, Val, R};
 use super::trig::{sin_cos, Trig, VECTOR_TRIG_MIN_ELEMENTS};
 use super::{NodeCtx, Registry, Res};
 use crate::ir::{DType, TensorType};
@@ -417,7 +415,7 @@ fn unary(n: NodeCtx<'_>) -> Res<'_> {
     if matches!(name, "sin" | "cos")
         && x.dtype() == DType::F32
         && x.ty.numel() >= VECTOR_TRIG_MIN_ELEMENTS
-        && CPU_PLUGIN.load(Relaxed)
+        && lowering_target().cpu
     {
         let f = if name == "sin" { Trig::Sin } else { Trig::Cos };
         return Ok(vec![b.convert(&sin_cos(b, &x, f)?, out)?]);

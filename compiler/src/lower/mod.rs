@@ -6,7 +6,7 @@
 
 mod attention;
 mod builder;
-pub use builder::{HostMatVec, CPU_PLUGIN, HOST_MATVEC};
+pub use builder::{HostMatVec, LoweringTarget, LOWERING_TARGET};
 mod compare;
 mod convert;
 mod convolution;

@@ -61,7 +61,7 @@ pub enum Trig {
 /// and, only when some |x| is larger (and finite), the table's form in a loop of one trip.
 pub fn sin_cos<'a>(b: &Builder<'a>, x: &Val<'a>, f: Trig) -> R<Val<'a>> {
     let quick = reduced(b, x, f, false)?;
-    let exponent = biased_exponent(b, x)?;
+    let exponent = biased_exponent(b, &b.bitcast(x, DType::I32)?)?;
     let int = |v: i64| b.full_like(Scalar::Int(v), &exponent);
     let beyond = b.binary(
         "and",
@@ -78,11 +78,10 @@ pub fn sin_cos<'a>(b: &Builder<'a>, x: &Val<'a>, f: Trig) -> R<Val<'a>> {
     Ok(state[2].clone())
 }
 
-/// The biased exponent field of f32 values, as i32.
-fn biased_exponent<'a>(b: &Builder<'a>, x: &Val<'a>) -> R<Val<'a>> {
-    let bits = b.bitcast(x, DType::I32)?;
-    let int = |v: i64| b.full_like(Scalar::Int(v), &bits);
-    b.binary("and", &b.binary("shift_right_logical", &bits, &int(23)?)?, &int(0xFF)?)
+/// The biased exponent field of f32 values' `bits` (i32).
+fn biased_exponent<'a>(b: &Builder<'a>, bits: &Val<'a>) -> R<Val<'a>> {
+    let int = |v: i64| b.full_like(Scalar::Int(v), bits);
+    b.binary("and", &b.binary("shift_right_logical", bits, &int(23)?)?, &int(0xFF)?)
 }
 
 /// Below this biased exponent (|x| < 2^24) `c = 2^s · 2/π` needs no reduction mod 4, so its
@@ -94,7 +93,7 @@ const SMALL_EXPONENTS: i64 = 151;
 fn reduced<'a>(b: &Builder<'a>, x: &Val<'a>, f: Trig, table: bool) -> R<Val<'a>> {
     let int = |v: i64, like: &Val<'a>| b.full_like(Scalar::Int(v), like);
     let bits = b.bitcast(x, DType::I32)?;
-    let exponent = biased_exponent(b, x)?;
+    let exponent = biased_exponent(b, &bits)?;
     // Sin's parts lead with 29 bits, cos's with 28: the tables differ, so XLA keeps the two
     // lookups of one argument apart, each inside its function's loop. Merged (by CSE), the
     // lookup became a loop of its own writing its f64 parts to memory: 1.9 ms instead of 0.75
@@ -114,7 +113,7 @@ fn reduced<'a>(b: &Builder<'a>, x: &Val<'a>, f: Trig, table: bool) -> R<Val<'a>>
     } else {
         let m = b.convert(&b.unary("abs", x)?, DType::F64)?;
         let [c1, c2, c3] = two_over_pi_parts(lead).map(|c| b.full_like(Scalar::Float(c), &m));
-        (m.clone(), c1?, c2?, c3?)
+        (m, c1?, c2?, c3?)
     };
 
     let f64c = |v: f64, like: &Val<'a>| b.full_like(Scalar::Float(v), like);
