@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import time
 from typing import Any, NamedTuple
 
@@ -174,6 +175,17 @@ class _Plan(NamedTuple):
         )
 
 
+class _PlanParts(NamedTuple):
+    """What of a plan a bucketed call reads."""
+
+    inputs: list[tuple[int, list[tuple[int, int]]]]
+    """`(input, [(dimension, symbol)])` for each tensor input the plan pads."""
+    outputs: list[tuple[int, list[tuple[int, int, int]]]]
+    """`(output, [(dimension, symbol, plus)])` for each output it may cut."""
+    exact: list[int]
+    """Arguments with symbolic sizes it keeps exact (`PerShape.fixed`)."""
+
+
 class PerShape:
     """AOTAutograd's compiled function for a symbolic ATen graph: specializes per signature."""
 
@@ -209,6 +221,7 @@ class PerShape:
         # Symbol -> the argument carrying it, for the numbers read at run time.
         self.number_symbols = {traced.placeholders[i].expr: i for i in self.number_args}
         self.plan: _Plan | None = None
+        self._parts_of: tuple[_Plan, _PlanParts] | None = None
         # The graph `plan` is for, and the sizes it keeps exact (symbol -> value): this graph
         # with those fixed when only the others can be padded (`_adopt_padding`).
         self.padded_graph = self.symbolic
@@ -328,7 +341,7 @@ class PerShape:
 
     def _compile(self, args: list[Any]) -> Executable | _Padded:
         if self.plan is not None:
-            true = _true_sizes(self.plan, self.converted.tensor_args, args)
+            true = _true_sizes(self._parts.inputs, self.converted.tensor_args, args)
             fixed = not self.fixed or all(self._symbol_sizes(args)[k] == v for k, v in self.fixed.items())
             if fixed and self.plan.holds(true):
                 return self._bucketed(args, true)
@@ -385,11 +398,12 @@ class PerShape:
 
     def _bucketed(self, args: list[Any], true: dict[int, int]) -> _Padded:
         """The call for `args`' sizes (`true`): the executable of their buckets, shared by every
-        size in them, with the padding of the inputs and the cut of the outputs."""
+        size in them, with the padding of the inputs and the cut of the outputs. It runs on every
+        decode step at a length not seen before, so it reads only the inputs the plan pads
+        (a SmolLM-135M step's 60 K/V of its 395 inputs: 0.85 ms a step when it read them all)."""
         assert self.plan is not None and self.buckets is not None
         plan = self.plan
         c = self.converted
-        shapes = [list(args[i].shape) for i in c.tensor_args] + [list(t.shape) for t in c.constants]
         padded = {sym: self.buckets.pad(n) for sym, n in true.items()}
         # A size that is another's plus a constant (a batched decode's attention mask, one
         # longer than its cache) keeps that offset padded, so a bucket's boundary does not
@@ -399,40 +413,63 @@ class PerShape:
                 padded[a] = padded[b] + plus
         for sym, limit in plan.limits:
             padded[sym] = max(true[sym], min(padded[sym], limit))
-        given = {}
-        for i, pairs in enumerate(plan.inputs):
-            true_shape = list(shapes[i])
+        given, bucket = {}, {}
+        parts = self._parts
+        for i, pairs in parts.inputs:
+            true_shape = list(args[c.tensor_args[i]].shape)
+            shape = true_shape.copy()
             for d, sym in pairs:
-                shapes[i][d] = padded[sym]
-            if true_shape != shapes[i]:
+                shape[d] = padded[sym]
+            bucket[i] = shape
+            if true_shape != shape:
                 given[i] = true_shape
         scalars = [padded[sym] if sym is not None else v for v, sym in zip(self._scalars(args), plan.scalars)]
-        key = (tuple(map(tuple, shapes)), tuple(scalars))
+        # With the sizes the plan keeps exact (`fixed`), these name the bucket: Dynamo's guards
+        # pin every other input's shape.
+        exact = tuple(args[a].shape for a in parts.exact)
+        key = (tuple(tuple(shape) for shape in bucket.values()), exact, tuple(scalars))
         exe = self.padded.get(key)
         if exe is None:
+            shapes = [list(args[i].shape) for i in c.tensor_args] + [list(t.shape) for t in c.constants]
+            for i, shape in bucket.items():
+                shapes[i] = shape
             exe = self.padded[key] = self._specialize(shapes, scalars, len(args), len(plan.runtime), self.padded_graph)
         scalar_pads = [(i, padded[sym]) for i, sym in zip(c.scalar_args, plan.scalars) if sym is not None]
         cut = {}
-        for o in set(c.outputs) - {None}:
+        for o, cuts in parts.outputs:
             dims = list(exe.out_types[o][1])
-            for d, sym, plus in plan.outputs[o]:
+            for d, sym, plus in cuts:
                 dims[d] = true[sym] + plus
             if dims != list(exe.out_types[o][1]):
                 cut[o] = dims
         lengths = [_length_tensor(true[sym]) for sym in plan.runtime]
-        debug.log.info(
-            "%s: buckets: sizes %s run padded to %s",
-            self.name,
-            sorted(true.values()),
-            sorted(padded.values()),
-        )
+        if debug.log.isEnabledFor(logging.INFO):
+            debug.log.info(
+                "%s: buckets: sizes %s run padded to %s", self.name, sorted(true.values()), sorted(padded.values())
+            )
         packed = (frozenset(plan.packed_inputs), frozenset(plan.packed_outputs))
         return _Padded(exe, exe.resized(given, cut, packed), scalar_pads, lengths)
 
+    @property
+    def _parts(self) -> _PlanParts:
+        """`_PlanParts` of the plan in use, worked out once per plan."""
+        plan = self.plan
+        assert plan is not None
+        if self._parts_of is None or self._parts_of[0] is not plan:
+            c = self.converted
+            inputs = [(i, pairs) for i, pairs in enumerate(plan.inputs) if pairs]
+            outputs = [(o, plan.outputs[o]) for o in sorted(set(c.outputs) - {None}) if plan.outputs[o]]
+            padded_args = {c.tensor_args[i] for i, _ in inputs}
+            exact = [a for a in self.varying if a in c.tensor_args and a not in padded_args]
+            self._parts_of = (plan, _PlanParts(inputs, outputs, exact))
+        return self._parts_of[1]
 
-def _true_sizes(plan: _Plan, tensor_args: tuple[int, ...], args: list[Any]) -> dict[int, int]:
-    """Each padded symbol's size in this call."""
-    return {sym: args[tensor_args[i]].shape[d] for i, pairs in enumerate(plan.inputs) for d, sym in pairs}
+
+def _true_sizes(
+    inputs: list[tuple[int, list[tuple[int, int]]]], tensor_args: tuple[int, ...], args: list[Any]
+) -> dict[int, int]:
+    """Each padded symbol's size in this call (`inputs`: `_PlanParts.inputs`)."""
+    return {sym: args[tensor_args[i]].shape[d] for i, pairs in inputs for d, sym in pairs}
 
 
 @functools.lru_cache(maxsize=8192)
