@@ -11,7 +11,7 @@ from tpu_dynamo import _native
 
 from conftest import compile_tpu
 
-LARGE = 1 << 16  # VECTOR_TRIG_MIN_ELEMENTS
+LARGE = 1 << 16  # at least VECTOR_TRIG_MIN_ELEMENTS (1 << 15), so the vector form applies
 
 
 def specials(below: float = math.inf) -> torch.Tensor:
