@@ -1,6 +1,9 @@
-"""Our host kernels for a bf16 vector times a weight (runtime/src/host_kernels.rs): a linear
-layer at one token, a decode step's, through backend="tpu" on the CPU plugin, with the weight
-stored `[N, K]` (`nn.Linear`) or `[K, N]` (GPT-2's `Conv1D`, `x @ W`)."""
+"""Our host kernels (runtime/src/host_kernels.rs) through backend="tpu" on the CPU plugin, with
+the weight stored `[N, K]` (`nn.Linear`) or `[K, N]` (GPT-2's `Conv1D`, `x @ W`): a bf16 vector
+times a weight (a linear layer at one token, a decode step's), and f32 products of short
+contractions split over XLA's threads."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -20,9 +23,14 @@ def host_kernels() -> list[str]:
     return tpu_dynamo.device_info()["host_kernels"]
 
 
-def test_the_embedded_plugin_runs_our_kernel():
-    """On x86-64 with AVX2 (this CI's machines) the embedded plugin registers it."""
-    assert host_kernels() == ["tpu_dynamo.bf16_matvec", "tpu_dynamo.bf16_vecmat"]
+F32_KERNELS = ["tpu_dynamo.f32_matmul_nt", "tpu_dynamo.f32_matmul_nn"]
+AVX512 = "avx512f" in Path("/proc/cpuinfo").read_text()
+
+
+def test_the_embedded_plugin_runs_our_kernels():
+    """On x86-64 with AVX2 (this CI's machines) the embedded plugin registers the bf16 ones,
+    and with AVX-512 the f32 ones too."""
+    assert host_kernels() == ["tpu_dynamo.bf16_matvec", "tpu_dynamo.bf16_vecmat"] + (F32_KERNELS if AVX512 else [])
 
 
 def check_product(fn, x, w, b, target, compiled):
@@ -86,3 +94,74 @@ def test_nan_and_infinity_reach_the_outputs_they_touch():
     assert got[0, 0, 3].isnan() and want[0, 0, 3].isnan()
     assert got[0, 0, 70] == want[0, 0, 70] == float("inf")
     assert torch.isfinite(got[0, 0, [0, 1, 2, 4, 69, 71]]).all()
+
+
+needs_f32_kernels = pytest.mark.skipif(not AVX512, reason="the f32 kernel is registered on CPUs with AVX-512 only")
+
+
+def check_f32_product(fn, args, target, compiled):
+    """Within f32 summation's rounding (K · 2^-24 of the sum of the terms' magnitudes) of the
+    exact (f64) product, and computed by our custom call `target`."""
+    with torch.no_grad():
+        got = compile_tpu(fn)(*args)
+    exact = fn(*(a.double() for a in args))
+    magnitudes = fn(*(a.double().abs() for a in args))
+    k = args[0].shape[-1]
+    assert got.dtype == torch.float32 and got.shape == exact.shape
+    assert ((got.double() - exact).abs() <= k * 2.0**-24 * magnitudes + 1e-30).all()
+    ((graph_json, _),) = compiled
+    assert target in _native.compile(graph_json, need_stablehlo=True).stablehlo
+
+
+# (rows, K, N): a tiny Llama's projections at batch 1 and 8, GPT-2's MLP, an LM head, two rows,
+# and sizes off the kernel's tiles (12 rows, 32 columns, 16-wide K blocks).
+F32_SHAPES = [(128, 64, 64), (1024, 64, 172), (1024, 64, 256), (128, 64, 1000), (2, 256, 512), (37, 70, 77), (25, 33, 200)]
+
+
+@needs_f32_kernels
+@pytest.mark.parametrize("rows, k, n", F32_SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_an_f32_linear_of_a_short_contraction_runs_our_kernel(rows, k, n, bias, compiled):
+    torch.manual_seed(rows * k + n)
+    x, w = torch.randn(1, rows, k), torch.randn(n, k)
+    args = (x, w, torch.randn(n)) if bias else (x, w)
+    check_f32_product(torch.nn.functional.linear, args, "tpu_dynamo.f32_matmul_nt", compiled)
+
+
+@needs_f32_kernels
+@pytest.mark.parametrize("rows, k, n", F32_SHAPES)
+def test_an_f32_conv1d_of_a_short_contraction_runs_our_kernel(rows, k, n, compiled):
+    """GPT-2's `Conv1D`: `addmm(bias, x, W)` with W stored `[K, N]`."""
+    torch.manual_seed(rows + k * n)
+    args = (torch.randn(rows, k), torch.randn(k, n), torch.randn(n))
+    check_f32_product(lambda x, w, b: torch.addmm(b, x, w), args, "tpu_dynamo.f32_matmul_nn", compiled)
+
+
+@needs_f32_kernels
+@pytest.mark.parametrize("rows, k, n", [(1, 576, 576), (128, 576, 576), (8, 16, 16), (8192, 128, 128)])
+def test_other_f32_products_stay_xla_dots(rows, k, n, compiled):
+    """One row (bound by reading the weight, where XLA's kernel is faster), long contractions
+    (our panel no longer in L1), and products too small or too large to gain."""
+    x, w = torch.randn(rows, k), torch.randn(n, k)
+    with torch.no_grad():
+        got = compile_tpu(torch.nn.functional.linear)(x, w)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-4 * k**0.5)
+    ((graph_json, _),) = compiled
+    stablehlo = _native.compile(graph_json, need_stablehlo=True).stablehlo
+    assert not any(target in stablehlo for target in F32_KERNELS)
+
+
+@needs_f32_kernels
+def test_f32_nan_and_infinity_reach_the_outputs_they_touch():
+    """A NaN or an infinite weight makes its output column NaN or infinite in every row, as in
+    eager; an infinity times zero is NaN there too."""
+    x, w = torch.randn(64, 64), torch.randn(96, 64)
+    w[3, 5], w[70, 0], w[90, 9] = float("nan"), float("inf"), float("inf")
+    x[:, 0], x[1, 9] = 1.0, 0.0
+    fn = lambda x, w: torch.nn.functional.linear(x, w)
+    with torch.no_grad():
+        got, want = compile_tpu(fn)(x, w), fn(x, w)
+    assert got[:, 3].isnan().all() and want[:, 3].isnan().all()
+    assert (got[:, 70] == float("inf")).all() and (want[:, 70] == float("inf")).all()
+    assert got[1, 90].isnan() and want[1, 90].isnan()
+    assert torch.isfinite(got[:, [0, 1, 2, 4, 69, 71]]).all()

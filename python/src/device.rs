@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use tpu_dynamo_cache::{host_cpu_features, DiskCache, PluginIdentity};
-use tpu_dynamo_compiler::lower::{HostMatVec, LoweringTarget, LOWERING_TARGET};
+use tpu_dynamo_compiler::lower::{HostProduct, LoweringTarget, LOWERING_TARGET};
 use tpu_dynamo_runtime::{host_kernels, Client, ClientOptions, Device, Error, Plugin};
 
 use crate::counters::{add_time, STATS};
@@ -225,11 +225,16 @@ pub fn target() -> Result<Arc<Target>, Error> {
         .ok_or_else(|| Error::InvalidArgument("the PJRT plugin reports no devices".into()))?;
     // Our kernels run where the plugin computes on the host and lets us register them; the
     // lowering then calls them, so which it calls is part of every executable's cache key.
-    let registered = host_memory && not_off("TPU_DYNAMO_HOST_KERNELS") && host_kernels::register(client.plugin());
-    let kernels = HostMatVec { row_per_output: host_kernels::BF16_MATVEC_TARGET, row_per_input: host_kernels::BF16_VECMAT_TARGET };
-    let host_kernels = if registered { vec![kernels.row_per_output, kernels.row_per_input] } else { vec![] };
-    *LOWERING_TARGET.write().unwrap_or_else(|poisoned| poisoned.into_inner()) =
-        LoweringTarget { cpu: host_memory, host_matvec: registered.then_some(kernels) };
+    let host_kernels = if host_memory && not_off("TPU_DYNAMO_HOST_KERNELS") { host_kernels::register(client.plugin()) } else { vec![] };
+    let pair = |row_per_output, row_per_input| {
+        let registered = host_kernels.contains(&row_per_output) && host_kernels.contains(&row_per_input);
+        registered.then_some(HostProduct { row_per_output, row_per_input })
+    };
+    *LOWERING_TARGET.write().unwrap_or_else(|poisoned| poisoned.into_inner()) = LoweringTarget {
+        cpu: host_memory,
+        host_matvec: pair(host_kernels::BF16_MATVEC_TARGET, host_kernels::BF16_VECMAT_TARGET),
+        host_gemm: pair(host_kernels::F32_MATMUL_NT_TARGET, host_kernels::F32_MATMUL_NN_TARGET),
+    };
     let t = Arc::new(Target { client, device, host_memory, compiler_env: compiler_env(), host_kernels, identity: OnceLock::new() });
     *slot = Some(t.clone());
     Ok(t)

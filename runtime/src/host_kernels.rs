@@ -8,6 +8,7 @@
 //! one although it reads half the bytes. This one streams the weight once, with f32 sums as
 //! PyTorch's CPU kernels keep them.
 
+mod gemm;
 mod pool;
 
 use crate::plugin::Plugin;
@@ -18,6 +19,9 @@ use std::ffi::{c_char, c_int, c_void};
 /// the compiler names them in StableHLO.
 pub const BF16_MATVEC_TARGET: &str = "tpu_dynamo.bf16_matvec";
 pub const BF16_VECMAT_TARGET: &str = "tpu_dynamo.bf16_vecmat";
+/// The custom call targets of an f32 product with a matrix stored `[N, K]` and `[K, N]`.
+pub const F32_MATMUL_NT_TARGET: &str = "tpu_dynamo.f32_matmul_nt";
+pub const F32_MATMUL_NN_TARGET: &str = "tpu_dynamo.f32_matmul_nn";
 
 const PJRT_EXTENSION_FFI: u32 = 5;
 const XLA_FFI_EXTENSION_METADATA: c_int = 1;
@@ -106,12 +110,20 @@ struct FfiCallFrame {
     rets: FfiList,
 }
 
-/// Registers our handlers with `plugin` for the host platform. False where the plugin has no
-/// FFI extension that can register handlers (then the compiler must not emit the calls).
-pub fn register(plugin: &Plugin) -> bool {
+/// Registers with `plugin`, for the host platform, the handlers this CPU runs fast and returns
+/// their targets: none where the plugin has no FFI extension that can register handlers (then
+/// the compiler must not emit the calls).
+pub fn register(plugin: &Plugin) -> Vec<&'static str> {
+    let mut handlers: Vec<(&'static str, *const c_void)> = vec![];
+    if fast_on_this_cpu() {
+        handlers.extend([(BF16_MATVEC_TARGET, bf16_matvec as *const c_void), (BF16_VECMAT_TARGET, bf16_vecmat as *const c_void)]);
+    }
+    if gemm::available() {
+        handlers.extend([(F32_MATMUL_NT_TARGET, f32_matmul_nt as *const c_void), (F32_MATMUL_NN_TARGET, f32_matmul_nn as *const c_void)]);
+    }
     // The argument layout below is the one of PJRT API 0.115; later headers differ.
-    if !fast_on_this_cpu() || plugin.api_version().1 > 115 {
-        return false;
+    if handlers.is_empty() || plugin.api_version().1 > 115 {
+        return vec![];
     }
     let mut ext = plugin.extension_start();
     // SAFETY: the plugin's extension chain is a list of structs it owns for its lifetime, each
@@ -120,9 +132,8 @@ pub fn register(plugin: &Plugin) -> bool {
         while !ext.is_null() {
             if (*ext).type_ == PJRT_EXTENSION_FFI && (*ext).struct_size >= std::mem::size_of::<PjrtFfiExtension>() {
                 let ffi = &*(ext as *const PjrtFfiExtension);
-                let Some(register) = ffi.register_handler else { return false };
-                let handlers = [(BF16_MATVEC_TARGET, bf16_matvec as *const c_void), (BF16_VECMAT_TARGET, bf16_vecmat as *const c_void)];
-                return handlers.into_iter().all(|(name, handler)| {
+                let Some(register) = ffi.register_handler else { return vec![] };
+                let registered = handlers.iter().all(|&(name, handler)| {
                     let platform = "Host";
                     let mut args = RegisterHandlerArgs {
                         struct_size: REGISTER_HANDLER_ARGS_SIZE,
@@ -135,11 +146,12 @@ pub fn register(plugin: &Plugin) -> bool {
                     };
                     plugin.status(register(&mut args)).is_ok()
                 });
+                return if registered { handlers.into_iter().map(|(name, _)| name).collect() } else { vec![] };
             }
             ext = (*ext).next;
         }
     }
-    false
+    vec![]
 }
 
 #[repr(C)]
@@ -173,6 +185,85 @@ unsafe fn error(frame: &FfiCallFrame, target: &str, message: &str) -> *mut c_voi
     create(&mut args)
 }
 
+/// XLA's own thread pool, as a handler's call frame offers it (`XLA_FFI_ThreadPool_Schedule`):
+/// its workers run the rest of the executable, so work handed to them finds them awake, where
+/// a thread of ours would leave them to park and be woken again after our kernel.
+#[derive(Clone, Copy)]
+struct XlaPool {
+    api: *const u8,
+    schedule: unsafe extern "C" fn(*mut ScheduleArgs) -> *mut c_void,
+    ctx: *mut c_void,
+    threads: usize,
+}
+
+#[repr(C)]
+struct ErrorDestroyArgs {
+    struct_size: usize,
+    extension_start: *mut c_void,
+    error: *mut c_void,
+}
+
+#[repr(C)]
+struct ScheduleArgs {
+    struct_size: usize,
+    extension_start: *mut c_void,
+    ctx: *mut c_void,
+    task: unsafe extern "C" fn(*mut c_void),
+    data: *mut c_void,
+}
+
+#[repr(C)]
+struct NumThreadsArgs {
+    struct_size: usize,
+    extension_start: *mut c_void,
+    ctx: *mut c_void,
+    num_threads: *mut i64,
+}
+
+/// `XLA_FFI_Error_Destroy`'s slot, after `_Create` and `_GetMessage`; `XLA_FFI_ThreadPool_Schedule`
+/// and `_NumThreads`' slots, after `XLA_FFI_DeviceMemory_Free`.
+const ERROR_DESTROY_OFFSET: usize = 64;
+const THREAD_POOL_SCHEDULE_OFFSET: usize = 136;
+const THREAD_POOL_NUM_THREADS_OFFSET: usize = 144;
+
+impl XlaPool {
+    /// The pool of the execute `frame` belongs to: `None` where the API table predates it or
+    /// the execute has none.
+    unsafe fn of(frame: &FfiCallFrame) -> Option<Self> {
+        type NumThreads = unsafe extern "C" fn(*mut NumThreadsArgs) -> *mut c_void;
+        let api = frame.api as *const u8;
+        if api.is_null() || *(api as *const usize) < THREAD_POOL_NUM_THREADS_OFFSET + std::mem::size_of::<usize>() {
+            return None;
+        }
+        let schedule = (*(api.add(THREAD_POOL_SCHEDULE_OFFSET) as *const Option<unsafe extern "C" fn(*mut ScheduleArgs) -> *mut c_void>))?;
+        let num_threads = (*(api.add(THREAD_POOL_NUM_THREADS_OFFSET) as *const Option<NumThreads>))?;
+        let mut threads = 0i64;
+        let mut args = NumThreadsArgs { struct_size: std::mem::size_of::<NumThreadsArgs>(), extension_start: std::ptr::null_mut(), ctx: frame.ctx, num_threads: &mut threads };
+        let ok = destroy(api, num_threads(&mut args));
+        (ok && threads > 0).then_some(XlaPool { api, schedule, ctx: frame.ctx, threads: threads as usize })
+    }
+
+    /// Hands `task(data)` to a worker; false where the pool refused it (the caller then runs
+    /// the work itself, so the error is dropped unread).
+    fn schedule(&self, task: unsafe extern "C" fn(*mut c_void), data: *mut c_void) -> bool {
+        let mut args = ScheduleArgs { struct_size: std::mem::size_of::<ScheduleArgs>(), extension_start: std::ptr::null_mut(), ctx: self.ctx, task, data };
+        // SAFETY: the slots were read from the API table of the running execute, with its context.
+        unsafe { destroy(self.api, (self.schedule)(&mut args)) }
+    }
+}
+
+/// Frees `error` (if any) through `api`'s `XLA_FFI_Error_Destroy`; true where there was none.
+unsafe fn destroy(api: *const u8, error: *mut c_void) -> bool {
+    type Destroy = unsafe extern "C" fn(*mut ErrorDestroyArgs);
+    if error.is_null() {
+        return true;
+    }
+    if let Some(destroy) = *(api.add(ERROR_DESTROY_OFFSET) as *const Option<Destroy>) {
+        destroy(&mut ErrorDestroyArgs { struct_size: std::mem::size_of::<ErrorDestroyArgs>(), extension_start: std::ptr::null_mut(), error });
+    }
+    false
+}
+
 /// The weight's layout: `[N, K]` (`y = x @ w.T`) or `[K, N]` (`y = x @ w`).
 #[derive(Clone, Copy, PartialEq)]
 enum Layout {
@@ -181,20 +272,31 @@ enum Layout {
 }
 
 unsafe extern "C" fn bf16_matvec(frame: *mut FfiCallFrame) -> *mut c_void {
-    handle(&mut *frame, Layout::RowPerOutput)
+    handle(&mut *frame, Layout::RowPerOutput, XLA_FFI_BF16)
 }
 
 unsafe extern "C" fn bf16_vecmat(frame: *mut FfiCallFrame) -> *mut c_void {
-    handle(&mut *frame, Layout::RowPerInput)
+    handle(&mut *frame, Layout::RowPerInput, XLA_FFI_BF16)
 }
 
-/// The typed-FFI handlers: `y[m, n] = sum_k x[m, k] * w[n, k]` (or `w[k, n]`) for bf16 `x`
-/// `[.., K]` (leading dims of one or a few rows), into `y` (bf16 or f32) `[.., N]`. Answers
-/// XLA's metadata query at registration; never unwinds into the plugin.
-unsafe fn handle(frame: &mut FfiCallFrame, layout: Layout) -> *mut c_void {
-    let target = match layout {
-        Layout::RowPerOutput => BF16_MATVEC_TARGET,
-        Layout::RowPerInput => BF16_VECMAT_TARGET,
+unsafe extern "C" fn f32_matmul_nt(frame: *mut FfiCallFrame) -> *mut c_void {
+    handle(&mut *frame, Layout::RowPerOutput, XLA_FFI_F32)
+}
+
+unsafe extern "C" fn f32_matmul_nn(frame: *mut FfiCallFrame) -> *mut c_void {
+    handle(&mut *frame, Layout::RowPerInput, XLA_FFI_F32)
+}
+
+/// The typed-FFI handlers: `y[m, n] = sum_k x[m, k] * w[n, k]` (or `w[k, n]`) for `x` `[.., K]`
+/// into `y` `[.., N]`: bf16 `x` and `w` (leading dims of one or a few rows) into bf16 or f32
+/// `y`, or f32 throughout. Answers XLA's metadata query at registration; never unwinds into the
+/// plugin.
+unsafe fn handle(frame: &mut FfiCallFrame, layout: Layout, operands: c_int) -> *mut c_void {
+    let target = match (operands, layout) {
+        (XLA_FFI_F32, Layout::RowPerOutput) => F32_MATMUL_NT_TARGET,
+        (XLA_FFI_F32, Layout::RowPerInput) => F32_MATMUL_NN_TARGET,
+        (_, Layout::RowPerOutput) => BF16_MATVEC_TARGET,
+        (_, Layout::RowPerInput) => BF16_VECMAT_TARGET,
     };
     let mut ext = frame.extension_start;
     while !ext.is_null() {
@@ -221,6 +323,22 @@ unsafe fn handle(frame: &mut FfiCallFrame, layout: Layout) -> *mut c_void {
     };
     let (n, kw) = if layout == Layout::RowPerOutput { (rows_w, cols_w) } else { (cols_w, rows_w) };
     let rows: i64 = lead.iter().product();
+    if operands == XLA_FFI_F32 {
+        if [x.dtype, w.dtype, y.dtype] != [XLA_FFI_F32; 3] || kw != k || yd.iter().product::<i64>() != rows * n {
+            return error(frame, target, &format!("expects f32 x [.., K], w and y [.., N], got {xd:?}, {wd:?}, {yd:?}"));
+        }
+        let shape = (rows as usize, n as usize, k as usize);
+        let xla = XlaPool::of(frame);
+        let threads = xla.map_or_else(pool::threads, |xla| xla.threads);
+        let (product, chunks) = gemm::Gemm::new(x.data as *const f32, w.data as *const f32, y.data as *mut f32, shape, layout, threads);
+        return match std::panic::catch_unwind(|| match xla {
+            Some(xla) => pool::run_scheduled(product, chunks, xla.threads, |task, data| xla.schedule(task, data)),
+            None => pool::run(&product, chunks),
+        }) {
+            Ok(()) => std::ptr::null_mut(),
+            Err(_) => error(frame, target, "panicked"),
+        };
+    }
     let out = match y.dtype {
         XLA_FFI_F32 => Out::F32(y.data as *mut f32),
         XLA_FFI_BF16 => Out::Bf16(y.data as *mut u16),
@@ -263,7 +381,7 @@ struct MatVec {
     rows: usize,
 }
 
-impl MatVec {
+impl pool::Chunked for MatVec {
     /// Outputs `chunk * OUTPUTS_PER_CHUNK ..` for every row of `x`.
     ///
     /// # Safety

@@ -3,7 +3,7 @@
 mod common;
 
 use common::*;
-use tpu_dynamo_runtime::host_kernels::{register, BF16_MATVEC_TARGET, BF16_VECMAT_TARGET};
+use tpu_dynamo_runtime::host_kernels::{register, BF16_MATVEC_TARGET, BF16_VECMAT_TARGET, F32_MATMUL_NN_TARGET, F32_MATMUL_NT_TARGET};
 use tpu_dynamo_runtime::*;
 
 fn bf16(v: f32) -> u16 {
@@ -44,7 +44,7 @@ fn bf16_matvec_matches_the_exact_product() {
     let expected = client.plugin().api_version().1 <= 115 && std::arch::is_x86_feature_detected!("avx2");
     #[cfg(not(target_arch = "x86_64"))]
     let expected = false;
-    assert_eq!(register(client.plugin()), expected);
+    assert_eq!(register(client.plugin()).contains(&BF16_MATVEC_TARGET), expected);
     if !expected {
         return;
     }
@@ -86,7 +86,7 @@ func.func @main(%x: tensor<1x1x{k}xbf16>, %w: {w_ty}) -> tensor<1x1x{n}x{name}> 
 #[test]
 fn a_call_on_other_operands_is_an_error() {
     let client = client(1);
-    if !register(client.plugin()) {
+    if !register(client.plugin()).contains(&BF16_MATVEC_TARGET) {
         return; // bf16_matvec_matches_the_exact_product checks where it must register
     }
     let text = format!(
@@ -103,4 +103,50 @@ func.func @main(%x: tensor<1x8xf32>, %w: tensor<4x8xf32>) -> tensor<1x4xf32> {{
         .map(|_| ())
         .unwrap_err();
     assert!(error.to_string().contains("tpu_dynamo host kernel tpu_dynamo.bf16_matvec: expects bf16"), "{error}");
+}
+
+/// f32 rows `[B, M, K]` times weights stored `[N, K]` and `[K, N]`, split over the host's
+/// threads, with M, N and K off the kernel's tiles too: within f32 summation's rounding of
+/// the exact product.
+#[test]
+fn f32_matmul_matches_the_exact_product() {
+    let client = client(1);
+    // The embedded plugin (PJRT 0.115) on an x86-64 CPU with AVX-512 takes it; no other is tested.
+    #[cfg(target_arch = "x86_64")]
+    let expected = client.plugin().api_version().1 <= 115 && std::arch::is_x86_feature_detected!("avx512f");
+    #[cfg(not(target_arch = "x86_64"))]
+    let expected = false;
+    assert_eq!(register(client.plugin()).contains(&F32_MATMUL_NT_TARGET), expected);
+    if !expected {
+        return;
+    }
+    let mut rng = Rng::new(11);
+    let shapes = [(1i64, 128i64, 64i64, 64i64), (8, 128, 64, 172), (2, 37, 100, 45), (1, 16, 768, 2304), (3, 25, 7, 33)];
+    for ((b, m, k, n), row_per_input) in shapes.into_iter().flat_map(|s| [(s, false), (s, true)]) {
+        let (target, w_dims) = if row_per_input { (F32_MATMUL_NN_TARGET, [k, n]) } else { (F32_MATMUL_NT_TARGET, [n, k]) };
+        let at = |o: usize, i: usize| if row_per_input { i * n as usize + o } else { o * k as usize + i };
+        let w_ty = format!("tensor<{}x{}xf32>", w_dims[0], w_dims[1]);
+        let text = format!(
+            r#"
+func.func @main(%x: tensor<{b}x{m}x{k}xf32>, %w: {w_ty}) -> tensor<{b}x{m}x{n}xf32> {{
+  %y = stablehlo.custom_call @{target}(%x, %w) {{api_version = 4 : i32, backend_config = {{}}}} : (tensor<{b}x{m}x{k}xf32>, {w_ty}) -> tensor<{b}x{m}x{n}xf32>
+  return %y : tensor<{b}x{m}x{n}xf32>
+}}"#
+        );
+        let exe = compile(&client, &text, vec![f32_spec(&[b, m, k]), f32_spec(&w_dims)]);
+        let x = rng.f32s((b * m * k) as usize);
+        let w = rng.f32s((n * k) as usize);
+        let dev = &client.devices()[0];
+        let out = exe.execute(&[&upload(&client, &x, &[b, m, k], dev), &upload(&client, &w, &w_dims, dev)]).unwrap();
+        let got = download_any(&out[0], DType::F32);
+        let (k, n) = (k as usize, n as usize);
+        for (index, &got) in got.iter().enumerate() {
+            let (row, col) = (index / n, index % n);
+            let terms = (0..k).map(|i| f64::from(x[row * k + i]) * f64::from(w[at(col, i)]));
+            let exact: f64 = terms.clone().sum();
+            let magnitude: f64 = terms.map(f64::abs).sum();
+            let allowed = magnitude * k as f64 * f64::from(f32::EPSILON);
+            assert!((got - exact).abs() <= allowed, "{target} {b}x{m}x{k} by {w_dims:?} at {row},{col}: {got} vs {exact}");
+        }
+    }
 }

@@ -876,13 +876,12 @@ impl<'a> Builder<'a> {
         self.op("stablehlo.select", &[&p, &a, &b], &[], ty)
     }
 
-    /// A bf16 vector (or a few rows) times a weight stored `[N, K]` or `[K, N]` through our host kernels
-    /// (`tpu_dynamo_runtime::host_kernels`), where the process's plugin has them: `None`
-    /// otherwise or for another layout.
-    fn host_matvec(&self, a: &Val<'a>, b: &Val<'a>, contract: (&[i64], &[i64]), out: DType) -> R<Option<Val<'a>>> {
+    /// Rows `a` `[.., K]` times a matrix stored `[N, K]` or `[K, N]` through one of our host
+    /// kernels (`tpu_dynamo_runtime::host_kernels`), where the process's plugin has them:
+    /// `None` otherwise or for another layout.
+    fn host_product(&self, kernels: Option<HostProduct>, a: &Val<'a>, b: &Val<'a>, contract: (&[i64], &[i64]), out: DType) -> R<Option<Val<'a>>> {
         let (b, _, b_contract) = fold_transpose(b, &[], contract.1);
         let lhs_last = a.rank() as i64 - 1;
-        let kernels = lowering_target().host_matvec;
         let (Some(kernels), 2, [lhs]) = (kernels, b.rank(), contract.0) else { return Ok(None) };
         let (target, n) = match (b_contract.as_slice(), *lhs == lhs_last) {
             ([1], true) => (kernels.row_per_output, b.shape()[0]),
@@ -1005,7 +1004,12 @@ impl<'a> Builder<'a> {
     ) -> R<Val<'a>> {
         let rows = bf16_rows_times_matrix(a, b, batch, contract, out);
         if rows.is_some_and(|rows| rows <= HOST_MATVEC_MAX_ROWS) {
-            if let Some(product) = self.host_matvec(a, b, contract, out)? {
+            if let Some(product) = self.host_product(lowering_target().host_matvec, a, b, contract, out)? {
+                return Ok(product);
+            }
+        }
+        if f32_product_for_both_cores(a, b, batch, contract, out) {
+            if let Some(product) = self.host_product(lowering_target().host_gemm, a, b, contract, out)? {
                 return Ok(product);
             }
         }
@@ -1206,10 +1210,12 @@ pub struct LoweringTarget {
     pub cpu: bool,
     /// The custom call targets of host kernels for a bf16 vector times a matrix, where the
     /// plugin has them registered.
-    pub host_matvec: Option<HostMatVec>,
+    pub host_matvec: Option<HostProduct>,
+    /// The same for f32 products of a few MFLOP, split over the host's cores.
+    pub host_gemm: Option<HostProduct>,
 }
 
-pub static LOWERING_TARGET: RwLock<LoweringTarget> = RwLock::new(LoweringTarget { cpu: false, host_matvec: None });
+pub static LOWERING_TARGET: RwLock<LoweringTarget> = RwLock::new(LoweringTarget { cpu: false, host_matvec: None, host_gemm: None });
 
 pub fn lowering_target() -> LoweringTarget {
     *LOWERING_TARGET.read().unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -1218,7 +1224,7 @@ pub fn lowering_target() -> LoweringTarget {
 /// A host kernel's target per weight layout: `[N, K]` (a row per output, `x @ W.T`) and
 /// `[K, N]` (a row per input, `x @ W`).
 #[derive(Clone, Copy, Debug)]
-pub struct HostMatVec {
+pub struct HostProduct {
     pub row_per_output: &'static str,
     pub row_per_input: &'static str,
 }
@@ -1229,6 +1235,31 @@ pub struct HostMatVec {
 /// 49152]` 1543-2877 against 3169-3420. At eight rows the two are even (a step decoding eight
 /// prompts: 40.6 against 39.2 ms), so XLA keeps them.
 const HOST_MATVEC_MAX_ROWS: i64 = 4;
+
+/// The f32 products our host kernel takes. XLA:CPU's YNNPACK runs those below ~16 MFLOP on one
+/// core and splits larger ones its own way; ours, on XLA's threads, ran products of short
+/// contractions faster (bare executes, µs: `[128, 64] x [64, 172]` 37-38 → 22, `[1024, 64] x
+/// [64, 256]` 219-240 → 147-151, `[2048, 128] x [128, 128]` 356-359 → 262-272, `[1024, 64] x
+/// [64, 1000]` 697-714 → 648-656) but longer ones slower, its `[K, 32]` panel no longer in
+/// L1 (`[128, 576] x [576, 576]` 429 → 505-531, `[4096, 320] x [320, 320]` 3419-3477 →
+/// 3964-3987). A single row (a decode step's vector times a matrix) is bound by reading the
+/// matrix, which XLA's own kernel does faster than our tiles (`[1, 576] x [576, 576]` 20
+/// against 60 µs); two rows already gain (102-108 → 63-66 µs).
+const HOST_GEMM_FLOPS: std::ops::RangeInclusive<i64> = (1 << 18)..=(1 << 27);
+const HOST_GEMM_MAX_K: i64 = 256;
+const HOST_GEMM_MIN_ROWS: i64 = 2;
+
+/// Whether `dot_general(a, b)` is f32 rows (no batch dims) times an f32 matrix of a size
+/// `HOST_GEMM_FLOPS`, `HOST_GEMM_MAX_K` and `HOST_GEMM_MIN_ROWS` admit.
+fn f32_product_for_both_cores(a: &Val<'_>, b: &Val<'_>, batch: (&[i64], &[i64]), contract: (&[i64], &[i64]), out: DType) -> bool {
+    if a.dtype() != DType::F32 || b.dtype() != DType::F32 || out != DType::F32 || !batch.0.is_empty() || b.rank() != 2 {
+        return false;
+    }
+    let rows: i64 = free_sizes(a, batch.0, contract.0).iter().product();
+    let k: i64 = contract.0.iter().map(|&d| a.shape()[d as usize]).product();
+    let flops = 2 * a.ty.numel() * free_sizes(b, batch.1, contract.1).iter().product::<i64>();
+    rows >= HOST_GEMM_MIN_ROWS && k <= HOST_GEMM_MAX_K && HOST_GEMM_FLOPS.contains(&flops)
+}
 
 /// The rows of `a` when `dot_general(a, b)` multiplies bf16 rows (no batch dims; the product of
 /// `a`'s free dims, 1 for a vector) by a bf16 matrix (accumulated in f32 either way, a bf16

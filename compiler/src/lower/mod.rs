@@ -6,7 +6,7 @@
 
 mod attention;
 mod builder;
-pub use builder::{HostMatVec, LoweringTarget, LOWERING_TARGET};
+pub use builder::{HostProduct, LoweringTarget, LOWERING_TARGET};
 mod compare;
 mod convert;
 mod convolution;

@@ -7,9 +7,9 @@
 //! After a job a helper spins for the next one a while, as a step's products follow each
 //! other within microseconds, then sleeps until a job comes.
 
-use super::MatVec;
+use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering::SeqCst};
-use std::sync::{Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 /// How long a helper looks for the next job before it sleeps.
@@ -17,8 +17,18 @@ const SPIN: Duration = Duration::from_micros(100);
 /// Helpers beyond the calling thread, at most (more cores than this do not read memory faster).
 const MAX_HELPERS: usize = 7;
 
+/// A host kernel's work, in units that threads may run at once.
+pub(super) trait Chunked {
+    /// Runs unit `chunk`.
+    ///
+    /// # Safety
+    /// Units must touch disjoint outputs; each is run once.
+    unsafe fn chunk(&self, chunk: usize);
+}
+
 struct Job {
-    task: *const MatVec,
+    task: *const (),
+    run_chunk: unsafe fn(*const (), usize),
     id: u64,
     chunks: usize,
     next: AtomicUsize,
@@ -35,7 +45,7 @@ impl Job {
                 return;
             }
             // SAFETY: the caller keeps `task` alive until every taken chunk is done.
-            let _ = std::panic::catch_unwind(|| unsafe { (*self.task).chunk(chunk) });
+            let _ = std::panic::catch_unwind(|| unsafe { (self.run_chunk)(self.task, chunk) });
             self.done.fetch_add(1, SeqCst);
         }
     }
@@ -116,14 +126,29 @@ fn help(pool: &'static Pool, me: usize) {
     }
 }
 
+/// The threads `run` shares a job among: this one and the helpers.
+pub(super) fn threads() -> usize {
+    pool().in_job.len() + 1
+}
+
 /// Runs `task`'s chunks `0..chunks` on this thread and the helpers, returning when all are done.
 /// Alone when there is one chunk, no helper (a forked child has none), or another job is
 /// running.
-pub(super) fn run(task: &MatVec, chunks: usize) {
+pub(super) fn run<T: Chunked>(task: &T, chunks: usize) {
+    unsafe fn run_chunk<T: Chunked>(task: *const (), chunk: usize) {
+        (*task.cast::<T>()).chunk(chunk)
+    }
     let pool = pool();
     let shared = chunks > 1 && !pool.in_job.is_empty() && std::process::id() == pool.pid;
     let guard = shared.then(|| pool.busy.try_lock().ok()).flatten();
-    let job = Job { task, id: pool.ids.fetch_add(1, SeqCst), chunks, next: AtomicUsize::new(0), done: AtomicUsize::new(0) };
+    let job = Job {
+        task: (task as *const T).cast(),
+        run_chunk: run_chunk::<T>,
+        id: pool.ids.fetch_add(1, SeqCst),
+        chunks,
+        next: AtomicUsize::new(0),
+        done: AtomicUsize::new(0),
+    };
     if guard.is_none() {
         job.work();
         return;
@@ -141,6 +166,59 @@ pub(super) fn run(task: &MatVec, chunks: usize) {
     }
     pool.published.store(std::ptr::null_mut(), SeqCst);
     while pool.in_job.iter().any(|h| h.load(SeqCst)) {
+        std::hint::spin_loop();
+    }
+}
+
+/// A job whose units are shared with tasks on another pool (XLA's), which may start after the
+/// job is done: each task holds a reference, so a late one finds no unit left and returns.
+struct Shared<T> {
+    task: T,
+    chunks: usize,
+    next: AtomicUsize,
+    done: AtomicUsize,
+}
+
+impl<T: Chunked> Shared<T> {
+    fn work(&self) {
+        loop {
+            let chunk = self.next.fetch_add(1, SeqCst);
+            if chunk >= self.chunks {
+                return;
+            }
+            // SAFETY: units are disjoint and each is taken once; the caller keeps the buffers
+            // alive until every taken unit is done.
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe { self.task.chunk(chunk) }));
+            self.done.fetch_add(1, SeqCst);
+        }
+    }
+}
+
+/// Runs `task`'s units `0..chunks` on this thread and on up to `helpers` tasks handed to
+/// `schedule` (which returns false where it could not take one), returning when all are done.
+/// Never waits for a task to start: one queued behind this thread's own work would never run.
+pub(super) fn run_scheduled<T: Chunked + 'static>(
+    task: T,
+    chunks: usize,
+    helpers: usize,
+    schedule: impl Fn(unsafe extern "C" fn(*mut c_void), *mut c_void) -> bool,
+) {
+    unsafe extern "C" fn run<T: Chunked>(data: *mut c_void) {
+        // SAFETY: `data` is a reference `run_scheduled` handed over with `Arc::into_raw`.
+        let job = unsafe { Arc::from_raw(data as *const Shared<T>) };
+        job.work();
+    }
+    let job = Arc::new(Shared { task, chunks, next: AtomicUsize::new(0), done: AtomicUsize::new(0) });
+    for _ in 0..helpers.min(chunks.saturating_sub(1)) {
+        let data = Arc::into_raw(job.clone()) as *mut c_void;
+        if !schedule(run::<T>, data) {
+            // SAFETY: not handed over; take the reference back.
+            drop(unsafe { Arc::from_raw(data as *const Shared<T>) });
+            break;
+        }
+    }
+    job.work();
+    while job.done.load(SeqCst) < chunks {
         std::hint::spin_loop();
     }
 }
