@@ -1013,6 +1013,19 @@ impl<'a> Builder<'a> {
                 return Ok(product);
             }
         }
+        self.xla_dot_general(a, b, batch, contract, out)
+    }
+
+    /// `dot_general` as XLA's own product, never one of our host kernels.
+    pub fn xla_dot_general(
+        &self,
+        a: &Val<'a>,
+        b: &Val<'a>,
+        batch: (&[i64], &[i64]),
+        contract: (&[i64], &[i64]),
+        out: DType,
+    ) -> R<Val<'a>> {
+        let rows = bf16_rows_times_matrix(a, b, batch, contract, out);
         if rows == Some(1) && b.ty.numel() >= 1 << 16 {
             // Without our kernel: XLA:CPU gives a bf16 product to its bf16 GEMM (YNNPACK) only
             // when neither side is a vector; a vector times a matrix it computes in f32 after

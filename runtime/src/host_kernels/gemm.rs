@@ -69,19 +69,16 @@ impl Chunked for Gemm {
             for block in 0..self.n.div_ceil(COLUMNS) {
                 let first_col = block * COLUMNS;
                 let cols = COLUMNS.min(self.n - first_col);
-                let (b, ldb) = match self.layout {
-                    Layout::RowPerInput => (self.w.add(first_col), self.n),
-                    Layout::RowPerOutput => {
-                        if *holds != (self.id, block) {
-                            panel.clear();
-                            panel.resize(self.k * COLUMNS, 0.0);
-                            pack_transposed(self.w.add(first_col * self.k), self.k, cols, panel);
-                            *holds = (self.id, block);
-                        }
-                        (panel.as_ptr(), COLUMNS)
+                if *holds != (self.id, block) {
+                    panel.clear();
+                    panel.resize(self.k * COLUMNS, 0.0);
+                    match self.layout {
+                        Layout::RowPerOutput => pack_transposed(self.w.add(first_col * self.k), self.k, cols, panel),
+                        Layout::RowPerInput => pack(self.w.add(first_col), self.n, self.k, cols, panel),
                     }
-                };
-                let tile = Tile { b, ldb, k: self.k, ldx: self.k, ldy: self.n, cols };
+                    *holds = (self.id, block);
+                }
+                let tile = Tile { b: panel.as_ptr(), ldb: COLUMNS, k: self.k, ldx: self.k, ldy: self.n, cols };
                 let mut r = 0;
                 while r < rows {
                     let x = self.x.add((first_row + r) * self.k);
@@ -90,6 +87,15 @@ impl Chunked for Gemm {
                 }
             }
         });
+    }
+}
+
+/// Copies `cols` ≤ 32 columns of `w` (`k` rows `n` apart) into `panel` as `[k, 32]`: read in
+/// place, a wide weight's rows lie a multiple of 4 KiB apart and evict each other from L1
+/// (Winograd's `[128, 128] x [128, 1024]` products ran 20 % slower than XLA's).
+unsafe fn pack(w: *const f32, n: usize, k: usize, cols: usize, panel: &mut [f32]) {
+    for kk in 0..k {
+        std::ptr::copy_nonoverlapping(w.add(kk * n), panel.as_mut_ptr().add(kk * COLUMNS), cols);
     }
 }
 
