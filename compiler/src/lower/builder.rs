@@ -1255,12 +1255,12 @@ const HOST_MATVEC_MAX_ROWS: i64 = 4;
 /// [64, 256]` 219-240 → 147-151, `[2048, 128] x [128, 128]` 356-359 → 262-272, `[1024, 64] x
 /// [64, 1000]` 697-714 → 648-656) but longer ones slower, its `[K, 32]` panel no longer in
 /// L1 (`[128, 576] x [576, 576]` 429 → 505-531, `[4096, 320] x [320, 320]` 3419-3477 →
-/// 3964-3987). A single row (a decode step's vector times a matrix) is bound by reading the
-/// matrix, which XLA's own kernel does faster than our tiles (`[1, 576] x [576, 576]` 20
-/// against 60 µs); two rows already gain (102-108 → 63-66 µs).
+/// 3964-3987). Few rows do not pay for copying the weight into panels on every call
+/// (`[32, 256] x [256, 1024]` 150-188 → 184-204, `[8, ..]` 80-89 → 100-112), nor does one
+/// row, bound by reading the weight, which XLA's vector kernel does faster still.
 const HOST_GEMM_FLOPS: std::ops::RangeInclusive<i64> = (1 << 18)..=(1 << 27);
 const HOST_GEMM_MAX_K: i64 = 256;
-const HOST_GEMM_MIN_ROWS: i64 = 2;
+const HOST_GEMM_MIN_ROWS: i64 = 64;
 
 /// Whether `dot_general(a, b)` is f32 rows (no batch dims) times an f32 matrix of a size
 /// `HOST_GEMM_FLOPS`, `HOST_GEMM_MAX_K` and `HOST_GEMM_MIN_ROWS` admit.
