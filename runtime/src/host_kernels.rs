@@ -1,8 +1,10 @@
 //! Kernels of our own that a host (XLA:CPU) plugin calls as typed-FFI custom calls, registered
 //! through the plugin's PJRT FFI extension when a client is created.
 //!
-//! One product: a bf16 vector times a bf16 matrix stored `[N, K]` (`nn.Linear`'s weight) or
-//! `[K, N]` (GPT-2's `Conv1D`), the products of every decode step of a bf16 model. XLA:CPU's
+//! Two products, each with the matrix stored `[N, K]` (`nn.Linear`'s weight) or `[K, N]`
+//! (GPT-2's `Conv1D`): f32 products of short contractions split over XLA's threads (`gemm`),
+//! and here a bf16 vector times a bf16 matrix, the products of every decode step of a bf16
+//! model. XLA:CPU's
 //! own ways run at half the rate of its f32 products (YNNPACK packs the whole weight on every
 //! call; its own dot emitter has no bf16 kernel), so a bf16 decode step was slower than an f32
 //! one although it reads half the bytes. This one streams the weight once, with f32 sums as
@@ -438,8 +440,8 @@ fn f32_to_bf16(v: f32) -> u16 {
     (bits.wrapping_add(round) >> 16) as u16
 }
 
-/// Whether this CPU runs one of the vector kernels below; elsewhere XLA's own products are
-/// faster than the scalar loop, so nothing is registered.
+/// Whether this CPU runs one of the bf16 vector kernels below; elsewhere XLA's own products
+/// are faster than the scalar loop, so they are not registered.
 fn fast_on_this_cpu() -> bool {
     #[cfg(target_arch = "x86_64")]
     {

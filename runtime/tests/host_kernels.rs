@@ -32,6 +32,19 @@ fn download_any(buffer: &Buffer, dtype: DType) -> Vec<f64> {
     }
 }
 
+/// Whether the plugin takes our kernel `target`, asserting that it does exactly where it must:
+/// the embedded plugin (PJRT 0.115) on an x86-64 CPU with AVX2 (bf16) or AVX-512 (f32); no
+/// other is tested.
+fn registers(client: &Client, target: &str) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    let expected = client.plugin().api_version().1 <= 115
+        && if target == F32_MATMUL_NT_TARGET { std::arch::is_x86_feature_detected!("avx512f") } else { std::arch::is_x86_feature_detected!("avx2") };
+    #[cfg(not(target_arch = "x86_64"))]
+    let expected = false;
+    assert_eq!(register(client.plugin()).contains(&target), expected, "{target}");
+    expected
+}
+
 /// A bf16 vector `[1, 1, K]` times weights stored `[N, K]` (a decode step's linear layer) and
 /// `[K, N]` (GPT-2's `Conv1D`), with K and N off the kernels' block sizes too, in both result
 /// types: within f32 summation's rounding of the exact product (and one bf16 rounding for a
@@ -39,13 +52,7 @@ fn download_any(buffer: &Buffer, dtype: DType) -> Vec<f64> {
 #[test]
 fn bf16_matvec_matches_the_exact_product() {
     let client = client(1);
-    // The embedded plugin (PJRT 0.115) on an x86-64 CPU with AVX2 takes them; no other is tested.
-    #[cfg(target_arch = "x86_64")]
-    let expected = client.plugin().api_version().1 <= 115 && std::arch::is_x86_feature_detected!("avx2");
-    #[cfg(not(target_arch = "x86_64"))]
-    let expected = false;
-    assert_eq!(register(client.plugin()).contains(&BF16_MATVEC_TARGET), expected);
-    if !expected {
+    if !registers(&client, BF16_MATVEC_TARGET) {
         return;
     }
     let mut rng = Rng::new(7);
@@ -111,13 +118,7 @@ func.func @main(%x: tensor<1x8xf32>, %w: tensor<4x8xf32>) -> tensor<1x4xf32> {{
 #[test]
 fn f32_matmul_matches_the_exact_product() {
     let client = client(1);
-    // The embedded plugin (PJRT 0.115) on an x86-64 CPU with AVX-512 takes it; no other is tested.
-    #[cfg(target_arch = "x86_64")]
-    let expected = client.plugin().api_version().1 <= 115 && std::arch::is_x86_feature_detected!("avx512f");
-    #[cfg(not(target_arch = "x86_64"))]
-    let expected = false;
-    assert_eq!(register(client.plugin()).contains(&F32_MATMUL_NT_TARGET), expected);
-    if !expected {
+    if !registers(&client, F32_MATMUL_NT_TARGET) {
         return;
     }
     let mut rng = Rng::new(11);

@@ -20,13 +20,13 @@ const ROWS: usize = 12;
 /// One product: `x` `[m, k]`, `w` `[n, k]` (`RowPerOutput`) or `[k, n]` (`RowPerInput`), `y`
 /// `[m, n]`, all row-major f32.
 pub(super) struct Gemm {
-    pub x: *const f32,
-    pub w: *const f32,
-    pub y: *mut f32,
-    pub m: usize,
-    pub n: usize,
-    pub k: usize,
-    pub layout: Layout,
+    x: *const f32,
+    w: *const f32,
+    y: *mut f32,
+    m: usize,
+    n: usize,
+    k: usize,
+    layout: Layout,
     /// Rows per unit of work (a multiple of `ROWS` but for the last).
     rows_per_chunk: usize,
     /// This product among all the process runs, so that a thread taking both units copies
