@@ -325,37 +325,36 @@ unsafe fn handle(frame: &mut FfiCallFrame, layout: Layout, operands: c_int) -> *
     };
     let (n, kw) = if layout == Layout::RowPerOutput { (rows_w, cols_w) } else { (cols_w, rows_w) };
     let rows: i64 = lead.iter().product();
-    if operands == XLA_FFI_F32 {
-        if [x.dtype, w.dtype, y.dtype] != [XLA_FFI_F32; 3] || kw != k || yd.iter().product::<i64>() != rows * n {
+    let shapes_agree = kw == k && yd.iter().product::<i64>() == rows * n;
+    let ran = if operands == XLA_FFI_F32 {
+        if [x.dtype, w.dtype, y.dtype] != [XLA_FFI_F32; 3] || !shapes_agree {
             return error(frame, target, &format!("expects f32 x [.., K], w and y [.., N], got {xd:?}, {wd:?}, {yd:?}"));
         }
         let shape = (rows as usize, n as usize, k as usize);
         let xla = XlaPool::of(frame);
         let threads = xla.map_or_else(pool::threads, |xla| xla.threads);
         let (product, chunks) = gemm::Gemm::new(x.data as *const f32, w.data as *const f32, y.data as *mut f32, shape, layout, threads);
-        return match std::panic::catch_unwind(|| match xla {
+        std::panic::catch_unwind(|| match xla {
             Some(xla) => pool::run_scheduled(product, chunks, xla.threads, |task, data| xla.schedule(task, data)),
             None => pool::run(&product, chunks),
-        }) {
-            Ok(()) => std::ptr::null_mut(),
-            Err(_) => error(frame, target, "panicked"),
+        })
+    } else {
+        let out = match y.dtype {
+            XLA_FFI_F32 => Out::F32(y.data as *mut f32),
+            XLA_FFI_BF16 => Out::Bf16(y.data as *mut u16),
+            other => return error(frame, target, &format!("expects a bf16 or f32 result, got XLA type {other}")),
         };
-    }
-    let out = match y.dtype {
-        XLA_FFI_F32 => Out::F32(y.data as *mut f32),
-        XLA_FFI_BF16 => Out::Bf16(y.data as *mut u16),
-        other => return error(frame, target, &format!("expects a bf16 or f32 result, got XLA type {other}")),
+        if x.dtype != XLA_FFI_BF16 || w.dtype != XLA_FFI_BF16 || !shapes_agree {
+            return error(frame, target, &format!("expects bf16 x [.., K], w and y [.., N], got {xd:?}, {wd:?}, {yd:?}"));
+        }
+        let (k, n, rows) = (k as usize, n as usize, rows as usize);
+        std::panic::catch_unwind(|| {
+            let xb = std::slice::from_raw_parts(x.data as *const u16, rows * k).to_vec();
+            let xf = xb.iter().map(|&v| bf16_to_f32(v)).collect();
+            let job = MatVec { w: w.data as *const u16, layout, x: xb, x_f32: xf, out, k, n, rows };
+            pool::run(&job, n.div_ceil(OUTPUTS_PER_CHUNK));
+        })
     };
-    if x.dtype != XLA_FFI_BF16 || w.dtype != XLA_FFI_BF16 || kw != k || yd.iter().product::<i64>() != rows * n {
-        return error(frame, target, &format!("expects bf16 x [.., K], w and y [.., N], got {xd:?}, {wd:?}, {yd:?}"));
-    }
-    let (k, n, rows) = (k as usize, n as usize, rows as usize);
-    let ran = std::panic::catch_unwind(|| {
-        let xb = std::slice::from_raw_parts(x.data as *const u16, rows * k).to_vec();
-        let xf = xb.iter().map(|&v| bf16_to_f32(v)).collect();
-        let job = MatVec { w: w.data as *const u16, layout, x: xb, x_f32: xf, out, k, n, rows };
-        pool::run(&job, n.div_ceil(OUTPUTS_PER_CHUNK));
-    });
     match ran {
         Ok(()) => std::ptr::null_mut(),
         Err(_) => error(frame, target, "panicked"),

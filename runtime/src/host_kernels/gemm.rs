@@ -70,7 +70,6 @@ impl Chunked for Gemm {
                 let first_col = block * COLUMNS;
                 let cols = COLUMNS.min(self.n - first_col);
                 if *holds != (self.id, block) {
-                    panel.clear();
                     panel.resize(self.k * COLUMNS, 0.0);
                     match self.layout {
                         Layout::RowPerOutput => pack_transposed(self.w.add(first_col * self.k), self.k, cols, panel),

@@ -26,28 +26,50 @@ pub(super) trait Chunked {
     unsafe fn chunk(&self, chunk: usize);
 }
 
-struct Job {
-    task: *const (),
-    run_chunk: unsafe fn(*const (), usize),
-    id: u64,
+/// A job's chunks `0..chunks`, each taken by whichever thread asks next.
+struct Units {
     chunks: usize,
     next: AtomicUsize,
     done: AtomicUsize,
 }
 
-impl Job {
+impl Units {
+    fn new(chunks: usize) -> Self {
+        Units { chunks, next: AtomicUsize::new(0), done: AtomicUsize::new(0) }
+    }
+
     /// Runs chunks until none is left; a panic (none is expected) still counts its chunk done,
     /// so that the caller never waits for it forever.
-    fn work(&self) {
+    fn work(&self, run: impl Fn(usize)) {
         loop {
             let chunk = self.next.fetch_add(1, SeqCst);
             if chunk >= self.chunks {
                 return;
             }
-            // SAFETY: the caller keeps `task` alive until every taken chunk is done.
-            let _ = std::panic::catch_unwind(|| unsafe { (self.run_chunk)(self.task, chunk) });
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(chunk)));
             self.done.fetch_add(1, SeqCst);
         }
+    }
+
+    /// Waits for the chunks other threads took.
+    fn wait(&self) {
+        while self.done.load(SeqCst) < self.chunks {
+            std::hint::spin_loop();
+        }
+    }
+}
+
+struct Job {
+    task: *const (),
+    run_chunk: unsafe fn(*const (), usize),
+    id: u64,
+    units: Units,
+}
+
+impl Job {
+    fn work(&self) {
+        // SAFETY: the caller keeps `task` alive until every taken chunk is done.
+        self.units.work(|chunk| unsafe { (self.run_chunk)(self.task, chunk) });
     }
 }
 
@@ -145,9 +167,7 @@ pub(super) fn run<T: Chunked>(task: &T, chunks: usize) {
         task: (task as *const T).cast(),
         run_chunk: run_chunk::<T>,
         id: pool.ids.fetch_add(1, SeqCst),
-        chunks,
-        next: AtomicUsize::new(0),
-        done: AtomicUsize::new(0),
+        units: Units::new(chunks),
     };
     if guard.is_none() {
         job.work();
@@ -161,9 +181,7 @@ pub(super) fn run<T: Chunked>(task: &T, chunks: usize) {
         pool.wake.notify_all();
     }
     job.work();
-    while job.done.load(SeqCst) < chunks {
-        std::hint::spin_loop();
-    }
+    job.units.wait();
     pool.published.store(std::ptr::null_mut(), SeqCst);
     while pool.in_job.iter().any(|h| h.load(SeqCst)) {
         std::hint::spin_loop();
@@ -174,23 +192,14 @@ pub(super) fn run<T: Chunked>(task: &T, chunks: usize) {
 /// job is done: each task holds a reference, so a late one finds no unit left and returns.
 struct Shared<T> {
     task: T,
-    chunks: usize,
-    next: AtomicUsize,
-    done: AtomicUsize,
+    units: Units,
 }
 
 impl<T: Chunked> Shared<T> {
     fn work(&self) {
-        loop {
-            let chunk = self.next.fetch_add(1, SeqCst);
-            if chunk >= self.chunks {
-                return;
-            }
-            // SAFETY: units are disjoint and each is taken once; the caller keeps the buffers
-            // alive until every taken unit is done.
-            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe { self.task.chunk(chunk) }));
-            self.done.fetch_add(1, SeqCst);
-        }
+        // SAFETY: units are disjoint and each is taken once; the caller keeps the buffers alive
+        // until every taken unit is done.
+        self.units.work(|chunk| unsafe { self.task.chunk(chunk) });
     }
 }
 
@@ -208,7 +217,7 @@ pub(super) fn run_scheduled<T: Chunked + 'static>(
         let job = unsafe { Arc::from_raw(data as *const Shared<T>) };
         job.work();
     }
-    let job = Arc::new(Shared { task, chunks, next: AtomicUsize::new(0), done: AtomicUsize::new(0) });
+    let job = Arc::new(Shared { task, units: Units::new(chunks) });
     for _ in 0..helpers.min(chunks.saturating_sub(1)) {
         let data = Arc::into_raw(job.clone()) as *mut c_void;
         if !schedule(run::<T>, data) {
@@ -218,7 +227,5 @@ pub(super) fn run_scheduled<T: Chunked + 'static>(
         }
     }
     job.work();
-    while job.done.load(SeqCst) < chunks {
-        std::hint::spin_loop();
-    }
+    job.units.wait();
 }
