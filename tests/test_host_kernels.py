@@ -1,7 +1,7 @@
 """Our host kernels (runtime/src/host_kernels.rs) through backend="tpu" on the CPU plugin, with
 the weight stored `[N, K]` (`nn.Linear`) or `[K, N]` (GPT-2's `Conv1D`, `x @ W`): a bf16 vector
-times a weight (a linear layer at one token, a decode step's), and f32 products of short
-contractions split over XLA's threads."""
+times a weight (a linear layer at one token, a decode step's), f32 products of short
+contractions split over XLA's threads, and f32 attention without a mask or with the causal one."""
 from pathlib import Path
 
 import pytest
@@ -24,13 +24,14 @@ def host_kernels() -> list[str]:
 
 
 F32_KERNELS = ["tpu_dynamo.f32_matmul_nt", "tpu_dynamo.f32_matmul_nn"]
+ATTENTION_KERNELS = ["tpu_dynamo.f32_attention", "tpu_dynamo.f32_causal_attention"]
 AVX512 = "avx512f" in Path("/proc/cpuinfo").read_text()
 
 
 def test_the_embedded_plugin_runs_our_kernels():
     """On x86-64 with AVX2 (this CI's machines) the embedded plugin registers the bf16 ones,
     and with AVX-512 the f32 ones too."""
-    assert host_kernels() == ["tpu_dynamo.bf16_matvec", "tpu_dynamo.bf16_vecmat"] + (F32_KERNELS if AVX512 else [])
+    assert host_kernels() == ["tpu_dynamo.bf16_matvec", "tpu_dynamo.bf16_vecmat"] + (F32_KERNELS + ATTENTION_KERNELS if AVX512 else [])
 
 
 def check_product(fn, x, w, b, target, compiled):
@@ -165,3 +166,78 @@ def test_f32_nan_and_infinity_reach_the_outputs_they_touch():
     assert (got[:, 70] == float("inf")).all() and (want[:, 70] == float("inf")).all()
     assert got[1, 90].isnan() and want[1, 90].isnan()
     assert torch.isfinite(got[:, [0, 1, 2, 4, 69, 71]]).all()
+
+
+# (batch, heads, kv heads, queries, keys, head size, causal): the tiny Llama's and GPT-2's
+# attention at batch 1 and 8, Flux's and SD3's (no mask), a long causal prompt with grouped
+# heads, a real model's head size, causal with fewer keys than queries and more, one query, and
+# sizes off the kernel's blocks (12 queries, 32 keys, 16-wide heads).
+ATTENTION_SHAPES = [
+    (1, 4, 2, 128, 128, 16, True), (8, 4, 4, 128, 128, 16, True), (1, 2, 2, 1536, 1536, 16, False),
+    (2, 4, 4, 288, 288, 8, False), (1, 4, 2, 600, 600, 16, True), (1, 9, 3, 256, 256, 64, True),
+    (1, 2, 1, 50, 20, 40, True), (1, 2, 2, 20, 50, 72, True), (1, 4, 2, 1, 70, 16, False),
+    (2, 3, 3, 13, 45, 8, False), (2, 3, 3, 13, 45, 33, True),
+]
+ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+def exact_attention(q, k, v, causal):
+    """Output and logsumexp in f64 (query `i` sees keys `0..=i` when causal)."""
+    q, k, v = q.double(), k.double().repeat_interleave(q.shape[1] // k.shape[1], 1), v.double().repeat_interleave(q.shape[1] // v.shape[1], 1)
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if causal:
+        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return scores.softmax(-1) @ v, scores.logsumexp(-1)
+
+
+@needs_f32_kernels
+@pytest.mark.parametrize("batch, heads, kv_heads, len_q, len_kv, dim, causal", ATTENTION_SHAPES)
+def test_f32_attention_runs_our_kernel(batch, heads, kv_heads, len_q, len_kv, dim, causal, compiled):
+    """Output and logsumexp within 2e-6 of the f64 values (eager's flash kernel: within 1e-5 of
+    ours), from the custom call alone: no product is left to XLA."""
+    torch.manual_seed(len_q * dim + heads)
+    q = torch.randn(batch, heads, len_q, dim)
+    k, v = torch.randn(batch, kv_heads, len_kv, dim), torch.randn(batch, kv_heads, len_kv, dim)
+    fn = lambda q, k, v: ATTENTION(q, k, v, is_causal=causal)[:2]
+    with torch.no_grad():
+        (out, lse), (eager_out, eager_lse) = compile_tpu(fn)(q, k, v), fn(q, k, v)
+    exact_out, exact_lse = exact_attention(q, k, v, causal)
+    torch.testing.assert_close(out.double(), exact_out, rtol=0, atol=2e-6)
+    torch.testing.assert_close(lse.double(), exact_lse, rtol=0, atol=2e-6 * exact_lse.abs().max().item())
+    torch.testing.assert_close(out, eager_out, rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse, eager_lse, rtol=0, atol=1e-5)
+    ((graph_json, _),) = compiled
+    stablehlo = _native.compile(graph_json, need_stablehlo=True).stablehlo
+    assert ATTENTION_KERNELS[causal] in stablehlo and "dot_general" not in stablehlo
+
+
+@needs_f32_kernels
+def test_masked_and_half_attention_stay_xlas(compiled):
+    """A float mask (a padded batch's) and bf16 inputs keep XLA's way (attention.rs)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 32, 16) for _ in range(3))
+    mask = torch.zeros(2, 1, 32, 32).masked_fill(torch.rand(2, 1, 32, 32) < 0.3, float("-inf"))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with torch.no_grad():
+        torch.testing.assert_close(compile_tpu(sdpa)(q, k, v, attn_mask=mask), sdpa(q, k, v, attn_mask=mask), rtol=0, atol=1e-5)
+        torch._dynamo.reset()
+        half = [t.bfloat16() for t in (q, k, v)]
+        torch.testing.assert_close(compile_tpu(sdpa)(*half, is_causal=True), sdpa(*half, is_causal=True), rtol=0, atol=2e-2)
+    for graph_json, _ in list(compiled):  # a copy: compiling again records another
+        stablehlo = _native.compile(graph_json, need_stablehlo=True).stablehlo
+        assert "dot_general" in stablehlo and not any(target in stablehlo for target in ATTENTION_KERNELS)
+
+
+@needs_f32_kernels
+def test_f32_attention_nan_reaches_the_queries_that_see_it():
+    """A NaN key makes the rows that see it NaN and leaves the others as eager leaves them: with
+    the causal mask, the queries before it."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    k[0, 1, 25, 3] = float("nan")
+    fn = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with torch.no_grad():
+        got, want = compile_tpu(fn)(q, k, v), fn(q, k, v)
+    assert got[0, 1, 25:].isnan().all() and want[0, 1, 25:].isnan().all()
+    torch.testing.assert_close(got[0, 1, :25], want[0, 1, :25], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got[0, 0], want[0, 0], rtol=0, atol=1e-5)

@@ -10,6 +10,7 @@
 //! one although it reads half the bytes. This one streams the weight once, with f32 sums as
 //! PyTorch's CPU kernels keep them.
 
+mod attention;
 mod gemm;
 mod pool;
 
@@ -24,6 +25,9 @@ pub const BF16_VECMAT_TARGET: &str = "tpu_dynamo.bf16_vecmat";
 /// The custom call targets of an f32 product with a matrix stored `[N, K]` and `[K, N]`.
 pub const F32_MATMUL_NT_TARGET: &str = "tpu_dynamo.f32_matmul_nt";
 pub const F32_MATMUL_NN_TARGET: &str = "tpu_dynamo.f32_matmul_nn";
+/// The custom call targets of f32 attention without a mask and with the causal one.
+pub const F32_ATTENTION_TARGET: &str = "tpu_dynamo.f32_attention";
+pub const F32_CAUSAL_ATTENTION_TARGET: &str = "tpu_dynamo.f32_causal_attention";
 
 const PJRT_EXTENSION_FFI: u32 = 5;
 const XLA_FFI_EXTENSION_METADATA: c_int = 1;
@@ -122,6 +126,7 @@ pub fn register(plugin: &Plugin) -> Vec<&'static str> {
     }
     if gemm::available() {
         handlers.extend([(F32_MATMUL_NT_TARGET, f32_matmul_nt as *const c_void), (F32_MATMUL_NN_TARGET, f32_matmul_nn as *const c_void)]);
+        handlers.extend([(F32_ATTENTION_TARGET, f32_attention as *const c_void), (F32_CAUSAL_ATTENTION_TARGET, f32_causal_attention as *const c_void)]);
     }
     // The argument layout below is the one of PJRT API 0.115; later headers differ.
     if handlers.is_empty() || plugin.api_version().1 > 115 {
@@ -273,6 +278,23 @@ enum Layout {
     RowPerInput,
 }
 
+/// Whether `frame` asks a handler to run: false for XLA's metadata query at registration
+/// (answered here) and for stages other than execution.
+unsafe fn executes(frame: &mut FfiCallFrame) -> bool {
+    let mut ext = frame.extension_start;
+    while !ext.is_null() {
+        if (*ext).kind == XLA_FFI_EXTENSION_METADATA {
+            let metadata = &mut *(*(ext as *mut FfiMetadataExtension)).metadata;
+            metadata.api_version.major = 0;
+            metadata.api_version.minor = 1;
+            metadata.traits = 0;
+            return false;
+        }
+        ext = (*ext).next;
+    }
+    frame.stage == XLA_FFI_STAGE_EXECUTE
+}
+
 unsafe extern "C" fn bf16_matvec(frame: *mut FfiCallFrame) -> *mut c_void {
     handle(&mut *frame, Layout::RowPerOutput, XLA_FFI_BF16)
 }
@@ -300,18 +322,7 @@ unsafe fn handle(frame: &mut FfiCallFrame, layout: Layout, operands: c_int) -> *
         (_, Layout::RowPerOutput) => BF16_MATVEC_TARGET,
         (_, Layout::RowPerInput) => BF16_VECMAT_TARGET,
     };
-    let mut ext = frame.extension_start;
-    while !ext.is_null() {
-        if (*ext).kind == XLA_FFI_EXTENSION_METADATA {
-            let metadata = &mut *(*(ext as *mut FfiMetadataExtension)).metadata;
-            metadata.api_version.major = 0;
-            metadata.api_version.minor = 1;
-            metadata.traits = 0;
-            return std::ptr::null_mut();
-        }
-        ext = (*ext).next;
-    }
-    if frame.stage != XLA_FFI_STAGE_EXECUTE {
+    if !executes(frame) {
         return std::ptr::null_mut();
     }
     if frame.args.size != 2 || frame.rets.size != 1 {
@@ -355,6 +366,54 @@ unsafe fn handle(frame: &mut FfiCallFrame, layout: Layout, operands: c_int) -> *
             pool::run(&job, n.div_ceil(OUTPUTS_PER_CHUNK));
         })
     };
+    match ran {
+        Ok(()) => std::ptr::null_mut(),
+        Err(_) => error(frame, target, "panicked"),
+    }
+}
+
+unsafe extern "C" fn f32_attention(frame: *mut FfiCallFrame) -> *mut c_void {
+    attend(&mut *frame, false)
+}
+
+unsafe extern "C" fn f32_causal_attention(frame: *mut FfiCallFrame) -> *mut c_void {
+    attend(&mut *frame, true)
+}
+
+/// The attention handlers: f32 `q` `[B, H, L, E]` (already scaled), `k` and `v` `[B, Hkv, S,
+/// E]` into `out` `[B, H, L, E]` and its logsumexp `[B, H, L]`, on XLA's threads.
+unsafe fn attend(frame: &mut FfiCallFrame, causal: bool) -> *mut c_void {
+    let target = if causal { F32_CAUSAL_ATTENTION_TARGET } else { F32_ATTENTION_TARGET };
+    if !executes(frame) {
+        return std::ptr::null_mut();
+    }
+    if frame.args.size != 3 || frame.rets.size != 2 {
+        return error(frame, target, "expects q, k and v, and two results");
+    }
+    let buffer = |list: &FfiList, i: usize| &**list.items.add(i);
+    let [q, k, v] = [0, 1, 2].map(|i| buffer(&frame.args, i));
+    let [out, lse] = [0, 1].map(|i| buffer(&frame.rets, i));
+    let dims = |b: &FfiBuffer| std::slice::from_raw_parts(b.dims, b.rank as usize).iter().map(|&d| d as usize).collect::<Vec<_>>();
+    let (qd, kd, vd, od, ld) = (dims(q), dims(k), dims(v), dims(out), dims(lse));
+    let agree = match (&qd[..], &kd[..]) {
+        (&[batch, heads, len_q, dim], &[kb, kv_heads, len_kv, kdim]) => {
+            (kb == batch && kdim == dim && kv_heads > 0 && heads % kv_heads == 0 && len_kv > 0 && vd == kd && od == qd && ld == qd[..3])
+                .then_some(attention::Shape { batch, heads, kv_heads, len_q, len_kv, dim })
+        }
+        _ => None,
+    };
+    let (Some(shape), true) = (agree, [q, k, v, out, lse].iter().all(|b| b.dtype == XLA_FFI_F32)) else {
+        return error(frame, target, &format!("expects f32 q [B, H, L, E], k and v [B, Hkv, S, E], out [B, H, L, E] and lse [B, H, L], got {qd:?}, {kd:?}, {vd:?}, {od:?}, {ld:?}"));
+    };
+    let xla = XlaPool::of(frame);
+    let threads = xla.map_or_else(pool::threads, |xla| xla.threads);
+    let inputs = (q.data as *const f32, k.data as *const f32, v.data as *const f32);
+    let (job, units, parts) = attention::Attention::new(inputs, (out.data as *mut f32, lse.data as *mut f32), shape, causal, threads);
+    let ran = std::panic::catch_unwind(|| match xla {
+        Some(xla) => pool::run_scheduled(job, units, parts - 1, |task, data| xla.schedule(task, data)),
+        None if parts > 1 => pool::run(&job, units),
+        None => (0..units).for_each(|u| pool::Chunked::chunk(&job, u)),
+    });
     match ran {
         Ok(()) => std::ptr::null_mut(),
         Err(_) => error(frame, target, "panicked"),

@@ -8,7 +8,7 @@
 //! 3.2 M scores per attention). Scores, softmax and products run in f32 for half inputs, as the
 //! CPU flash kernel accumulates.
 
-use super::builder::{broadcast_shapes, opmath, Builder, Combiner, Scalar, Val, R};
+use super::builder::{broadcast_shapes, lowering_target, opmath, Builder, Combiner, Scalar, Val, R};
 use super::reduction::{exponentials, zero_rows};
 use super::{NodeCtx, Registry, Res, A};
 use crate::ir::{DType, TensorType};
@@ -73,6 +73,12 @@ fn flash_attention_for_cpu(n: NodeCtx<'_>) -> Res<'_> {
         // Padding may hold anything, and 0 * inf is NaN: hidden values become 0 too.
         v = b.select(&b.reshape(visible, &[len_kv, 1])?, &v, &b.scalar(Scalar::Float(0.0), f)?)?;
     }
+    // Half inputs keep XLA's way (not measured with the kernel).
+    if n.out(0)?.dtype == DType::F32 && mask.is_none() && visible.is_none() {
+        if let Some((out, lse)) = host_attention(b, &q, (&k, &v), causal)? {
+            return Ok(vec![out, lse]);
+        }
+    }
     let mask = mask.map(|m| b.convert(&m, f)).transpose()?;
     let (mut outs, mut lses) = (vec![], vec![]);
     for rows in row_blocks(causal, mask.is_some(), len_q, len_kv) {
@@ -94,6 +100,28 @@ fn flash_attention_for_cpu(n: NodeCtx<'_>) -> Res<'_> {
         b.convert(&lse, n.out(1)?.dtype)?,
     ])
 }
+
+/// `(output, logsumexp)` of f32 queries `q` (scaled) over `k`, `v` without a mask but the
+/// causal one, by our host kernel (`tpu_dynamo_runtime::host_kernels`) where the plugin has it
+/// and the head fits its scratch: one kernel where XLA:CPU runs two products and a softmax,
+/// each writing all the scores out.
+fn host_attention<'a>(b: &Builder<'a>, q: &Val<'a>, (k, v): (&Val<'a>, &Val<'a>), causal: bool) -> R<Option<(Val<'a>, Val<'a>)>> {
+    let Some((plain, causal_target)) = lowering_target().host_attention.filter(|_| std::env::var("XNOATT").is_err()) else { return Ok(None) };
+    let [batch, heads, len_q, dim] = [0, 1, 2, 3].map(|i| q.shape()[i]);
+    let len_kv = k.shape()[2];
+    if q.dtype() != DType::F32 || len_kv == 0 || dim > HOST_MAX_DIM || len_kv > HOST_MAX_KEYS {
+        return Ok(None);
+    }
+    let results = vec![q.ty.clone(), TensorType::new(DType::F32, vec![batch, heads, len_q])];
+    let mut out = b.host_call(if causal { causal_target } else { plain }, &[q, k, v], results)?;
+    let lse = out.remove(1);
+    Ok(Some((out.remove(0), lse)))
+}
+
+/// The largest head and key count our attention kernel takes: its per-thread scratch holds a
+/// head's keys and 12 queries' scores against them.
+const HOST_MAX_DIM: i64 = 512;
+const HOST_MAX_KEYS: i64 = 32768;
 
 /// Queries per block of a long masked or causal attention (`row_blocks`), and the fewest
 /// queries that are split. Measured on the CPU plugin, `[1, 9, L, 64]` queries over 3 key

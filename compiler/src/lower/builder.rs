@@ -890,12 +890,17 @@ impl<'a> Builder<'a> {
         };
         let mut shape = a.shape()[..a.rank() - 1].to_vec();
         shape.push(n);
+        Ok(Some(self.host_call(target, &[a, &b], vec![TensorType::new(out, shape)])?.remove(0)))
+    }
+
+    /// A typed-FFI custom call of one of our host kernels, registered under `target`.
+    pub fn host_call(&self, target: &str, operands: &[&Val<'a>], results: Vec<TensorType>) -> R<Vec<Val<'a>>> {
         let attrs = [
             ("call_target_name", format!("\"{target}\"")),
             ("api_version", "4 : i32".to_string()),
             ("backend_config", "{}".to_string()),
         ];
-        Ok(Some(self.op("stablehlo.custom_call", &[a, &b], &attrs, TensorType::new(out, shape))?))
+        self.op_regions("stablehlo.custom_call", operands, &attrs, vec![], results)
     }
 
     // ---- reductions ----
@@ -1226,9 +1231,12 @@ pub struct LoweringTarget {
     pub host_matvec: Option<HostProduct>,
     /// The same for f32 products of a few MFLOP, split over the host's cores.
     pub host_gemm: Option<HostProduct>,
+    /// The custom call targets of a host kernel for f32 attention without a mask and with
+    /// the causal one, where the plugin has them registered.
+    pub host_attention: Option<(&'static str, &'static str)>,
 }
 
-pub static LOWERING_TARGET: RwLock<LoweringTarget> = RwLock::new(LoweringTarget { cpu: false, host_matvec: None, host_gemm: None });
+pub static LOWERING_TARGET: RwLock<LoweringTarget> = RwLock::new(LoweringTarget { cpu: false, host_matvec: None, host_gemm: None, host_attention: None });
 
 pub fn lowering_target() -> LoweringTarget {
     *LOWERING_TARGET.read().unwrap_or_else(|poisoned| poisoned.into_inner())

@@ -12,10 +12,10 @@ use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Output columns per tile: two 16-lane vectors.
-const COLUMNS: usize = 32;
+pub(super) const COLUMNS: usize = 32;
 /// Rows of sums kept in registers: 12 × 2 accumulators, two panel vectors and one broadcast
 /// value take 27 of AVX-512's 32 registers.
-const ROWS: usize = 12;
+pub(super) const ROWS: usize = 12;
 
 /// One product: `x` `[m, k]`, `w` `[n, k]` (`RowPerOutput`) or `[k, n]` (`RowPerInput`), `y`
 /// `[m, n]`, all row-major f32.
@@ -40,7 +40,7 @@ static PRODUCTS: AtomicU64 = AtomicU64::new(1);
 /// what it saves on them (a tiny Llama's `[128, 64] x [64, 128]` projections, 2.1 MFLOP, split:
 /// bare executes 0.97-1.04 ms against 0.88-0.92 alone; GPT-2's 3.1 MFLOP `[128, 64] x [64,
 /// 192]` gains from the split).
-const ALONE_MAX_FLOPS: usize = 1 << 21;
+pub(super) const ALONE_MAX_FLOPS: usize = 1 << 21;
 
 impl Gemm {
     /// The product and how many units of work it splits into: `parts` runs of whole rows, as
@@ -100,7 +100,7 @@ unsafe fn pack(w: *const f32, n: usize, k: usize, cols: usize, panel: &mut [f32]
 
 /// Copies `cols` ≤ 32 rows of `w` (each `k` long) into `panel` as `[k, 32]`, the columns
 /// past `cols` left as they are.
-unsafe fn pack_transposed(w: *const f32, k: usize, cols: usize, panel: &mut [f32]) {
+pub(super) unsafe fn pack_transposed(w: *const f32, k: usize, cols: usize, panel: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if available() {
         return x86::pack_transposed(w, k, cols, panel);
@@ -118,19 +118,19 @@ thread_local! {
 }
 
 /// A panel `b` (`[k, ldb]`, its first `cols` ≤ 32 columns used) against rows of `x`.
-struct Tile {
-    b: *const f32,
-    ldb: usize,
-    k: usize,
-    ldx: usize,
-    ldy: usize,
-    cols: usize,
+pub(super) struct Tile {
+    pub b: *const f32,
+    pub ldb: usize,
+    pub k: usize,
+    pub ldx: usize,
+    pub ldy: usize,
+    pub cols: usize,
 }
 
 impl Tile {
     /// Up to `ROWS` of the `rows` rows of `x` from `x` times the panel, into `y`; returns how
     /// many it did.
-    unsafe fn run(&self, x: *const f32, y: *mut f32, rows: usize) -> usize {
+    pub unsafe fn run(&self, x: *const f32, y: *mut f32, rows: usize) -> usize {
         let done = rows.min(ROWS);
         #[cfg(target_arch = "x86_64")]
         if available() {

@@ -1,0 +1,274 @@
+//! f32 attention, `softmax(q kᵀ) v` per head with its logsumexp, as one kernel: XLA:CPU runs
+//! it as two products and a softmax between them, each on its own and each writing the whole
+//! `[H, L, S]` scores out (a tiny Llama's causal `[1, 4, 128, 16]` took 126 µs, eager's flash
+//! kernel 46).
+//!
+//! A head's queries go through in blocks of `ROWS`: their scores against the keys as one
+//! product tile by tile (the keys copied once per head into `[E, 32]` panels), the softmax of
+//! each row in place, and the product of the exponentials by `v`, divided by the row's sum
+//! only at the end. A block's scores stay in L1 from the first product to the second.
+
+use super::gemm::{pack_transposed, Tile, ALONE_MAX_FLOPS, COLUMNS, ROWS};
+use super::pool::Chunked;
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Queries `[batch, heads, len_q, dim]` over keys and values `[batch, kv_heads, len_kv, dim]`
+/// (query head `h` reads key/value head `h / (heads / kv_heads)`).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Shape {
+    pub batch: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub len_q: usize,
+    pub len_kv: usize,
+    pub dim: usize,
+}
+
+/// One attention: `q` (already scaled), `k`, `v` and `out` row-major as `Shape` says, `lse`
+/// `[batch, heads, len_q]`. Causal: query `i` sees keys `0..=i`.
+pub(super) struct Attention {
+    q: *const f32,
+    k: *const f32,
+    v: *const f32,
+    out: *mut f32,
+    lse: *mut f32,
+    shape: Shape,
+    causal: bool,
+    /// Runs of queries per head, each a unit of work, and the queries in each (a multiple of
+    /// `ROWS` but for the last).
+    runs: usize,
+    rows_per_run: usize,
+    /// This attention among all the process runs, so that a thread keeps a head's key panels
+    /// across the runs of it that it takes.
+    id: u64,
+}
+
+static ATTENTIONS: AtomicU64 = AtomicU64::new(1);
+
+impl Attention {
+    /// The attention and how many units it splits into for `parts` threads (one thread up to
+    /// `ALONE_MAX_FLOPS`, as for products): each head in enough runs of queries that every
+    /// thread gets several units, so a causal head's costlier late queries even out.
+    pub fn new(
+        (q, k, v): (*const f32, *const f32, *const f32),
+        (out, lse): (*mut f32, *mut f32),
+        shape: Shape,
+        causal: bool,
+        parts: usize,
+    ) -> (Self, usize, usize) {
+        let heads = shape.batch * shape.heads;
+        let flops = 4 * heads * shape.len_q * shape.len_kv * shape.dim / if causal { 2 } else { 1 };
+        let alone: usize = std::env::var("XATT").ok().and_then(|v| v.parse().ok()).unwrap_or(ALONE_MAX_FLOPS);
+        let parts = if flops <= alone { 1 } else { parts.max(1) };
+        let blocks = shape.len_q.div_ceil(ROWS).max(1);
+        let runs = if parts == 1 { 1 } else { (4 * parts).div_ceil(heads.max(1)).clamp(1, blocks) };
+        let rows_per_run = blocks.div_ceil(runs) * ROWS;
+        let runs = shape.len_q.div_ceil(rows_per_run).max(1);
+        let id = ATTENTIONS.fetch_add(1, Ordering::Relaxed);
+        let attention = Attention { q, k, v, out, lse, shape, causal, runs, rows_per_run, id };
+        (attention, heads * runs, parts)
+    }
+}
+
+thread_local! {
+    /// Which head's keys (attention id, batch entry, key/value head) `panels` holds, how many
+    /// 32-key panels of them are copied, the panels, and a block's scores.
+    static SCRATCH: RefCell<Scratch> = const { RefCell::new(Scratch { holds: (0, 0, 0), packed: 0, panels: Vec::new(), scores: Vec::new() }) };
+}
+
+struct Scratch {
+    holds: (u64, usize, usize),
+    packed: usize,
+    panels: Vec<f32>,
+    scores: Vec<f32>,
+}
+
+impl Chunked for Attention {
+    /// Unit `unit`: one run of one head's queries. Within a head the runs are taken last first,
+    /// so that a causal head's costliest run does not come last.
+    ///
+    /// # Safety
+    /// The pointers must cover the shapes; units write disjoint rows of `out` and `lse`.
+    unsafe fn chunk(&self, unit: usize) {
+        let s = self.shape;
+        let (head, run) = (unit / self.runs, self.runs - 1 - unit % self.runs);
+        let (b, h) = (head / s.heads, head % s.heads);
+        let kv = b * s.kv_heads + h / (s.heads / s.kv_heads);
+        let (keys, values) = (self.k.add(kv * s.len_kv * s.dim), self.v.add(kv * s.len_kv * s.dim));
+        let first = run * self.rows_per_run;
+        let last = (first + self.rows_per_run).min(s.len_q);
+        let stride = s.len_kv.next_multiple_of(16);
+        SCRATCH.with(|scratch| {
+            let scratch = &mut *scratch.borrow_mut();
+            if scratch.holds != (self.id, b, kv) {
+                scratch.holds = (self.id, b, kv);
+                scratch.packed = 0;
+            }
+            scratch.panels.resize(s.len_kv.div_ceil(COLUMNS) * s.dim * COLUMNS, 0.0);
+            scratch.scores.resize(ROWS * stride, 0.0);
+            let mut r0 = first;
+            while r0 < last {
+                let rows = ROWS.min(last - r0);
+                let seen = if self.causal { (r0 + rows).min(s.len_kv) } else { s.len_kv };
+                let panels = seen.div_ceil(COLUMNS);
+                for p in scratch.packed..panels {
+                    let cols = COLUMNS.min(s.len_kv - p * COLUMNS);
+                    let panel = &mut scratch.panels[p * s.dim * COLUMNS..(p + 1) * s.dim * COLUMNS];
+                    pack_transposed(keys.add(p * COLUMNS * s.dim), s.dim, cols, panel);
+                }
+                scratch.packed = scratch.packed.max(panels);
+                let scores = scratch.scores.as_mut_ptr();
+                let q = self.q.add((head * s.len_q + r0) * s.dim);
+                for p in 0..panels {
+                    let cols = COLUMNS.min(seen - p * COLUMNS);
+                    let tile = Tile { b: scratch.panels.as_ptr().add(p * s.dim * COLUMNS), ldb: COLUMNS, k: s.dim, ldx: s.dim, ldy: stride, cols };
+                    tile.run(q, scores.add(p * COLUMNS), rows);
+                }
+                let mut inverse = [0f32; ROWS];
+                for (i, inv) in inverse.iter_mut().enumerate().take(rows) {
+                    let visible = if self.causal { (r0 + i + 1).min(s.len_kv) } else { s.len_kv };
+                    let (max, sum) = exponentials(scores.add(i * stride), visible, seen);
+                    *self.lse.add(head * s.len_q + r0 + i) = max + sum.ln();
+                    *inv = 1.0 / sum;
+                }
+                let out = self.out.add((head * s.len_q + r0) * s.dim);
+                for c in (0..s.dim).step_by(COLUMNS) {
+                    let tile = Tile { b: values.add(c), ldb: s.dim, k: seen, ldx: stride, ldy: s.dim, cols: COLUMNS.min(s.dim - c) };
+                    tile.run(scores, out.add(c), rows);
+                }
+                for (i, inv) in inverse.iter().enumerate().take(rows) {
+                    std::slice::from_raw_parts_mut(out.add(i * s.dim), s.dim).iter_mut().for_each(|o| *o *= inv);
+                }
+                r0 += rows;
+            }
+        });
+    }
+}
+
+/// Replaces the scores `row[..visible]` by `exp(score - max)` and `row[visible..len]` by 0;
+/// returns the max and the exponentials' sum.
+unsafe fn exponentials(row: *mut f32, visible: usize, len: usize) -> (f32, f32) {
+    #[cfg(target_arch = "x86_64")]
+    if super::gemm::available() {
+        return x86::exponentials(row, visible, len);
+    }
+    let row = std::slice::from_raw_parts_mut(row, len);
+    let max = row[..visible].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0;
+    for x in &mut row[..visible] {
+        *x = (*x - max).exp();
+        sum += *x;
+    }
+    row[visible..].fill(0.0);
+    (max, sum)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx512f,fma")]
+    pub(super) unsafe fn exponentials(row: *mut f32, visible: usize, len: usize) -> (f32, f32) {
+        let mask = |at: usize| -> __mmask16 { ((1u32 << (visible - at).min(16)) - 1) as __mmask16 };
+        let mut max = _mm512_set1_ps(f32::NEG_INFINITY);
+        for at in (0..visible).step_by(16) {
+            max = _mm512_mask_max_ps(max, mask(at), _mm512_maskz_loadu_ps(mask(at), row.add(at)), max);
+        }
+        let max = _mm512_reduce_max_ps(max);
+        let shift = _mm512_set1_ps(max);
+        let mut sum = _mm512_setzero_ps();
+        for at in (0..visible).step_by(16) {
+            let e = exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask(at), row.add(at)), shift));
+            _mm512_mask_storeu_ps(row.add(at), mask(at), e);
+            sum = _mm512_mask_add_ps(sum, mask(at), sum, e);
+        }
+        std::ptr::write_bytes(row.add(visible), 0, len - visible);
+        (max, _mm512_reduce_add_ps(sum))
+    }
+
+    /// `e^x` to about 1 ulp: `x = n ln 2 + r` with `|r| ≤ ln 2 / 2`, `e^r` by Cephes' `expf`
+    /// polynomial, scaled by `2^n` (`scalef` gives 0 below f32's range, inf above it, and keeps
+    /// NaN).
+    #[target_feature(enable = "avx512f,fma")]
+    pub(super) unsafe fn exp(x: __m512) -> __m512 {
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)));
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
+        let mut p = _mm512_set1_ps(1.987_569_1e-4);
+        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1] {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+        }
+        let e = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0)));
+        _mm512_scalef_ps(e, n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every shape class (grouped heads, causal with more keys than queries and fewer, query
+    /// and key counts off the blocks, head sizes off the vectors) against f64 on the same inputs.
+    #[test]
+    fn agrees_with_f64() {
+        let mut seed = 11u32;
+        let mut next = || {
+            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            ((seed >> 8) as f32 / (1u32 << 24) as f32 - 0.5) * 2.0
+        };
+        let shapes = [(1, 4, 2, 128, 128, 16), (2, 3, 3, 13, 45, 8), (1, 2, 1, 50, 20, 40), (1, 1, 1, 1, 70, 72), (2, 2, 2, 37, 37, 33)];
+        for (batch, heads, kv_heads, len_q, len_kv, dim) in shapes {
+            let shape = Shape { batch, heads, kv_heads, len_q, len_kv, dim };
+            let q: Vec<f32> = (0..batch * heads * len_q * dim).map(|_| next()).collect();
+            let k: Vec<f32> = (0..batch * kv_heads * len_kv * dim).map(|_| next()).collect();
+            let v: Vec<f32> = (0..batch * kv_heads * len_kv * dim).map(|_| next()).collect();
+            for causal in [false, true] {
+                let mut out = vec![f32::NAN; q.len()];
+                let mut lse = vec![f32::NAN; batch * heads * len_q];
+                for parts in [1, 3] {
+                    let (attention, units, _) = Attention::new((q.as_ptr(), k.as_ptr(), v.as_ptr()), (out.as_mut_ptr(), lse.as_mut_ptr()), shape, causal, parts);
+                    (0..units).for_each(|u| unsafe { attention.chunk(u) });
+                    for head in 0..batch * heads {
+                        let kv = head / heads * kv_heads + head % heads / (heads / kv_heads);
+                        for i in 0..len_q {
+                            let visible = if causal { (i + 1).min(len_kv) } else { len_kv };
+                            let row = |j: usize| -> f64 { (0..dim).map(|e| f64::from(q[(head * len_q + i) * dim + e]) * f64::from(k[(kv * len_kv + j) * dim + e])).sum() };
+                            let scores: Vec<f64> = (0..visible).map(row).collect();
+                            let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                            let sum: f64 = scores.iter().map(|s| (s - max).exp()).sum();
+                            let at = head * len_q + i;
+                            assert!((f64::from(lse[at]) - (max + sum.ln())).abs() < 1e-4, "{shape:?} causal {causal}: lse {} vs {}", lse[at], max + sum.ln());
+                            for e in 0..dim {
+                                let want: f64 = scores.iter().enumerate().map(|(j, s)| (s - max).exp() / sum * f64::from(v[(kv * len_kv + j) * dim + e])).sum();
+                                let got = f64::from(out[at * dim + e]);
+                                assert!((got - want).abs() < 5e-5, "{shape:?} causal {causal} parts {parts} at {at},{e}: {got} vs {want}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vector_exp_is_within_two_ulp() {
+        if !super::super::gemm::available() {
+            return;
+        }
+        use std::arch::x86_64::*;
+        let xs: Vec<f32> = (0..16_000).map(|i| -100.0 + i as f32 * 0.00625).collect();
+        for chunk in xs.chunks(16) {
+            let got: [f32; 16] = unsafe { std::mem::transmute(x86::exp(_mm512_loadu_ps(chunk.as_ptr()))) };
+            for (&x, &g) in chunk.iter().zip(&got) {
+                let want = (f64::from(x)).exp() as f32;
+                let ulps = (g.to_bits() as i64 - want.to_bits() as i64).abs();
+                assert!(ulps <= 2 || (want < 1e-37 && (g - want).abs() < 1e-44), "exp({x}) = {g}, want {want}");
+            }
+        }
+        let special: [f32; 16] = unsafe { std::mem::transmute(x86::exp(_mm512_setr_ps(f32::NAN, -200.0, 100.0, 0.0, 0., 0., 0., 0., 0., 0., 0., 0., 0., 0., 0., 0.))) };
+        assert!(special[0].is_nan());
+        assert_eq!((special[1], special[2], special[3]), (0.0, f32::INFINITY, 1.0));
+    }
+}
