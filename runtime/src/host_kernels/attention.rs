@@ -59,8 +59,7 @@ impl Attention {
     ) -> (Self, usize, usize) {
         let heads = shape.batch * shape.heads;
         let flops = 4 * heads * shape.len_q * shape.len_kv * shape.dim / if causal { 2 } else { 1 };
-        let alone: usize = std::env::var("XATT").ok().and_then(|v| v.parse().ok()).unwrap_or(ALONE_MAX_FLOPS);
-        let parts = if flops <= alone { 1 } else { parts.max(1) };
+        let parts = if flops <= ALONE_MAX_FLOPS { 1 } else { parts.max(1) };
         let blocks = shape.len_q.div_ceil(ROWS).max(1);
         let runs = if parts == 1 { 1 } else { (4 * parts).div_ceil(heads.max(1)).clamp(1, blocks) };
         let rows_per_run = blocks.div_ceil(runs) * ROWS;

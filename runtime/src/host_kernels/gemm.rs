@@ -134,9 +134,15 @@ impl Tile {
         let done = rows.min(ROWS);
         #[cfg(target_arch = "x86_64")]
         if available() {
+            // One vector of columns where the second would hold none (attention's values of
+            // heads up to 16 wide): half the multiply-adds.
+            let wide = self.cols > 16;
             macro_rules! rows {
                 ($($n:literal)*) => {
-                    match done { $($n => x86::tile::<$n>(self, x, y),)* _ => unreachable!() }
+                    match (done, wide) {
+                        $(($n, true) => x86::tile::<$n, true>(self, x, y), ($n, false) => x86::tile::<$n, false>(self, x, y),)*
+                        _ => unreachable!(),
+                    }
                 };
             }
             rows!(1 2 3 4 5 6 7 8 9 10 11 12);
@@ -225,9 +231,10 @@ mod x86 {
         out
     }
 
-    /// `M` rows times the panel's `cols` columns, the columns past `cols` masked off.
+    /// `M` rows times the panel's `cols` columns, the columns past `cols` masked off; the
+    /// second 16 only when `WIDE`.
     #[target_feature(enable = "avx512f,fma")]
-    pub(super) unsafe fn tile<const M: usize>(t: &Tile, x: *const f32, y: *mut f32) {
+    pub(super) unsafe fn tile<const M: usize, const WIDE: bool>(t: &Tile, x: *const f32, y: *mut f32) {
         let mask = |from: usize| -> __mmask16 {
             let n = t.cols.saturating_sub(from).min(16);
             ((1u32 << n) - 1) as __mmask16
@@ -241,13 +248,17 @@ mod x86 {
             for r in 0..M {
                 let a = _mm512_set1_ps(*x.add(r * t.ldx + kk));
                 lo[r] = _mm512_fmadd_ps(a, b0, lo[r]);
-                hi[r] = _mm512_fmadd_ps(a, b1, hi[r]);
+                if WIDE {
+                    hi[r] = _mm512_fmadd_ps(a, b1, hi[r]);
+                }
             }
         }
         for r in 0..M {
             let out = y.add(r * t.ldy);
             _mm512_mask_storeu_ps(out, m0, lo[r]);
-            _mm512_mask_storeu_ps(out.add(16), m1, hi[r]);
+            if WIDE {
+                _mm512_mask_storeu_ps(out.add(16), m1, hi[r]);
+            }
         }
     }
 }
