@@ -3,7 +3,7 @@
 mod common;
 
 use common::*;
-use tpu_dynamo_runtime::host_kernels::{register, BF16_MATVEC_TARGET, BF16_VECMAT_TARGET, F32_MATMUL_NN_TARGET, F32_MATMUL_NT_TARGET};
+use tpu_dynamo_runtime::host_kernels::{register, BF16_MATVEC_TARGET, BF16_VECMAT_TARGET, F32_CAUSAL_ATTENTION_TARGET, F32_MATMUL_NN_TARGET, F32_MATMUL_NT_TARGET};
 use tpu_dynamo_runtime::*;
 
 fn bf16(v: f32) -> u16 {
@@ -38,7 +38,7 @@ fn download_any(buffer: &Buffer, dtype: DType) -> Vec<f64> {
 fn registers(client: &Client, target: &str) -> bool {
     #[cfg(target_arch = "x86_64")]
     let expected = client.plugin().api_version().1 <= 115
-        && if target == F32_MATMUL_NT_TARGET { std::arch::is_x86_feature_detected!("avx512f") } else { std::arch::is_x86_feature_detected!("avx2") };
+        && if target.starts_with("tpu_dynamo.f32_") { std::arch::is_x86_feature_detected!("avx512f") } else { std::arch::is_x86_feature_detected!("avx2") };
     #[cfg(not(target_arch = "x86_64"))]
     let expected = false;
     assert_eq!(register(client.plugin()).contains(&target), expected, "{target}");
@@ -150,4 +150,47 @@ func.func @main(%x: tensor<{b}x{m}x{k}xf32>, %w: {w_ty}) -> tensor<{b}x{m}x{n}xf
             assert!((got - exact).abs() <= allowed, "{target} {b}x{m}x{k} by {w_dims:?} at {row},{col}: {got} vs {exact}");
         }
     }
+}
+
+/// Causal attention of grouped query heads (`[1, 4, 30, 24]` over `[1, 2, 30, 24]`): output and
+/// logsumexp within 1e-5 of f64; and a call whose shapes disagree fails the execute with the
+/// kernel's message.
+#[test]
+fn f32_attention_matches_f64_and_names_bad_shapes() {
+    let client = client(1);
+    if !registers(&client, F32_CAUSAL_ATTENTION_TARGET) {
+        return;
+    }
+    // Keys and values of `k_len` and `v_len` positions (the kernel wants them equal).
+    let call = |k_len: i64, v_len: i64| {
+        let (q, k, v) = ("tensor<1x4x30x24xf32>", format!("tensor<1x2x{k_len}x24xf32>"), format!("tensor<1x2x{v_len}x24xf32>"));
+        let text = format!(
+            r#"
+func.func @main(%q: {q}, %k: {k}, %v: {v}) -> ({q}, tensor<1x4x30xf32>) {{
+  %o:2 = stablehlo.custom_call @{F32_CAUSAL_ATTENTION_TARGET}(%q, %k, %v) {{api_version = 4 : i32, backend_config = {{}}}} : ({q}, {k}, {v}) -> ({q}, tensor<1x4x30xf32>)
+  return %o#0, %o#1 : {q}, tensor<1x4x30xf32>
+}}"#
+        );
+        compile(&client, &text, vec![f32_spec(&[1, 4, 30, 24]), f32_spec(&[1, 2, k_len, 24]), f32_spec(&[1, 2, v_len, 24])])
+    };
+    let mut rng = Rng::new(5);
+    let (q, k, v) = (rng.f32s(4 * 30 * 24), rng.f32s(2 * 30 * 24), rng.f32s(2 * 30 * 24));
+    let dev = &client.devices()[0];
+    let inputs = [upload(&client, &q, &[1, 4, 30, 24], dev), upload(&client, &k, &[1, 2, 30, 24], dev), upload(&client, &v, &[1, 2, 30, 24], dev)];
+    let out = call(30, 30).execute(&inputs.iter().collect::<Vec<_>>()).unwrap();
+    let (got, lse) = (download_any(&out[0], DType::F32), download_any(&out[1], DType::F32));
+    for (h, i) in (0..4).flat_map(|h| (0..30).map(move |i| (h, i))) {
+        let kv = h / 2 * 30 * 24;
+        let scores: Vec<f64> = (0..=i).map(|j| (0..24).map(|e| f64::from(q[(h * 30 + i) * 24 + e]) * f64::from(k[kv + j * 24 + e])).sum()).collect();
+        let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let sum: f64 = scores.iter().map(|s| (s - max).exp()).sum();
+        assert!((lse[h * 30 + i] - (max + sum.ln())).abs() < 1e-5, "lse of head {h} query {i}");
+        for e in 0..24 {
+            let want: f64 = scores.iter().enumerate().map(|(j, s)| (s - max).exp() / sum * f64::from(v[kv + j * 24 + e])).sum();
+            assert!((got[(h * 30 + i) * 24 + e] - want).abs() < 1e-5, "head {h} query {i} lane {e}");
+        }
+    }
+    let short = [upload(&client, &q, &[1, 4, 30, 24], dev), upload(&client, &k[..2 * 29 * 24], &[1, 2, 29, 24], dev), upload(&client, &v, &[1, 2, 30, 24], dev)];
+    let error = call(29, 30).execute(&short.iter().collect::<Vec<_>>()).map(|_| ()).unwrap_err();
+    assert!(error.to_string().contains("tpu_dynamo host kernel tpu_dynamo.f32_causal_attention: expects f32 q"), "{error}");
 }
