@@ -295,17 +295,17 @@ def test_attention_scores_see_no_select_so_xla_fuses_them_with_the_product(kwarg
     """XLA:CPU fuses the scores' product, mask, row max and exponentials into one YNNPACK kernel
     only if no compare or select touches the `[B, H, L, S]` scores (a select there made causal
     GPT-2 attention 2x slower): masks are added as a bias, hidden rows handled on `[L, S]`.
-    Inputs in bf16, whose scores XLA computes in f32 (f32 attention without a mask runs our
-    host kernel instead where the CPU has AVX-512: tests/test_host_kernels.py)."""
+    Inputs in f64, which XLA computes as it would f32 where the CPU has no AVX-512 (f32 and
+    half attention without a mask runs our host kernel instead: tests/test_host_kernels.py)."""
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 4, 128, 16, dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (torch.randn(2, 4, 128, 16, dtype=torch.float64) for _ in range(3))
     if kwargs.get("attn_mask") == "float":
-        kwargs = {"attn_mask": _float_mask(2, 128, 128, torch.bfloat16)}
+        kwargs = {"attn_mask": _float_mask(2, 128, 128, torch.float64)}
     modules = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
     run = compile_tpu(sdpa, options={"debug_callback": lambda d: modules.append(d["stablehlo"])})
     with torch.no_grad():
-        torch.testing.assert_close(run(q, k, v, **kwargs), sdpa(q, k, v, **kwargs), rtol=0, atol=2e-2)
+        torch.testing.assert_close(run(q, k, v, **kwargs), sdpa(q, k, v, **kwargs), rtol=0, atol=1e-10)
     (text,) = modules
     scores = "tensor<2x4x128x128x"
     for line in text.splitlines():
@@ -317,20 +317,20 @@ def test_a_long_causal_attention_multiplies_only_the_keys_each_block_of_queries_
     """600 causal queries run in blocks of 128 rows, each block's scores over the keys its last
     query sees (128, 256, 384, 512, then all 600 for the last 88 rows): about half the products
     of the whole `[600, 600]` scores, and at 2048 tokens 1.0x eager's flash kernel where one
-    block was 3.6-3.9x (bench/RESULTS.md, "Twenty-second session"). Inputs in bf16, scores in
-    f32 (f32 inputs run our host kernel where the CPU has AVX-512, which does the same per 12
-    queries)."""
+    block was 3.6-3.9x (bench/RESULTS.md, "Twenty-second session"). Inputs in f64, computed as
+    f32 would be where the CPU has no AVX-512 (f32 and half inputs run our host kernel there,
+    which does the same per 12 queries)."""
     torch.manual_seed(0)
-    q = torch.randn(1, 4, 600, 16, dtype=torch.bfloat16)
-    k, v = torch.randn(1, 2, 600, 16, dtype=torch.bfloat16), torch.randn(1, 2, 600, 16, dtype=torch.bfloat16)
+    q = torch.randn(1, 4, 600, 16, dtype=torch.float64)
+    k, v = torch.randn(1, 2, 600, 16, dtype=torch.float64), torch.randn(1, 2, 600, 16, dtype=torch.float64)
     modules = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
     run = compile_tpu(sdpa, options={"debug_callback": lambda d: modules.append(d["stablehlo"])})
     with torch.no_grad():
         got = run(q, k, v, is_causal=True, enable_gqa=True)
-    torch.testing.assert_close(got, sdpa(q, k, v, is_causal=True, enable_gqa=True), rtol=0, atol=2e-2)
+    torch.testing.assert_close(got, sdpa(q, k, v, is_causal=True, enable_gqa=True), rtol=0, atol=1e-10)
     (text,) = modules
-    scores = re.findall(r"-> tensor<1x2x(\d+)x(\d+)xf32>", "\n".join(l for l in text.splitlines() if "dot_general" in l))
+    scores = re.findall(r"-> tensor<1x2x(\d+)x(\d+)xf64>", "\n".join(l for l in text.splitlines() if "dot_general" in l))
     # Per block: the scores (queries of both grouped heads x keys), then the values' product.
     assert [(int(r), int(c)) for r, c in scores if c != "16"] == [(256, 128), (256, 256), (256, 384), (256, 512), (176, 600)]
 

@@ -73,10 +73,9 @@ fn flash_attention_for_cpu(n: NodeCtx<'_>) -> Res<'_> {
         // Padding may hold anything, and 0 * inf is NaN: hidden values become 0 too.
         v = b.select(&b.reshape(visible, &[len_kv, 1])?, &v, &b.scalar(Scalar::Float(0.0), f)?)?;
     }
-    // Half inputs keep XLA's way (not measured with the kernel).
-    if n.out(0)?.dtype == DType::F32 && mask.is_none() && visible.is_none() {
+    if mask.is_none() && visible.is_none() {
         if let Some((out, lse)) = host_attention(b, &q, (&k, &v), causal)? {
-            return Ok(vec![out, lse]);
+            return Ok(vec![b.convert(&out, n.out(0)?.dtype)?, b.convert(&lse, n.out(1)?.dtype)?]);
         }
     }
     let mask = mask.map(|m| b.convert(&m, f)).transpose()?;
@@ -101,8 +100,8 @@ fn flash_attention_for_cpu(n: NodeCtx<'_>) -> Res<'_> {
     ])
 }
 
-/// `(output, logsumexp)` of f32 queries `q` (scaled) over `k`, `v` without a mask but the
-/// causal one, by our host kernel (`tpu_dynamo_runtime::host_kernels`) where the plugin has it
+/// `(output, logsumexp)` of queries `q` (scaled, and widened to f32 for half inputs) over `k`,
+/// `v` without a mask but the causal one, by our host kernel (`tpu_dynamo_runtime::host_kernels`) where the plugin has it
 /// and the head fits its scratch: one kernel where XLA:CPU runs two products and a softmax,
 /// each writing all the scores out.
 fn host_attention<'a>(b: &Builder<'a>, q: &Val<'a>, (k, v): (&Val<'a>, &Val<'a>), causal: bool) -> R<Option<(Val<'a>, Val<'a>)>> {
