@@ -231,14 +231,19 @@ def test_half_attention_runs_our_kernel_in_f32(dtype, compiled):
 
 
 @needs_f32_kernels
-def test_masked_attention_stays_xlas(compiled):
-    """A float mask (a padded batch's) keeps XLA's way (attention.rs)."""
+@pytest.mark.parametrize("case", ["masked", "long"])
+def test_masked_and_very_long_attention_stays_xlas(case, compiled):
+    """A float mask (a padded batch's) keeps XLA's way (attention.rs), as do heads of keys
+    larger than the kernel's scratch takes (2^21 elements: here 40000 keys of 64)."""
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 4, 32, 16) for _ in range(3))
-    mask = torch.zeros(2, 1, 32, 32).masked_fill(torch.rand(2, 1, 32, 32) < 0.3, float("-inf"))
+    if case == "masked":
+        q, k, v = (torch.randn(2, 4, 32, 16) for _ in range(3))
+        kwargs = {"attn_mask": torch.zeros(2, 1, 32, 32).masked_fill(torch.rand(2, 1, 32, 32) < 0.3, float("-inf"))}
+    else:
+        q, k, v, kwargs = torch.randn(1, 1, 2, 64), torch.randn(1, 1, 40000, 64), torch.randn(1, 1, 40000, 64), {}
     sdpa = torch.nn.functional.scaled_dot_product_attention
     with torch.no_grad():
-        torch.testing.assert_close(compile_tpu(sdpa)(q, k, v, attn_mask=mask), sdpa(q, k, v, attn_mask=mask), rtol=0, atol=1e-5)
+        torch.testing.assert_close(compile_tpu(sdpa)(q, k, v, **kwargs), sdpa(q, k, v, **kwargs), rtol=0, atol=1e-5)
     ((graph_json, _),) = compiled
     stablehlo = _native.compile(graph_json, need_stablehlo=True).stablehlo
     assert "dot_general" in stablehlo and not any(target in stablehlo for target in ATTENTION_KERNELS)

@@ -101,14 +101,14 @@ fn flash_attention_for_cpu(n: NodeCtx<'_>) -> Res<'_> {
 }
 
 /// `(output, logsumexp)` of queries `q` (scaled, and widened to f32 for half inputs) over `k`,
-/// `v` without a mask but the causal one, by our host kernel (`tpu_dynamo_runtime::host_kernels`) where the plugin has it
-/// and the head fits its scratch: one kernel where XLA:CPU runs two products and a softmax,
-/// each writing all the scores out.
+/// `v` without a mask but the causal one, by our host kernel (`tpu_dynamo_runtime::host_kernels`)
+/// where the plugin has it and a head's keys fit its scratch: one kernel where XLA:CPU runs two
+/// products and a softmax, each writing all the scores out.
 fn host_attention<'a>(b: &Builder<'a>, q: &Val<'a>, (k, v): (&Val<'a>, &Val<'a>), causal: bool) -> R<Option<(Val<'a>, Val<'a>)>> {
     let Some((plain, causal_target)) = lowering_target().host_attention else { return Ok(None) };
     let [batch, heads, len_q, dim] = [0, 1, 2, 3].map(|i| q.shape()[i]);
     let len_kv = k.shape()[2];
-    if q.dtype() != DType::F32 || len_kv == 0 || dim > HOST_MAX_DIM || len_kv > HOST_MAX_KEYS {
+    if q.dtype() != DType::F32 || len_kv == 0 || dim > HOST_MAX_DIM || dim * len_kv > HOST_MAX_KEY_ELEMENTS {
         return Ok(None);
     }
     let results = vec![q.ty.clone(), TensorType::new(DType::F32, vec![batch, heads, len_q])];
@@ -117,10 +117,11 @@ fn host_attention<'a>(b: &Builder<'a>, q: &Val<'a>, (k, v): (&Val<'a>, &Val<'a>)
     Ok(Some((out.remove(0), lse)))
 }
 
-/// The largest head and key count our attention kernel takes: its per-thread scratch holds a
-/// head's keys and 12 queries' scores against them.
+/// The largest head size and head of keys (elements) our attention kernel takes: each of XLA's
+/// threads keeps a head's keys in its scratch (8 MiB at most; 32768 keys of 64), with 12
+/// queries' scores against them.
 const HOST_MAX_DIM: i64 = 512;
-const HOST_MAX_KEYS: i64 = 32768;
+const HOST_MAX_KEY_ELEMENTS: i64 = 1 << 21;
 
 /// Queries per block of a long masked or causal attention (`row_blocks`), and the fewest
 /// queries that are split. Measured on the CPU plugin, `[1, 9, L, 64]` queries over 3 key
