@@ -678,6 +678,15 @@ mod x86 {
     }
 }
 
+/// Test values in [-0.5, 0.5), the same for a seed on every run.
+#[cfg(test)]
+fn uniform(mut seed: u32) -> impl FnMut() -> f32 {
+    move || {
+        seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+        (seed >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -686,11 +695,7 @@ mod tests {
     #[test]
     fn vector_kernels_agree_with_the_scalar_loop() {
         let (k, n) = (200, 37);
-        let mut seed = 1u32;
-        let mut next = || {
-            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-            (seed >> 8) as f32 / (1u32 << 24) as f32 - 0.5
-        };
+        let mut next = uniform(1);
         let w: Vec<u16> = (0..n * k).map(|_| f32_to_bf16(next())).collect();
         let xb: Vec<u16> = (0..k).map(|_| f32_to_bf16(next())).collect();
         let x: Vec<f32> = xb.iter().map(|&v| bf16_to_f32(v)).collect();

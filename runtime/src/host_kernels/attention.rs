@@ -211,11 +211,8 @@ mod tests {
     /// and key counts off the blocks, head sizes off the vectors) against f64 on the same inputs.
     #[test]
     fn agrees_with_f64() {
-        let mut seed = 11u32;
-        let mut next = || {
-            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-            ((seed >> 8) as f32 / (1u32 << 24) as f32 - 0.5) * 2.0
-        };
+        let mut uniform = super::super::uniform(11);
+        let mut next = || 2.0 * uniform();
         let shapes = [(1, 4, 2, 128, 128, 16), (2, 3, 3, 13, 45, 8), (1, 2, 1, 50, 20, 40), (1, 1, 1, 1, 70, 72), (2, 2, 2, 37, 37, 33)];
         for (batch, heads, kv_heads, len_q, len_kv, dim) in shapes {
             let shape = Shape { batch, heads, kv_heads, len_q, len_kv, dim };

@@ -270,11 +270,7 @@ mod tests {
     /// Every shape class (column and row tails, both layouts, one row) against a sum in f64.
     #[test]
     fn agrees_with_f64_sums() {
-        let mut seed = 7u32;
-        let mut next = || {
-            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-            (seed >> 8) as f32 / (1u32 << 24) as f32 - 0.5
-        };
+        let mut next = super::super::uniform(7);
         for (m, n, k) in [(1, 64, 64), (128, 64, 64), (13, 45, 70), (37, 200, 33), (25, 31, 1)] {
             let x: Vec<f32> = (0..m * k).map(|_| next()).collect();
             let w: Vec<f32> = (0..n * k).map(|_| next()).collect();
