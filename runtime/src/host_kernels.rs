@@ -1,13 +1,13 @@
 //! Kernels of our own that a host (XLA:CPU) plugin calls as typed-FFI custom calls, registered
 //! through the plugin's PJRT FFI extension when a client is created.
 //!
-//! Two products, each with the matrix stored `[N, K]` (`nn.Linear`'s weight) or `[K, N]`
-//! (GPT-2's `Conv1D`): f32 products of short contractions split over XLA's threads (`gemm`),
-//! and here a bf16 vector times a bf16 matrix, the products of every decode step of a bf16
-//! model. XLA:CPU's
-//! own ways run at half the rate of its f32 products (YNNPACK packs the whole weight on every
-//! call; its own dot emitter has no bf16 kernel), so a bf16 decode step was slower than an f32
-//! one although it reads half the bytes. This one streams the weight once, with f32 sums as
+//! f32 attention as one kernel (`attention`), and two products, each with the matrix stored
+//! `[N, K]` (`nn.Linear`'s weight) or `[K, N]` (GPT-2's `Conv1D`): f32 products of short
+//! contractions split over XLA's threads (`gemm`), and here a bf16 vector times a bf16 matrix,
+//! the products of every decode step of a bf16 model. XLA:CPU's own ways run at half the rate
+//! of its f32 products (YNNPACK packs the whole weight on every call; its own dot emitter has
+//! no bf16 kernel), so a bf16 decode step was slower than an f32 one although it reads half
+//! the bytes. This one streams the weight once, with f32 sums as
 //! PyTorch's CPU kernels keep them.
 
 mod attention;

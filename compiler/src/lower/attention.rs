@@ -7,6 +7,9 @@
 //! by the row sums: one pass fewer over the largest tensor of the layer (UNet at 32x32 has
 //! 3.2 M scores per attention). Scores, softmax and products run in f32 for half inputs, as the
 //! CPU flash kernel accumulates.
+//!
+//! Where the process's plugin has our attention kernel (XLA:CPU on a CPU with AVX-512) and no
+//! mask but the causal one applies, the whole op is one call of it instead (`host_attention`).
 
 use super::builder::{broadcast_shapes, lowering_target, opmath, Builder, Combiner, Scalar, Val, R};
 use super::reduction::{exponentials, zero_rows};
