@@ -230,20 +230,74 @@ def test_half_attention_runs_our_kernel_in_f32(dtype, compiled):
     assert ATTENTION_KERNELS[1] in _native.compile(graph_json, need_stablehlo=True).stablehlo
 
 
+# Masks as SDPA callers pass them: a padded batch's `[B, 1, L, S]` (one query of the first entry
+# hidden from every key), per head `[B, H, L, S]`, one `[L, S]` for all, a static cache's
+# `[B, 1, 1, S]` over a single query; with the causal flag too.
+MASKS = [((2, 1, 40, 40), False), ((2, 4, 40, 40), True), ((40, 40), True), ((2, 1, 1, 40), False)]
+
+
 @needs_f32_kernels
-@pytest.mark.parametrize("case", ["masked", "long"])
-def test_masked_and_very_long_attention_stays_xlas(case, compiled):
-    """A float mask (a padded batch's) keeps XLA's way (attention.rs), as do heads of keys
-    larger than the kernel's scratch takes (2^21 elements: here 40000 keys of 64)."""
+@pytest.mark.parametrize("mask_shape, causal", MASKS, ids=["batch", "per_head", "shared", "static_cache"])
+def test_masked_f32_attention_runs_our_kernel(mask_shape, causal, compiled):
+    """A float mask reaches the kernel as a bias on the scores: output and logsumexp within 1e-5
+    of eager, and a query whose keys are all hidden gets 0 in both, as eager's CPU kernel gives."""
+    torch.manual_seed(1)
+    len_q = mask_shape[-2]
+    q, k, v = torch.randn(2, 4, len_q, 16), torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
+    mask = torch.zeros(mask_shape).masked_fill(torch.rand(mask_shape) < 0.3, float("-inf"))
+    if len(mask_shape) == 4 and len_q > 1:
+        mask[0, ..., 3, :] = float("-inf")
+    fn = lambda q, k, v, m: ATTENTION(q, k, v, is_causal=causal, attn_mask=m)[:2]
+    with torch.no_grad():
+        (out, lse), (want_out, want_lse) = compile_tpu(fn)(q, k, v, mask), fn(q, k, v, mask.expand(2, 4, len_q, 40))
+    torch.testing.assert_close(out, want_out, rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-5)
+    if len(mask_shape) == 4 and len_q > 1:
+        assert out[0, :, 3].eq(0).all() and lse[0, :, 3].eq(0).all()
+    ((graph_json, _),) = compiled
+    stablehlo = _native.compile(graph_json, need_stablehlo=True).stablehlo
+    assert ATTENTION_KERNELS[causal] in stablehlo and "dot_general" not in stablehlo
+
+
+@needs_f32_kernels
+def test_keys_padded_to_a_bucket_are_never_read_by_the_kernel():
+    """A decode step's keys padded to a bucket (8 here) reach the kernel with their true count,
+    past which it reads no key, value or mask: padding turned to -inf keys and inf values (log
+    and reciprocal of zeros) changes nothing; a padding mask's batch row 1 hides every true key
+    (0 out, as eager)."""
+
+    def f(q, k, v, new, m, hide):
+        k, v = torch.cat([k, new], 2).log(), 1 / torch.cat([v, new], 2)
+        bias = 1 / m[:, None, None, torch.arange(k.shape[2])] - 1 + hide
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+    modules = []
+    run = compile_tpu(f, options={"bucket_size": 8, "debug_callback": lambda d: modules.append(d["stablehlo"])})
+    hide = torch.tensor([0.0, float("-inf")]).view(2, 1, 1, 1)
+    for s in (3, 5, 7):
+        q, new = torch.randn(2, 2, 1, 4), torch.rand(2, 2, 1, 4) + 0.5
+        k, v = torch.rand(2, 2, s, 4) + 0.5, torch.rand(2, 2, s, 4) + 0.5
+        m = torch.rand(2, s + 1) + 0.5
+        for t, d in ((k, 2), (v, 2), (m, 1)):
+            torch._dynamo.mark_dynamic(t, d)
+        with torch.no_grad():
+            got, want = run(q, k, v, new, m, hide), f(q, k, v, new, m, hide)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert got[1].eq(0).all()
+    (stablehlo,) = [m for m in modules if "tensor<2x2x8x4xf32>" in m]  # the bucket's graph
+    call = next(line for line in stablehlo.splitlines() if ATTENTION_KERNELS[0] in line)
+    assert "tensor<i64>" in call and "dot_general" not in stablehlo
+
+
+@needs_f32_kernels
+def test_very_long_attention_stays_xlas(compiled):
+    """Heads of keys larger than the kernel's scratch takes (2^21 elements: here 40000 keys of
+    64) keep XLA's way (attention.rs)."""
     torch.manual_seed(0)
-    if case == "masked":
-        q, k, v = (torch.randn(2, 4, 32, 16) for _ in range(3))
-        kwargs = {"attn_mask": torch.zeros(2, 1, 32, 32).masked_fill(torch.rand(2, 1, 32, 32) < 0.3, float("-inf"))}
-    else:
-        q, k, v, kwargs = torch.randn(1, 1, 2, 64), torch.randn(1, 1, 40000, 64), torch.randn(1, 1, 40000, 64), {}
+    q, k, v = torch.randn(1, 1, 2, 64), torch.randn(1, 1, 40000, 64), torch.randn(1, 1, 40000, 64)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     with torch.no_grad():
-        torch.testing.assert_close(compile_tpu(sdpa)(q, k, v, **kwargs), sdpa(q, k, v, **kwargs), rtol=0, atol=1e-5)
+        torch.testing.assert_close(compile_tpu(sdpa)(q, k, v), sdpa(q, k, v), rtol=0, atol=1e-5)
     ((graph_json, _),) = compiled
     stablehlo = _native.compile(graph_json, need_stablehlo=True).stablehlo
     assert "dot_general" in stablehlo and not any(target in stablehlo for target in ATTENTION_KERNELS)

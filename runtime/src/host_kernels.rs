@@ -34,6 +34,7 @@ const XLA_FFI_EXTENSION_METADATA: c_int = 1;
 const XLA_FFI_STAGE_EXECUTE: c_int = 3;
 const XLA_FFI_BF16: c_int = 16;
 const XLA_FFI_F32: c_int = 11;
+const XLA_FFI_S64: c_int = 5;
 
 /// `PJRT_FFI_Extension` with `register_handler`, the slot added after `user_data_add`.
 #[repr(C)]
@@ -381,17 +382,22 @@ unsafe extern "C" fn f32_causal_attention(frame: *mut FfiCallFrame) -> *mut c_vo
 }
 
 /// The attention handlers: f32 `q` `[B, H, L, E]` (already scaled), `k` and `v` `[B, Hkv, S,
-/// E]` into `out` `[B, H, L, E]` and its logsumexp `[B, H, L]`, on XLA's threads.
+/// E]` and, where given, what a mask adds to the scores (f32 `[B or 1, H or 1, L, S]`) and the
+/// count of keys that are not padding (a 0-d i64), into `out` `[B, H, L, E]` and its logsumexp
+/// `[B, H, L]`, on XLA's threads.
 unsafe fn attend(frame: &mut FfiCallFrame, causal: bool) -> *mut c_void {
     let target = if causal { F32_CAUSAL_ATTENTION_TARGET } else { F32_ATTENTION_TARGET };
     if !executes(frame) {
         return std::ptr::null_mut();
     }
-    if frame.args.size != 3 || frame.rets.size != 2 {
-        return error(frame, target, "expects q, k and v, and two results");
+    if !(3..=5).contains(&frame.args.size) || frame.rets.size != 2 {
+        return error(frame, target, "expects q, k, v, a mask's bias and a key count or not, and two results");
     }
     let buffer = |list: &FfiList, i: usize| &**list.items.add(i);
     let [q, k, v] = [0, 1, 2].map(|i| buffer(&frame.args, i));
+    let extra: Vec<&FfiBuffer> = (3..frame.args.size as usize).map(|i| buffer(&frame.args, i)).collect();
+    let bias = extra.iter().find(|b| b.rank != 0).copied();
+    let count = extra.iter().find(|b| b.rank == 0).copied();
     let [out, lse] = [0, 1].map(|i| buffer(&frame.rets, i));
     let dims = |b: &FfiBuffer| std::slice::from_raw_parts(b.dims, b.rank as usize).iter().map(|&d| d as usize).collect::<Vec<_>>();
     let (qd, kd, vd, od, ld) = (dims(q), dims(k), dims(v), dims(out), dims(lse));
@@ -405,10 +411,28 @@ unsafe fn attend(frame: &mut FfiCallFrame, causal: bool) -> *mut c_void {
     let (Some(shape), true) = (agree, [q, k, v, out, lse].iter().all(|b| b.dtype == XLA_FFI_F32)) else {
         return error(frame, target, &format!("expects f32 q [B, H, L, E], k and v [B, Hkv, S, E], out [B, H, L, E] and lse [B, H, L], got {qd:?}, {kd:?}, {vd:?}, {od:?}, {ld:?}"));
     };
+    let bias = match bias.map(|b| (b, dims(b))) {
+        None => None,
+        Some((b, bd)) => match bd[..] {
+            [mb, mh, l, s] if b.dtype == XLA_FFI_F32 && [1, shape.batch].contains(&mb) && [1, shape.heads].contains(&mh) && [l, s] == [shape.len_q, shape.len_kv] => {
+                let head_stride = if mh == 1 { 0 } else { l * s };
+                Some(attention::Bias { data: b.data as *const f32, batch_stride: if mb == 1 { 0 } else { mh * l * s }, head_stride })
+            }
+            _ => return error(frame, target, &format!("expects an f32 mask bias [B or 1, H or 1, L, S] for q {qd:?} and k {kd:?}, got {bd:?}")),
+        },
+    };
+    let valid = match count {
+        None => shape.len_kv,
+        Some(c) if c.dtype == XLA_FFI_S64 => (*(c.data as *const i64)).max(0) as usize,
+        Some(c) => return error(frame, target, &format!("expects the key count as a 0-d i64, got XLA type {}", c.dtype)),
+    };
+    if extra.len() != usize::from(bias.is_some()) + usize::from(count.is_some()) {
+        return error(frame, target, "expects at most one mask bias and one key count");
+    }
     let xla = XlaPool::of(frame);
     let threads = xla.map_or_else(pool::threads, |xla| xla.threads);
     let inputs = (q.data as *const f32, k.data as *const f32, v.data as *const f32);
-    let (job, units, parts) = attention::Attention::new(inputs, (out.data as *mut f32, lse.data as *mut f32), shape, causal, threads);
+    let (job, units, parts) = attention::Attention::new(inputs, (bias, valid), (out.data as *mut f32, lse.data as *mut f32), shape, causal, threads);
     let ran = std::panic::catch_unwind(|| match xla {
         Some(xla) => pool::run_scheduled(job, units, parts - 1, |task, data| xla.schedule(task, data)),
         None if parts > 1 => pool::run(&job, units),

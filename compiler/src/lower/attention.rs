@@ -71,17 +71,16 @@ fn flash_attention_for_cpu(n: NodeCtx<'_>) -> Res<'_> {
     // would feed to the product's fusion as a materialized [L, S] broadcast of the scale.
     let q = b.mul_scalar(&b.convert(&q, f)?, scale)?;
     let (k, mut v) = (b.convert(&k, f)?, b.convert(&v, f)?);
-    let visible = keys_visible(&n, len_kv)?;
+    let mask = mask.map(|m| b.convert(&m, f)).transpose()?;
+    let count = keys_count(&n)?;
+    if let Some((out, lse)) = host_attention(b, &q, (&k, &v), causal, (mask.as_ref(), count.as_ref()))? {
+        return Ok(vec![b.convert(&out, n.out(0)?.dtype)?, b.convert(&lse, n.out(1)?.dtype)?]);
+    }
+    let visible = count.map(|count| keys_below(b, &count, len_kv)).transpose()?;
     if let Some(visible) = &visible {
         // Padding may hold anything, and 0 * inf is NaN: hidden values become 0 too.
         v = b.select(&b.reshape(visible, &[len_kv, 1])?, &v, &b.scalar(Scalar::Float(0.0), f)?)?;
     }
-    if mask.is_none() && visible.is_none() {
-        if let Some((out, lse)) = host_attention(b, &q, (&k, &v), causal)? {
-            return Ok(vec![b.convert(&out, n.out(0)?.dtype)?, b.convert(&lse, n.out(1)?.dtype)?]);
-        }
-    }
-    let mask = mask.map(|m| b.convert(&m, f)).transpose()?;
     let (mut outs, mut lses) = (vec![], vec![]);
     for rows in row_blocks(causal, mask.is_some(), len_q, len_kv) {
         let (out, lse) = attend(
@@ -104,18 +103,39 @@ fn flash_attention_for_cpu(n: NodeCtx<'_>) -> Res<'_> {
 }
 
 /// `(output, logsumexp)` of queries `q` (scaled, and widened to f32 for half inputs) over `k`,
-/// `v` without a mask but the causal one, by our host kernel (`tpu_dynamo_runtime::host_kernels`)
-/// where the plugin has it and a head's keys fit its scratch: one kernel where XLA:CPU runs two
-/// products and a softmax, each writing all the scores out.
-fn host_attention<'a>(b: &Builder<'a>, q: &Val<'a>, (k, v): (&Val<'a>, &Val<'a>), causal: bool) -> R<Option<(Val<'a>, Val<'a>)>> {
+/// `v`, by our host kernel (`tpu_dynamo_runtime::host_kernels`) where the plugin has it and a
+/// head's keys fit its scratch: one kernel where XLA:CPU runs two products and a softmax, each
+/// writing all the scores out. A float mask (in f32) reaches it as a bias `[B or 1, H or 1, L,
+/// S]` added to the scores; a padded graph's true key count as a 0-d i64, past which it reads
+/// neither keys, values nor mask (padding may hold anything).
+fn host_attention<'a>(
+    b: &Builder<'a>,
+    q: &Val<'a>,
+    (k, v): (&Val<'a>, &Val<'a>),
+    causal: bool,
+    (mask, count): (Option<&Val<'a>>, Option<&Val<'a>>),
+) -> R<Option<(Val<'a>, Val<'a>)>> {
     let Some((plain, causal_target)) = lowering_target().host_attention else { return Ok(None) };
     let [batch, heads, len_q, dim] = [0, 1, 2, 3].map(|i| q.shape()[i]);
     let len_kv = k.shape()[2];
     if q.dtype() != DType::F32 || len_kv == 0 || dim > HOST_MAX_DIM || dim * len_kv > HOST_MAX_KEY_ELEMENTS {
         return Ok(None);
     }
+    let mut operands = vec![q, k, v];
+    let bias = match mask {
+        Some(m) => {
+            // The mask's batch and head dims as they are (1 or the scores'), its rows and keys
+            // as the scores'.
+            let lead = |i: usize| if m.rank() + i >= 4 { m.shape()[m.rank() + i - 4] } else { 1 };
+            Some(b.broadcast_to(m, &[lead(0), lead(1), len_q, len_kv])?)
+        }
+        None => None,
+    };
+    let count = count.map(|c| b.convert(&b.reshape(c, &[])?, DType::I64)).transpose()?;
+    operands.extend(bias.as_ref());
+    operands.extend(count.as_ref());
     let results = vec![q.ty.clone(), TensorType::new(DType::F32, vec![batch, heads, len_q])];
-    let mut out = b.host_call(if causal { causal_target } else { plain }, &[q, k, v], results)?;
+    let mut out = b.host_call(if causal { causal_target } else { plain }, &operands, results)?;
     let lse = out.remove(1);
     Ok(Some((out.remove(0), lse)))
 }
@@ -255,13 +275,23 @@ pub(crate) fn hide_padded_keys<'a>(n: &NodeCtx<'a>, x: Val<'a>, dim: usize, fill
 /// `[S]`, true for the keys below the count read at run time, when the graph runs padded to a
 /// bucket and its keys are padded (see `crate::padding`); None otherwise.
 fn keys_visible<'a>(n: &NodeCtx<'a>, len_kv: i64) -> R<Option<Val<'a>>> {
+    keys_count(n)?.map(|count| keys_below(&n.b, &count, len_kv)).transpose()
+}
+
+/// The true count of keys read at run time, when the graph runs padded to a bucket and its keys
+/// are padded (see `crate::padding`); None otherwise.
+fn keys_count<'a>(n: &NodeCtx<'a>) -> R<Option<Val<'a>>> {
     let Some(valid) = n.opt_tensor(usize::MAX, KEYS_VALID)? else {
         return Ok(None);
     };
-    let b = &n.b;
-    let count = b.add(&valid, &b.scalar(Scalar::Int(n.int_or(usize::MAX, KEYS_VALID_PLUS, 0)?), valid.dtype())?)?;
-    let position = b.iota(&TensorType::new(valid.dtype(), vec![len_kv]), 0)?;
-    Ok(Some(b.compare(&position, &count, "LT")?))
+    let plus = n.b.scalar(Scalar::Int(n.int_or(usize::MAX, KEYS_VALID_PLUS, 0)?), valid.dtype())?;
+    Ok(Some(n.b.add(&valid, &plus)?))
+}
+
+/// `[S]`, true for the positions below `count`.
+fn keys_below<'a>(b: &Builder<'a>, count: &Val<'a>, len_kv: i64) -> R<Val<'a>> {
+    let position = b.iota(&TensorType::new(count.dtype(), vec![len_kv]), 0)?;
+    b.compare(&position, count, "LT")
 }
 
 /// What the masks add to the scores, `[L, S]` or the mask's own shape (broadcast to the

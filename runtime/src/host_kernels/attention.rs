@@ -25,12 +25,26 @@ pub(super) struct Shape {
     pub dim: usize,
 }
 
+/// What a mask adds to the scores: `[mb, mh, len_q, len_kv]` f32 (-inf hides a key), `mb` 1 or
+/// the batch, `mh` 1 or the heads, given as the strides of its batch and head dims (0 where
+/// broadcast).
+#[derive(Clone, Copy)]
+pub(super) struct Bias {
+    pub data: *const f32,
+    pub batch_stride: usize,
+    pub head_stride: usize,
+}
+
 /// One attention: `q` (already scaled), `k`, `v` and `out` row-major as `Shape` says, `lse`
-/// `[batch, heads, len_q]`. Causal: query `i` sees keys `0..=i`.
+/// `[batch, heads, len_q]`. Causal: query `i` sees keys `0..=i`; keys from `valid` on are
+/// hidden and never read (a padded graph's). A query whose keys are all hidden gets 0, output
+/// and logsumexp (as PyTorch's CPU flash kernel gives).
 pub(super) struct Attention {
     q: *const f32,
     k: *const f32,
     v: *const f32,
+    bias: Option<Bias>,
+    valid: usize,
     out: *mut f32,
     lse: *mut f32,
     shape: Shape,
@@ -52,6 +66,7 @@ impl Attention {
     /// thread gets several units, so a causal head's costlier late queries even out.
     pub fn new(
         (q, k, v): (*const f32, *const f32, *const f32),
+        (bias, valid): (Option<Bias>, usize),
         (out, lse): (*mut f32, *mut f32),
         shape: Shape,
         causal: bool,
@@ -65,7 +80,8 @@ impl Attention {
         let rows_per_run = blocks.div_ceil(runs) * ROWS;
         let runs = shape.len_q.div_ceil(rows_per_run).max(1);
         let id = ATTENTIONS.fetch_add(1, Ordering::Relaxed);
-        let attention = Attention { q, k, v, out, lse, shape, causal, runs, rows_per_run, id };
+        let valid = valid.min(shape.len_kv);
+        let attention = Attention { q, k, v, bias, valid, out, lse, shape, causal, runs, rows_per_run, id };
         (attention, heads * runs, parts)
     }
 }
@@ -109,7 +125,7 @@ impl Chunked for Attention {
             let mut r0 = first;
             while r0 < last {
                 let rows = ROWS.min(last - r0);
-                let seen = if self.causal { (r0 + rows).min(s.len_kv) } else { s.len_kv };
+                let seen = if self.causal { (r0 + rows).min(self.valid) } else { self.valid };
                 let panels = seen.div_ceil(COLUMNS);
                 for p in scratch.packed..panels {
                     let cols = COLUMNS.min(s.len_kv - p * COLUMNS);
@@ -124,20 +140,34 @@ impl Chunked for Attention {
                     let tile = Tile { b: scratch.panels.as_ptr().add(p * s.dim * COLUMNS), ldb: COLUMNS, k: s.dim, ldx: s.dim, ldy: stride, cols };
                     tile.run(q, scores.add(p * COLUMNS), rows);
                 }
+                if let Some(bias) = self.bias {
+                    for i in 0..rows {
+                        let added = bias.data.add(b * bias.batch_stride + h * bias.head_stride + (r0 + i) * s.len_kv);
+                        let row = std::slice::from_raw_parts_mut(scores.add(i * stride), seen);
+                        row.iter_mut().zip(std::slice::from_raw_parts(added, seen)).for_each(|(x, a)| *x += a);
+                    }
+                }
+                // 0 for a query whose keys are all hidden: its output is then written as 0.
                 let mut inverse = [0f32; ROWS];
                 for (i, inv) in inverse.iter_mut().enumerate().take(rows) {
-                    let visible = if self.causal { (r0 + i + 1).min(s.len_kv) } else { s.len_kv };
+                    let visible = if self.causal { (r0 + i + 1).min(self.valid) } else { self.valid };
                     let (max, sum) = exponentials(scores.add(i * stride), visible, seen);
-                    *self.lse.add(head * s.len_q + r0 + i) = max + sum.ln();
-                    *inv = 1.0 / sum;
+                    let hidden = max == f32::NEG_INFINITY;
+                    *self.lse.add(head * s.len_q + r0 + i) = if hidden { 0.0 } else { max + sum.ln() };
+                    *inv = if hidden { 0.0 } else { 1.0 / sum };
                 }
                 let out = self.out.add((head * s.len_q + r0) * s.dim);
                 for c in (0..s.dim).step_by(COLUMNS) {
                     let tile = Tile { b: values.add(c), ldb: s.dim, k: seen, ldx: stride, ldy: s.dim, cols: COLUMNS.min(s.dim - c) };
                     tile.run(scores, out.add(c), rows);
                 }
-                for (i, inv) in inverse.iter().enumerate().take(rows) {
-                    std::slice::from_raw_parts_mut(out.add(i * s.dim), s.dim).iter_mut().for_each(|o| *o *= inv);
+                for (i, &inv) in inverse.iter().enumerate().take(rows) {
+                    let row = std::slice::from_raw_parts_mut(out.add(i * s.dim), s.dim);
+                    if inv == 0.0 {
+                        row.fill(0.0); // not 0 times the values, which may hold inf where hidden
+                    } else {
+                        row.iter_mut().for_each(|o| *o *= inv);
+                    }
                 }
                 r0 += rows;
             }
@@ -146,17 +176,18 @@ impl Chunked for Attention {
 }
 
 /// Replaces the scores `row[..visible]` by `exp(score - max)` and `row[visible..len]` by 0;
-/// returns the max and the exponentials' sum.
+/// returns the max (NaN where a score is) and the exponentials' sum (0 where every score is
+/// -inf).
 unsafe fn exponentials(row: *mut f32, visible: usize, len: usize) -> (f32, f32) {
     #[cfg(target_arch = "x86_64")]
     if super::gemm::available() {
         return x86::exponentials(row, visible, len);
     }
     let row = std::slice::from_raw_parts_mut(row, len);
-    let max = row[..visible].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let max = row[..visible].iter().copied().fold(f32::NEG_INFINITY, |m, x| if x.is_nan() || m.is_nan() { f32::NAN } else { m.max(x) });
     let mut sum = 0.0;
     for x in &mut row[..visible] {
-        *x = (*x - max).exp();
+        *x = if *x == f32::NEG_INFINITY { 0.0 } else { (*x - max).exp() };
         sum += *x;
     }
     row[visible..].fill(0.0);
@@ -171,10 +202,14 @@ mod x86 {
     pub(super) unsafe fn exponentials(row: *mut f32, visible: usize, len: usize) -> (f32, f32) {
         let mask = |at: usize| -> __mmask16 { ((1u32 << (visible - at).min(16)) - 1) as __mmask16 };
         let mut max = _mm512_set1_ps(f32::NEG_INFINITY);
+        let mut nan: __mmask16 = 0;
         for at in (0..visible).step_by(16) {
-            max = _mm512_mask_max_ps(max, mask(at), _mm512_maskz_loadu_ps(mask(at), row.add(at)), max);
+            let x = _mm512_maskz_loadu_ps(mask(at), row.add(at));
+            max = _mm512_mask_max_ps(max, mask(at), x, max);
+            nan |= _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
         }
-        let max = _mm512_reduce_max_ps(max);
+        // A NaN score makes its row NaN, as in eager (`max` drops NaN).
+        let max = if nan != 0 { f32::NAN } else { _mm512_reduce_max_ps(max) };
         let shift = _mm512_set1_ps(max);
         let mut sum = _mm512_setzero_ps();
         for at in (0..visible).step_by(16) {
@@ -188,9 +223,11 @@ mod x86 {
 
     /// `e^x` to about 1 ulp: `x = n ln 2 + r` with `|r| ≤ ln 2 / 2`, `e^r` by Cephes' `expf`
     /// polynomial, scaled by `2^n` (`scalef` gives 0 below f32's range, inf above it, and keeps
-    /// NaN).
+    /// NaN). `x` is raised to -120 first, so that -inf (a hidden key) gives 0, not NaN (`max`
+    /// returns its second operand where one is NaN).
     #[target_feature(enable = "avx512f,fma")]
     pub(super) unsafe fn exp(x: __m512) -> __m512 {
+        let x = _mm512_max_ps(_mm512_set1_ps(-120.0), x);
         let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)));
         let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
         let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
@@ -208,7 +245,10 @@ mod tests {
     use super::*;
 
     /// Every shape class (grouped heads, causal with more keys than queries and fewer, query
-    /// and key counts off the blocks, head sizes off the vectors) against f64 on the same inputs.
+    /// and key counts off the blocks, head sizes off the vectors), with and without a mask's
+    /// bias (per batch entry, shared by the heads; about a third of the keys hidden, and all of
+    /// them from query 1 of the first entry) and the last keys past a padded graph's count,
+    /// against f64 on the same inputs.
     #[test]
     fn agrees_with_f64() {
         let mut uniform = super::super::uniform(11);
@@ -219,26 +259,35 @@ mod tests {
             let q: Vec<f32> = (0..batch * heads * len_q * dim).map(|_| next()).collect();
             let k: Vec<f32> = (0..batch * kv_heads * len_kv * dim).map(|_| next()).collect();
             let v: Vec<f32> = (0..batch * kv_heads * len_kv * dim).map(|_| next()).collect();
-            for causal in [false, true] {
+            let mask: Vec<f32> = (0..batch * len_q * len_kv)
+                .map(|at| if next() < -0.33 || (len_q > 1 && at / len_kv == 1) { f32::NEG_INFINITY } else { next() })
+                .collect();
+            for (causal, masked) in [(false, false), (true, false), (false, true), (true, true)] {
+                let bias = masked.then(|| Bias { data: mask.as_ptr(), batch_stride: len_q * len_kv, head_stride: 0 });
+                // With the mask, the last 3 keys are a padded graph's too.
+                let valid = if masked { len_kv.saturating_sub(3).max(1) } else { len_kv };
                 let mut out = vec![f32::NAN; q.len()];
                 let mut lse = vec![f32::NAN; batch * heads * len_q];
                 for parts in [1, 3] {
-                    let (attention, units, _) = Attention::new((q.as_ptr(), k.as_ptr(), v.as_ptr()), (out.as_mut_ptr(), lse.as_mut_ptr()), shape, causal, parts);
+                    let (attention, units, _) = Attention::new((q.as_ptr(), k.as_ptr(), v.as_ptr()), (bias, valid), (out.as_mut_ptr(), lse.as_mut_ptr()), shape, causal, parts);
                     (0..units).for_each(|u| unsafe { attention.chunk(u) });
                     for head in 0..batch * heads {
                         let kv = head / heads * kv_heads + head % heads / (heads / kv_heads);
                         for i in 0..len_q {
-                            let visible = if causal { (i + 1).min(len_kv) } else { len_kv };
-                            let row = |j: usize| -> f64 { (0..dim).map(|e| f64::from(q[(head * len_q + i) * dim + e]) * f64::from(k[(kv * len_kv + j) * dim + e])).sum() };
-                            let scores: Vec<f64> = (0..visible).map(row).collect();
+                            let visible = if causal { (i + 1).min(valid) } else { valid };
+                            let added = |j: usize| if masked { f64::from(mask[(head / heads * len_q + i) * len_kv + j]) } else { 0.0 };
+                            let score = |j: usize| -> f64 { added(j) + (0..dim).map(|e| f64::from(q[(head * len_q + i) * dim + e]) * f64::from(k[(kv * len_kv + j) * dim + e])).sum::<f64>() };
+                            let scores: Vec<f64> = (0..visible).map(score).collect();
                             let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                             let sum: f64 = scores.iter().map(|s| (s - max).exp()).sum();
                             let at = head * len_q + i;
-                            assert!((f64::from(lse[at]) - (max + sum.ln())).abs() < 1e-4, "{shape:?} causal {causal}: lse {} vs {}", lse[at], max + sum.ln());
+                            let want_lse = if max == f64::NEG_INFINITY { 0.0 } else { max + sum.ln() };
+                            assert!((f64::from(lse[at]) - want_lse).abs() < 1e-4, "{shape:?} causal {causal} masked {masked}: lse {} vs {want_lse}", lse[at]);
                             for e in 0..dim {
-                                let want: f64 = scores.iter().enumerate().map(|(j, s)| (s - max).exp() / sum * f64::from(v[(kv * len_kv + j) * dim + e])).sum();
+                                let weighted = scores.iter().enumerate().map(|(j, s)| (s - max).exp() / sum * f64::from(v[(kv * len_kv + j) * dim + e]));
+                                let want: f64 = if max == f64::NEG_INFINITY { 0.0 } else { weighted.sum() };
                                 let got = f64::from(out[at * dim + e]);
-                                assert!((got - want).abs() < 5e-5, "{shape:?} causal {causal} parts {parts} at {at},{e}: {got} vs {want}");
+                                assert!((got - want).abs() < 5e-5, "{shape:?} causal {causal} masked {masked} parts {parts} at {at},{e}: {got} vs {want}");
                             }
                         }
                     }
@@ -263,8 +312,8 @@ mod tests {
                 assert!(ulps <= 2 || (want < 1e-37 && (g - want).abs() < 1e-44), "exp({x}) = {g}, want {want}");
             }
         }
-        let special: [f32; 16] = unsafe { std::mem::transmute(x86::exp(_mm512_setr_ps(f32::NAN, -200.0, 100.0, 0.0, 0., 0., 0., 0., 0., 0., 0., 0., 0., 0., 0., 0.))) };
+        let special: [f32; 16] = unsafe { std::mem::transmute(x86::exp(_mm512_setr_ps(f32::NAN, -200.0, 100.0, 0.0, f32::NEG_INFINITY, 0., 0., 0., 0., 0., 0., 0., 0., 0., 0., 0.))) };
         assert!(special[0].is_nan());
-        assert_eq!((special[1], special[2], special[3]), (0.0, f32::INFINITY, 1.0));
+        assert_eq!((special[1], special[2], special[3], special[4]), (0.0, f32::INFINITY, 1.0, 0.0));
     }
 }
