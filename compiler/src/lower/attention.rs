@@ -118,7 +118,7 @@ fn host_attention<'a>(
     let Some((plain, causal_target)) = lowering_target().host_attention else { return Ok(None) };
     let [batch, heads, len_q, dim] = [0, 1, 2, 3].map(|i| q.shape()[i]);
     let len_kv = k.shape()[2];
-    if q.dtype() != DType::F32 || len_kv == 0 || dim > HOST_MAX_DIM || dim * len_kv > HOST_MAX_KEY_ELEMENTS {
+    if q.dtype() != DType::F32 || len_kv == 0 || len_kv > HOST_MAX_KEYS || dim > HOST_MAX_DIM || dim * len_kv > HOST_MAX_KEY_ELEMENTS {
         return Ok(None);
     }
     let mut operands = vec![q, k, v];
@@ -140,10 +140,11 @@ fn host_attention<'a>(
     Ok(Some((out.remove(0), lse)))
 }
 
-/// The largest head size and head of keys (elements) our attention kernel takes: each of XLA's
-/// threads keeps a head's keys in its scratch (8 MiB at most; 32768 keys of 64), with 12
-/// queries' scores against them.
+/// The largest head size, key count and head of keys (elements) our attention kernel takes:
+/// each of XLA's threads keeps a head's keys in its scratch (8 MiB at most; 32768 keys of 64),
+/// with 12 queries' scores against them (3 MiB at most).
 const HOST_MAX_DIM: i64 = 512;
+const HOST_MAX_KEYS: i64 = 1 << 16;
 const HOST_MAX_KEY_ELEMENTS: i64 = 1 << 21;
 
 /// Queries per block of a long masked or causal attention (`row_blocks`), and the fewest
