@@ -128,7 +128,7 @@ impl Chunked for Attention {
                 let seen = if self.causal { (r0 + rows).min(self.valid) } else { self.valid };
                 let panels = seen.div_ceil(COLUMNS);
                 for p in scratch.packed..panels {
-                    let cols = COLUMNS.min(s.len_kv - p * COLUMNS);
+                    let cols = COLUMNS.min(self.valid - p * COLUMNS);
                     let panel = &mut scratch.panels[p * s.dim * COLUMNS..(p + 1) * s.dim * COLUMNS];
                     pack_transposed(keys.add(p * COLUMNS * s.dim), s.dim, cols, panel);
                 }
