@@ -395,16 +395,17 @@ unsafe fn attend(frame: &mut FfiCallFrame, causal: bool) -> *mut c_void {
     }
     let buffer = |list: &FfiList, i: usize| &**list.items.add(i);
     let [q, k, v] = [0, 1, 2].map(|i| buffer(&frame.args, i));
-    let extra: Vec<&FfiBuffer> = (3..frame.args.size as usize).map(|i| buffer(&frame.args, i)).collect();
-    let bias = extra.iter().find(|b| b.rank != 0).copied();
-    let count = extra.iter().find(|b| b.rank == 0).copied();
+    // After them, a mask's bias (4-d) and a key count (0-d), each where given.
+    let extra = |count: bool| (3..frame.args.size as usize).map(|i| buffer(&frame.args, i)).find(|b| (b.rank == 0) == count);
+    let (bias, count) = (extra(false), extra(true));
     let [out, lse] = [0, 1].map(|i| buffer(&frame.rets, i));
-    let dims = |b: &FfiBuffer| std::slice::from_raw_parts(b.dims, b.rank as usize).iter().map(|&d| d as usize).collect::<Vec<_>>();
+    let dims = |b: &FfiBuffer| std::slice::from_raw_parts(b.dims, b.rank as usize);
     let (qd, kd, vd, od, ld) = (dims(q), dims(k), dims(v), dims(out), dims(lse));
-    let agree = match (&qd[..], &kd[..]) {
+    let agree = match (qd, kd) {
         (&[batch, heads, len_q, dim], &[kb, kv_heads, len_kv, kdim]) => {
-            (kb == batch && kdim == dim && kv_heads > 0 && heads % kv_heads == 0 && len_kv > 0 && vd == kd && od == qd && ld == qd[..3])
-                .then_some(attention::Shape { batch, heads, kv_heads, len_q, len_kv, dim })
+            (kb == batch && kdim == dim && kv_heads > 0 && heads % kv_heads == 0 && len_kv > 0 && vd == kd && od == qd && ld == &qd[..3])
+                .then(|| [batch, heads, kv_heads, len_q, len_kv, dim].map(|d| d as usize))
+                .map(|[batch, heads, kv_heads, len_q, len_kv, dim]| attention::Shape { batch, heads, kv_heads, len_q, len_kv, dim })
         }
         _ => None,
     };
@@ -413,8 +414,8 @@ unsafe fn attend(frame: &mut FfiCallFrame, causal: bool) -> *mut c_void {
     };
     let bias = match bias.map(|b| (b, dims(b))) {
         None => None,
-        Some((b, bd)) => match bd[..] {
-            [mb, mh, l, s] if b.dtype == XLA_FFI_F32 && [1, shape.batch].contains(&mb) && [1, shape.heads].contains(&mh) && [l, s] == [shape.len_q, shape.len_kv] => {
+        Some((b, bd)) => match <[i64; 4]>::try_from(bd).map(|d| d.map(|d| d as usize)) {
+            Ok([mb, mh, l, s]) if b.dtype == XLA_FFI_F32 && [1, shape.batch].contains(&mb) && [1, shape.heads].contains(&mh) && [l, s] == [shape.len_q, shape.len_kv] => {
                 let head_stride = if mh == 1 { 0 } else { l * s };
                 Some(attention::Bias { data: b.data as *const f32, batch_stride: if mb == 1 { 0 } else { mh * l * s }, head_stride })
             }
@@ -426,7 +427,7 @@ unsafe fn attend(frame: &mut FfiCallFrame, causal: bool) -> *mut c_void {
         Some(c) if c.dtype == XLA_FFI_S64 => (*(c.data as *const i64)).max(0) as usize,
         Some(c) => return error(frame, target, &format!("expects the key count as a 0-d i64, got XLA type {}", c.dtype)),
     };
-    if extra.len() != usize::from(bias.is_some()) + usize::from(count.is_some()) {
+    if frame.args.size as usize != 3 + usize::from(bias.is_some()) + usize::from(count.is_some()) {
         return error(frame, target, "expects at most one mask bias and one key count");
     }
     let xla = XlaPool::of(frame);
