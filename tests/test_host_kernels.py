@@ -168,6 +168,68 @@ def test_f32_nan_and_infinity_reach_the_outputs_they_touch():
     assert torch.isfinite(got[:, [0, 1, 2, 4, 69, 71]]).all()
 
 
+def kept_bytes() -> int:
+    return tpu_dynamo.stats()["packed_weight_bytes"]
+
+
+class TwoLinears(torch.nn.Module):
+    """A `Linear` weight `[N, K]` and a `Conv1D`-style one `[K, N]`, both products our kernel's."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(64, 160)
+        self.down = torch.nn.Parameter(torch.randn(160, 96) / 160**0.5)
+
+    def forward(self, x):
+        return torch.relu(self.up(x)) @ self.down
+
+
+@needs_f32_kernels
+def test_weights_are_packed_once_and_again_after_an_in_place_change():
+    """A resident weight's panels are kept from one call to the next, and packed anew once the
+    weight changes in place (`mul_`, `copy_` under no_grad: the version moves), where a stale
+    panel would give the old product."""
+    torch.manual_seed(7)
+    model, x = TwoLinears(), torch.randn(2, 64, 64)
+    compiled_model = torch.compile(model, backend="tpu", fullgraph=True)
+    before = kept_bytes()
+    with torch.no_grad():
+        for step in range(4):
+            got = compiled_model(x)
+            torch.testing.assert_close(got, model(x), rtol=1e-5, atol=1e-5)
+            if step == 0:
+                # [160, 64] packed as 5 panels of [64, 32], [160, 96] as 3 of [160, 32].
+                assert kept_bytes() - before == 4 * (5 * 64 * 32 + 3 * 160 * 32)
+            if step == 1:
+                model.up.weight.mul_(-2.0)
+            if step == 2:
+                model.down.copy_(torch.randn(160, 96))
+    assert kept_bytes() - before == 4 * (5 * 64 * 32 + 3 * 160 * 32), "the old versions' panels are freed"
+    del compiled_model, got
+    torch._dynamo.reset()
+    tpu_dynamo.reset_stats()
+    import gc
+
+    gc.collect()
+    assert kept_bytes() == before, "a weight's panels go with the last graph that holds it"
+
+
+@needs_f32_kernels
+def test_a_weight_read_as_a_user_input_is_never_taken_from_stale_panels():
+    """After an in-place change, a graph that takes the same memory as a plain input (read as it
+    is) must see the new value even though another graph still holds its declaration of the old
+    one until that graph's next call."""
+    torch.manual_seed(8)
+    model = torch.nn.Linear(64, 128, bias=False)
+    x = torch.randn(128, 64)
+    with torch.no_grad():
+        torch.compile(model, backend="tpu", fullgraph=True)(x)
+        model.weight.mul_(3.0)
+        w = model.weight.detach()  # the same memory, as a plain tensor
+        got = compile_tpu(lambda x, w: torch.nn.functional.linear(x, w))(x, w)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
 # (batch, heads, kv heads, queries, keys, head size, causal): the tiny Llama's and GPT-2's
 # attention at batch 1 and 8, Flux's and SD3's (no mask), a long causal prompt with grouped
 # heads, a real model's head size, causal with fewer keys than queries and more, one query, and

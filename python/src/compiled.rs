@@ -15,6 +15,7 @@ use tpu_dynamo_cache::{
 };
 use tpu_dynamo_compiler::ir::{GraphWithSources, TensorType};
 use tpu_dynamo_compiler::{cost, lower, LowerError as CompilerLowerError, Lowered, MLIR_VERSION, SOURCE_HASH};
+use tpu_dynamo_runtime::host_kernels::unchanging;
 use tpu_dynamo_runtime::{Buffer, CompileOptions, DType, Error as RtError, Executable, Program, ProgramCode, TensorSpec};
 
 use crate::device::{target, Target};
@@ -569,6 +570,7 @@ impl CompiledGraph {
                 // alive with the new buffer (`Arg::Within`), which only reads them.
                 let bytes = unsafe { host_slice(ptr, spec.byte_size()?) };
                 let buffer = unsafe { t.client.buffer_over_host(bytes, spec, &t.device)? };
+                unchanging::forget(ptr, bytes.len());
                 return Ok(Arg::Within { buffer, _owner: shared });
             }
             STATS.uploads.fetch_add(1, Relaxed);
@@ -582,6 +584,7 @@ impl CompiledGraph {
         }
         if let Some(shared) = Shared::find(ptr, spec) {
             STATS.view_hits.fetch_add(1, Relaxed);
+            unchanging::forget(ptr, nbytes);
             return Ok(Arg::Viewed(shared));
         }
         let donated = self.aliases.iter().any(|&(a, _)| a == i);
@@ -602,7 +605,7 @@ impl CompiledGraph {
                 // SAFETY: see `run`: the Python caller keeps the tensor alive during the call.
                 let bytes = unsafe { host_slice(ptr, nbytes) };
                 let t = &self.target;
-                let buf = if t.host_memory && !donated {
+                let mut buf = if t.host_memory && !donated {
                     // SAFETY: the caller keeps the memory alive during the call, and after it
                     // the resident slot keeps the tensor's storage (`pin`) for as long as it
                     // keeps the buffer; the buffer is only taken while `(ptr, version)` still
@@ -613,6 +616,11 @@ impl CompiledGraph {
                 };
                 if slot.is_some() && buf.host_address(spec) == Some(ptr) {
                     STATS.uploads_in_place.fetch_add(1, Relaxed);
+                }
+                // A kept copy holds one value while it lives: a weight's next version gets a
+                // buffer (and declaration) of its own. Memory read as it is may change.
+                if !(shared_key.is_some() && buf.declare_unchanging(spec)) {
+                    unchanging::forget(ptr, nbytes);
                 }
                 let buf = Arc::new(buf);
                 if let Some(key) = shared_key {
@@ -638,6 +646,10 @@ impl CompiledGraph {
     ) -> Result<Arc<Buffer>, RtError> {
         let spec = &self.entry.inputs[i];
         let donated = self.aliases.iter().any(|&(a, _)| a == i);
+        if on_device {
+            // A view is read as its memory is at each execute (on a CPU plugin, host memory).
+            unchanging::forget(ptr, nbytes);
+        }
         let mut slot = self.slot(i, version >= 0 && !donated);
         if let Some(buf) = kept(&slot, ptr, version) {
             return Ok(buf);

@@ -55,6 +55,7 @@ fn stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         }
     }
     d.set_item("cached_executables", compiled::cached_executables())?;
+    d.set_item("packed_weight_bytes", tpu_dynamo_runtime::host_kernels::unchanging::kept_bytes())?;
     Ok(d)
 }
 

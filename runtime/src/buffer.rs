@@ -5,6 +5,7 @@ use crate::client::{Client, ClientInner, Device};
 use crate::compat::Grown;
 use crate::error::{Error, Result};
 use crate::event;
+use crate::host_kernels::unchanging::{self, Declared};
 use crate::plugin::call;
 use crate::tensor::{DType, TensorSpec};
 use pjrt_sys::*;
@@ -21,6 +22,8 @@ pub struct Buffer {
     /// Its type, fixed for its lifetime: asked of the plugin at most once (an execute checks
     /// every argument's, and a resident weight is an argument of every call).
     spec: OnceLock<TensorSpec>,
+    /// Set where the buffer's host memory is declared unchanging while it lives.
+    declared: Option<Declared>,
 }
 
 // SAFETY: PJRT buffers and events may be used from any thread.
@@ -29,6 +32,8 @@ unsafe impl Sync for Buffer {}
 
 impl Drop for Buffer {
     fn drop(&mut self) {
+        // Undeclared before the memory may be freed and reused.
+        self.declared = None;
         let plugin = &*self.client.plugin;
         let mut args = PJRT_Buffer_Destroy_Args::new();
         args.buffer = self.raw;
@@ -55,6 +60,7 @@ impl Buffer {
             raw,
             host_done: std::ptr::null_mut(),
             spec: OnceLock::new(),
+            declared: None,
         }
     }
 
@@ -160,6 +166,16 @@ impl Buffer {
     pub fn host_address(&self, spec: &TensorSpec) -> Option<usize> {
         let len = spec.byte_size().ok()?;
         self.dense_host_bytes(len).map(|bytes| bytes.as_ptr() as usize)
+    }
+
+    /// Declares the buffer's host memory (`spec`'s bytes) unchanging for as long as the buffer
+    /// lives, so our kernels may keep what they derive from it (`host_kernels::unchanging`); for
+    /// a buffer nothing writes while it lives (a resident weight's, taken in place or copied).
+    /// False where the host cannot address the memory.
+    pub fn declare_unchanging(&mut self, spec: &TensorSpec) -> bool {
+        let (Some(address), Ok(len)) = (self.host_address(spec), spec.byte_size()) else { return false };
+        self.declared = Some(unchanging::declare(address, len));
+        true
     }
 
     /// The buffer's own memory when it can be read like the dense row-major host copy of

@@ -13,6 +13,7 @@
 mod attention;
 mod gemm;
 mod pool;
+pub mod unchanging;
 
 use crate::plugin::Plugin;
 use pjrt_sys::PJRT_Extension_Base;

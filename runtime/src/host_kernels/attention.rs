@@ -8,7 +8,7 @@
 //! each row in place, and the product of the exponentials by `v`, divided by the row's sum
 //! only at the end. A block's scores stay in L1 from the first product to the second.
 
-use super::gemm::{pack_transposed, Tile, ALONE_MAX_FLOPS, COLUMNS, ROWS};
+use super::gemm::{pack_transposed, Lines, Tile, ALONE_MAX_FLOPS, COLUMNS, ROWS};
 use super::pool::Chunked;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -89,14 +89,14 @@ impl Attention {
 thread_local! {
     /// Which head's keys (attention id, batch entry, key/value head) `panels` holds, how many
     /// 32-key panels of them are copied, the panels, and a block's scores.
-    static SCRATCH: RefCell<Scratch> = const { RefCell::new(Scratch { holds: (0, 0, 0), packed: 0, panels: Vec::new(), scores: Vec::new() }) };
+    static SCRATCH: RefCell<Scratch> = const { RefCell::new(Scratch { holds: (0, 0, 0), packed: 0, panels: Lines::new(), scores: Lines::new() }) };
 }
 
 struct Scratch {
     holds: (u64, usize, usize),
     packed: usize,
-    panels: Vec<f32>,
-    scores: Vec<f32>,
+    panels: Lines,
+    scores: Lines,
 }
 
 impl Chunked for Attention {
@@ -120,8 +120,8 @@ impl Chunked for Attention {
                 scratch.holds = (self.id, b, kv);
                 scratch.packed = 0;
             }
-            scratch.panels.resize(s.len_kv.div_ceil(COLUMNS) * s.dim * COLUMNS, 0.0);
-            scratch.scores.resize(ROWS * stride, 0.0);
+            let key_panels = scratch.panels.floats(s.len_kv.div_ceil(COLUMNS) * s.dim * COLUMNS);
+            let scores = scratch.scores.floats(ROWS * stride).as_mut_ptr();
             let mut r0 = first;
             while r0 < last {
                 let rows = ROWS.min(last - r0);
@@ -129,15 +129,14 @@ impl Chunked for Attention {
                 let panels = seen.div_ceil(COLUMNS);
                 for p in scratch.packed..panels {
                     let cols = COLUMNS.min(self.valid - p * COLUMNS);
-                    let panel = &mut scratch.panels[p * s.dim * COLUMNS..(p + 1) * s.dim * COLUMNS];
+                    let panel = &mut key_panels[p * s.dim * COLUMNS..(p + 1) * s.dim * COLUMNS];
                     pack_transposed(keys.add(p * COLUMNS * s.dim), s.dim, cols, panel);
                 }
                 scratch.packed = scratch.packed.max(panels);
-                let scores = scratch.scores.as_mut_ptr();
                 let q = self.q.add((head * s.len_q + r0) * s.dim);
                 for p in 0..panels {
                     let cols = COLUMNS.min(seen - p * COLUMNS);
-                    let tile = Tile { b: scratch.panels.as_ptr().add(p * s.dim * COLUMNS), ldb: COLUMNS, k: s.dim, ldx: s.dim, ldy: stride, cols };
+                    let tile = Tile { b: key_panels.as_ptr().add(p * s.dim * COLUMNS), ldb: COLUMNS, k: s.dim, ldx: s.dim, ldy: stride, cols };
                     tile.run(q, scores.add(p * COLUMNS), rows);
                 }
                 if let Some(bias) = self.bias {

@@ -5,11 +5,13 @@
 //! The work is cut into tiles of 32 output columns by a group of rows; a tile reads its 32
 //! columns of `w` as one `[K, 32]` panel (copied out first where `w` is stored `[N, K]`) and
 //! keeps 12 rows × 32 columns of sums in registers, adding one rank-1 update per step of K.
+//! A weight in memory declared unchanging (`unchanging`) is packed into panels once.
 
 use super::pool::Chunked;
-use super::Layout;
+use super::{unchanging, Layout};
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 /// Output columns per tile: two 16-lane vectors.
 pub(super) const COLUMNS: usize = 32;
@@ -32,6 +34,8 @@ pub(super) struct Gemm {
     /// This product among all the process runs, so that a thread taking both units copies
     /// each panel once.
     id: u64,
+    /// Every panel of `w`, `[N / 32, K, 32]`, where `w` is kept packed.
+    panels: Option<Arc<[Line]>>,
 }
 
 static PRODUCTS: AtomicU64 = AtomicU64::new(1);
@@ -52,8 +56,68 @@ impl Gemm {
         let parts = if 2 * m * n * k <= ALONE_MAX_FLOPS { 1 } else { parts };
         let rows_per_chunk = m.div_ceil(ROWS).div_ceil(parts.max(1)) * ROWS;
         let id = PRODUCTS.fetch_add(1, Ordering::Relaxed);
-        (Gemm { x, w, y, m, n, k, layout, rows_per_chunk, id }, m.div_ceil(rows_per_chunk))
+        let key = (w as usize, n, k, layout == Layout::RowPerOutput);
+        // SAFETY: `w` covers `[n, k]` (the caller's contract) for `pack_all` to read.
+        let packed = || unsafe { pack_all(w, n, k, layout) };
+        let panels = if n * k == 0 { None } else { unchanging::panels(key, n * k * size_of::<f32>(), packed) };
+        (Gemm { x, w, y, m, n, k, layout, rows_per_chunk, id, panels }, m.div_ceil(rows_per_chunk))
     }
+
+    /// Rows `first_row..first_row + rows` of column block `block`, whose panel is `panel`.
+    unsafe fn block(&self, panel: *const f32, block: usize, first_row: usize, rows: usize) {
+        let first_col = block * COLUMNS;
+        let tile = Tile { b: panel, ldb: COLUMNS, k: self.k, ldx: self.k, ldy: self.n, cols: COLUMNS.min(self.n - first_col) };
+        let mut r = 0;
+        while r < rows {
+            let x = self.x.add((first_row + r) * self.k);
+            let y = self.y.add((first_row + r) * self.n + first_col);
+            r += tile.run(x, y, rows - r);
+        }
+    }
+}
+
+/// Column block `block` of `w` packed into `panel` (`[k, 32]`).
+unsafe fn pack_block(w: *const f32, (n, k): (usize, usize), layout: Layout, block: usize, panel: &mut [f32]) {
+    let first_col = block * COLUMNS;
+    let cols = COLUMNS.min(n - first_col);
+    match layout {
+        Layout::RowPerOutput => pack_transposed(w.add(first_col * k), k, cols, panel),
+        Layout::RowPerInput => pack(w.add(first_col), n, k, cols, panel),
+    }
+}
+
+/// Sixteen f32s on a cache line of their own: a panel row's two vectors then load one line
+/// each, not two.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+pub(super) struct Line(pub(super) [f32; 16]);
+
+/// f32 scratch that starts on a cache line (a `Vec<f32>` starts on 16 bytes).
+pub(super) struct Lines(Vec<Line>);
+
+impl Lines {
+    pub const fn new() -> Lines {
+        Lines(Vec::new())
+    }
+
+    /// The first `len` floats, grown (with zeros) to hold them.
+    pub fn floats(&mut self, len: usize) -> &mut [f32] {
+        let lines = len.div_ceil(16);
+        if self.0.len() < lines {
+            self.0.resize(lines, Line([0.0; 16]));
+        }
+        // SAFETY: `Line` is 16 f32s and nothing else; at least `len` of them are initialized.
+        unsafe { std::slice::from_raw_parts_mut(self.0.as_mut_ptr() as *mut f32, len) }
+    }
+}
+
+/// Every column block of `w` packed, `[n / 32, k, 32]`.
+unsafe fn pack_all(w: *const f32, n: usize, k: usize, layout: Layout) -> Vec<Line> {
+    let mut panels = Lines::new();
+    for (block, panel) in panels.floats(n.div_ceil(COLUMNS) * k * COLUMNS).chunks_exact_mut(k * COLUMNS).enumerate() {
+        pack_block(w, (n, k), layout, block, panel);
+    }
+    panels.0
 }
 
 impl Chunked for Gemm {
@@ -64,26 +128,21 @@ impl Chunked for Gemm {
     unsafe fn chunk(&self, chunk: usize) {
         let first_row = chunk * self.rows_per_chunk;
         let rows = self.rows_per_chunk.min(self.m - first_row);
+        let blocks = self.n.div_ceil(COLUMNS);
+        if let Some(panels) = &self.panels {
+            for block in 0..blocks {
+                self.block((panels.as_ptr() as *const f32).add(block * self.k * COLUMNS), block, first_row, rows);
+            }
+            return;
+        }
         PANEL.with(|panel| {
             let (holds, panel) = &mut *panel.borrow_mut();
-            for block in 0..self.n.div_ceil(COLUMNS) {
-                let first_col = block * COLUMNS;
-                let cols = COLUMNS.min(self.n - first_col);
+            for block in 0..blocks {
                 if *holds != (self.id, block) {
-                    panel.resize(self.k * COLUMNS, 0.0);
-                    match self.layout {
-                        Layout::RowPerOutput => pack_transposed(self.w.add(first_col * self.k), self.k, cols, panel),
-                        Layout::RowPerInput => pack(self.w.add(first_col), self.n, self.k, cols, panel),
-                    }
+                    pack_block(self.w, (self.n, self.k), self.layout, block, panel.floats(self.k * COLUMNS));
                     *holds = (self.id, block);
                 }
-                let tile = Tile { b: panel.as_ptr(), ldb: COLUMNS, k: self.k, ldx: self.k, ldy: self.n, cols };
-                let mut r = 0;
-                while r < rows {
-                    let x = self.x.add((first_row + r) * self.k);
-                    let y = self.y.add((first_row + r) * self.n + first_col);
-                    r += tile.run(x, y, rows - r);
-                }
+                self.block(panel.floats(self.k * COLUMNS).as_ptr(), block, first_row, rows);
             }
         });
     }
@@ -114,7 +173,7 @@ pub(super) unsafe fn pack_transposed(w: *const f32, k: usize, cols: usize, panel
 
 thread_local! {
     /// A column block of a `[N, K]` weight, copied as `[K, 32]`, and which product's block it is.
-    static PANEL: RefCell<((u64, usize), Vec<f32>)> = const { RefCell::new(((0, 0), Vec::new())) };
+    static PANEL: RefCell<((u64, usize), Lines)> = const { RefCell::new(((0, 0), Lines::new())) };
 }
 
 /// A panel `b` (`[k, ldb]`, its first `cols` ≤ 32 columns used) against rows of `x`.
