@@ -204,6 +204,39 @@ def test_weight_work_too_small_to_pay_for_an_executable_stays_in_the_graph():
     assert split_weight_work(*graph_of(m, x)) is None
 
 
+class Rotary(torch.nn.Module):
+    """A rotary table as Llama computes it on every forward (`inv_freq` ⊗ positions, cos and
+    sin), applied to the input: 32 KiB of table, but 8192 calls of libm's `sinf`/`cosf`."""
+
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+
+    def forward(self, x):
+        freqs = torch.arange(x.shape[-2], dtype=torch.float32)[:, None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return x * emb.cos() + x.flip(-1) * emb.sin()
+
+
+def test_a_small_rotary_table_is_computed_once_for_its_transcendental_work():
+    torch.manual_seed(0)
+    m, x = Rotary(), torch.randn(2, 128, 32)
+    assert split_weight_work(*graph_of(m, x)) is not None
+    torch._dynamo.reset()
+    # A few hundred elements do not pay for an executable.
+    assert split_weight_work(*graph_of(m, torch.randn(2, 8, 32))) is None
+    torch._dynamo.reset()
+    tpu_dynamo.reset_stats()
+    c = compile_tpu(m)
+    with torch.no_grad():
+        for _ in range(3):
+            check(c, m, x)
+        assert executions() == 1 + 3
+        m.inv_freq.mul_(0.5)
+        check(c, m, x)
+        assert executions() == 1 + 3 + 2
+
+
 def test_a_graph_found_in_the_disk_cache_brings_its_prep_graph():
     m, x = weight_normed()
     for found in (False, True):

@@ -34,9 +34,18 @@ _COPIES = frozenset({aten.lift_fresh_copy.default, aten.clone.default, aten.alia
 _ALLOWANCE = 1 << 20
 
 # A prep graph is one more compile and, after a weight changes, one more execute: worth it when
-# it saves a call reading and writing at least this many bytes (a tiny model's rotary table is
-# computed in the graph as before).
+# it saves a call reading and writing at least this many bytes (a weight-normed `[32, 32]`
+# layer's weight is computed in the graph as before), or the transcendental work below.
 _WORTHWHILE = 1 << 20
+
+# Ops XLA:CPU computes with a scalar libm call per element (`compiler/src/lower/trig.rs`): a
+# tiny Llama's rotary table, cos and sin of `[1, 128, 32]` (32 KiB in all), cost ~7 % of its
+# execute on every call. Weight work with this many of their elements pays for a prep graph
+# whatever its bytes.
+_TRANSCENDENTAL = frozenset(
+    {aten.sin.default, aten.cos.default, aten.exp.default, aten.log.default, aten.tanh.default, aten.pow.Tensor_Tensor}
+)
+_WORTHWHILE_TRANSCENDENTAL = 4096
 
 
 @dataclass(frozen=True)
@@ -174,9 +183,24 @@ def split_weight_work(gm: torch.fx.GraphModule, kinds: list[InputKind]) -> Split
             break
         computed_in_main.update(too_large)
     moved = sum(map(_nbytes, hoisted)) + sum(map(_nbytes, frozenset().union(*(sources[n] for n in hoisted))))
-    if moved < _WORTHWHILE:
+    if moved < _WORTHWHILE and _transcendental_elements(hoisted) < _WORTHWHILE_TRANSCENDENTAL:
         return None
     return _build(gm, nodes, placeholders, kinds, in_main, hoisted)
+
+
+def _transcendental_elements(hoisted: list[torch.fx.Node]) -> int:
+    """Elements the `_TRANSCENDENTAL` ops computing `hoisted` produce."""
+    seen: set[torch.fx.Node] = set()
+    stack = list(hoisted)
+    elements = 0
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            if n.target in _TRANSCENDENTAL:
+                elements += _value(n).numel()
+            stack.extend(n.all_input_nodes)
+    return elements
 
 
 def _build(
