@@ -235,7 +235,8 @@ def test_a_model_forward_loads_without_tracing(tmp_path, name):
     is a guard check and a load (bench/RESULTS.md, run M: 0.08-0.12x the cold first call)."""
     bench_dir = str(Path(__file__).parents[1] / "bench")
     first, second = _save_then_load(tmp_path, MODEL, ("save", name, bench_dir), ("load", name, bench_dir))
-    assert (first["graphs_traced"], first["compiles"]) == (1, 1)
+    # Llama's graph comes with the prep graph of its rotary table (hoist.py).
+    assert (first["graphs_traced"], first["compiles"]) == (1, 2 if name == "llama-b1" else 1)
     assert (second["graphs_traced"], second["compiles"]) == (0, 0)
     for r in (first, second):
         assert r["diff"] <= 1e-4

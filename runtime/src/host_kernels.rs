@@ -346,10 +346,12 @@ unsafe fn handle(frame: &mut FfiCallFrame, layout: Layout, operands: c_int) -> *
         let shape = (rows as usize, n as usize, k as usize);
         let xla = XlaPool::of(frame);
         let threads = xla.map_or_else(pool::threads, |xla| xla.threads);
-        let (product, chunks) = gemm::Gemm::new(x.data as *const f32, w.data as *const f32, y.data as *mut f32, shape, layout, threads);
-        std::panic::catch_unwind(|| match xla {
-            Some(xla) => pool::run_scheduled(product, chunks, xla.threads, |task, data| xla.schedule(task, data)),
-            None => pool::run(&product, chunks),
+        std::panic::catch_unwind(|| {
+            let (product, chunks) = gemm::Gemm::new(x.data as *const f32, w.data as *const f32, y.data as *mut f32, shape, layout, threads);
+            match xla {
+                Some(xla) => pool::run_scheduled(product, chunks, xla.threads, |task, data| xla.schedule(task, data)),
+                None => pool::run(&product, chunks),
+            }
         })
     } else {
         let out = match y.dtype {
