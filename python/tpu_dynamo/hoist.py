@@ -38,10 +38,10 @@ _ALLOWANCE = 1 << 20
 # layer's weight is computed in the graph as before), or the transcendental work below.
 _WORTHWHILE = 1 << 20
 
-# Ops XLA:CPU computes with a scalar libm call per element (`compiler/src/lower/trig.rs`): a
-# tiny Llama's rotary table, cos and sin of `[1, 128, 32]` (32 KiB in all), cost ~7 % of its
-# execute on every call. Weight work with this many of their elements pays for a prep graph
-# whatever its bytes.
+# Ops of many instructions per element (`sin` and `cos` a scalar libm call each on XLA:CPU,
+# `compiler/src/lower/trig.rs`), which XLA recomputes in every fusion that reads them: a tiny
+# Llama's rotary table, cos and sin of `[1, 128, 32]` (32 KiB in all), cost 13-18 % of its
+# execute. Weight work with this many of their elements pays for a prep graph whatever its bytes.
 _TRANSCENDENTAL = frozenset(
     {aten.sin.default, aten.cos.default, aten.exp.default, aten.log.default, aten.tanh.default, aten.pow.Tensor_Tensor}
 )
