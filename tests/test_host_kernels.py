@@ -2,6 +2,7 @@
 the weight stored `[N, K]` (`nn.Linear`) or `[K, N]` (GPT-2's `Conv1D`, `x @ W`): a bf16 vector
 times a weight (a linear layer at one token, a decode step's), f32 products of short
 contractions split over XLA's threads, and f32 attention without a mask or with the causal one."""
+import gc
 from pathlib import Path
 
 import pytest
@@ -208,8 +209,6 @@ def test_weights_are_packed_once_and_again_after_an_in_place_change():
     del compiled_model, got
     torch._dynamo.reset()
     tpu_dynamo.reset_stats()
-    import gc
-
     gc.collect()
     assert kept_bytes() == before, "a weight's panels go with the last graph that holds it"
 

@@ -188,19 +188,21 @@ def split_weight_work(gm: torch.fx.GraphModule, kinds: list[InputKind]) -> Split
     return _build(gm, nodes, placeholders, kinds, in_main, hoisted)
 
 
-def _transcendental_elements(hoisted: list[torch.fx.Node]) -> int:
-    """Elements the `_TRANSCENDENTAL` ops computing `hoisted` produce."""
-    seen: set[torch.fx.Node] = set()
-    stack = list(hoisted)
-    elements = 0
+def _computing(nodes: list[torch.fx.Node]) -> set[torch.fx.Node]:
+    """`nodes` and every node they are computed from."""
+    found: set[torch.fx.Node] = set()
+    stack = list(nodes)
     while stack:
         n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            if n.target in _TRANSCENDENTAL:
-                elements += _value(n).numel()
+        if n not in found:
+            found.add(n)
             stack.extend(n.all_input_nodes)
-    return elements
+    return found
+
+
+def _transcendental_elements(hoisted: list[torch.fx.Node]) -> int:
+    """Elements the `_TRANSCENDENTAL` ops computing `hoisted` produce."""
+    return sum(_value(n).numel() for n in _computing(hoisted) if n.target in _TRANSCENDENTAL)
 
 
 def _build(
@@ -213,13 +215,7 @@ def _build(
 ) -> Split:
     """The prep graph (the hoisted values and what they need) and the main graph (the rest, with
     the hoisted values as its last placeholders)."""
-    needed: set[torch.fx.Node] = set()
-    stack = list(hoisted)
-    while stack:
-        n = stack.pop()
-        if n not in needed:
-            needed.add(n)
-            stack.extend(n.all_input_nodes)
+    needed = _computing(hoisted)
     prep, env = torch.fx.Graph(), {}
     prep_args = []
     for n in nodes:

@@ -57,9 +57,10 @@ impl Gemm {
         let rows_per_chunk = m.div_ceil(ROWS).div_ceil(parts.max(1)) * ROWS;
         let id = PRODUCTS.fetch_add(1, Ordering::Relaxed);
         let key = (w as usize, n, k, layout == Layout::RowPerOutput);
+        let floats = n.div_ceil(COLUMNS) * k * COLUMNS;
         // SAFETY: `w` covers `[n, k]` (the caller's contract) for `pack_all` to read.
-        let packed = || unsafe { pack_all(w, n, k, layout) };
-        let panels = if n * k == 0 { None } else { unchanging::panels(key, n * k * size_of::<f32>(), packed) };
+        let packed = || unsafe { pack_all(w, (n, k), layout, floats) };
+        let panels = if floats == 0 { None } else { unchanging::panels(key, (n * k, floats), packed) };
         (Gemm { x, w, y, m, n, k, layout, rows_per_chunk, id, panels }, m.div_ceil(rows_per_chunk))
     }
 
@@ -111,10 +112,10 @@ impl Lines {
     }
 }
 
-/// Every column block of `w` packed, `[n / 32, k, 32]`.
-unsafe fn pack_all(w: *const f32, n: usize, k: usize, layout: Layout) -> Vec<Line> {
+/// Every column block of `w` packed, `[n / 32, k, 32]` (`floats` of them).
+unsafe fn pack_all(w: *const f32, (n, k): (usize, usize), layout: Layout, floats: usize) -> Vec<Line> {
     let mut panels = Lines::new();
-    for (block, panel) in panels.floats(n.div_ceil(COLUMNS) * k * COLUMNS).chunks_exact_mut(k * COLUMNS).enumerate() {
+    for (block, panel) in panels.floats(floats).chunks_exact_mut(k * COLUMNS).enumerate() {
         pack_block(w, (n, k), layout, block, panel);
     }
     panels.0

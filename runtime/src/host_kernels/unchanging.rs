@@ -106,16 +106,17 @@ pub fn kept_bytes() -> usize {
     registry().kept_bytes
 }
 
-/// The panels `key` names, made by `pack` the first time, where the `bytes` bytes at `key`'s
-/// address lie in a declared range and the budget allows; `None` otherwise (pack per call).
-pub(super) fn panels(key: PanelKey, bytes: usize, pack: impl FnOnce() -> Vec<Line>) -> Option<Arc<[Line]>> {
+/// The panels `key` names, made by `pack` the first time, where the weight's `read` f32s at
+/// `key`'s address lie in a declared range and the budget allows `packed` more; `None`
+/// otherwise (pack per call).
+pub(super) fn panels(key: PanelKey, (read, packed): (usize, usize), pack: impl FnOnce() -> Vec<Line>) -> Option<Arc<[Line]>> {
     let mut registry = registry();
     let kept_bytes = registry.kept_bytes;
-    let range = registry.holding(key.0, key.0 + bytes)?;
+    let range = registry.holding(key.0, key.0 + read * size_of::<f32>())?;
     if let Some((_, panels)) = range.panels.iter().find(|(k, _)| *k == key) {
         return Some(panels.clone());
     }
-    let size = std::mem::size_of::<f32>() * key.1.div_ceil(super::gemm::COLUMNS) * super::gemm::COLUMNS * key.2;
+    let size = packed * size_of::<f32>();
     if kept_bytes + size > MAX_KEPT_BYTES {
         return None;
     }
@@ -136,7 +137,7 @@ mod tests {
     }
 
     fn kept(start: usize) -> bool {
-        panels((start, 32, 1, true), 128, || vec![Line([0.0; 16]); 2]).is_some()
+        panels((start, 32, 1, true), (32, 32), || vec![Line([0.0; 16]); 2]).is_some()
     }
 
     #[test]
@@ -146,7 +147,7 @@ mod tests {
         let declared = declare(b, 4096);
         let mut packs = 0;
         for _ in 0..3 {
-            panels((b + 1024, 32, 1, true), 128, || {
+            panels((b + 1024, 32, 1, true), (32, 32), || {
                 packs += 1;
                 vec![Line([1.0; 16]); 2]
             })
@@ -172,9 +173,9 @@ mod tests {
     fn a_newer_declaration_displaces_and_survives_the_older_one() {
         let b = base(3);
         let old = declare(b, 4096);
-        let first = panels((b, 32, 1, true), 128, || vec![Line([1.0; 16]); 2]).unwrap();
+        let first = panels((b, 32, 1, true), (32, 32), || vec![Line([1.0; 16]); 2]).unwrap();
         let new = declare(b, 4096);
-        let second = panels((b, 32, 1, true), 128, || vec![Line([2.0; 16]); 2]).unwrap();
+        let second = panels((b, 32, 1, true), (32, 32), || vec![Line([2.0; 16]); 2]).unwrap();
         assert_eq!((first[0].0[0], second[0].0[0]), (1.0, 2.0), "the new value is packed anew");
         drop(old);
         assert!(kept(b), "dropping the displaced declaration leaves the newer one");
