@@ -169,6 +169,24 @@ def test_f32_nan_and_infinity_reach_the_outputs_they_touch():
     assert torch.isfinite(got[:, [0, 1, 2, 4, 69, 71]]).all()
 
 
+@needs_f32_kernels
+def test_an_infinite_input_or_kept_weight_gives_eager_s_infinities():
+    """Where AMX runs the products (from bf16 pieces of each value, which an infinity does not
+    have), rows of `x` or a weight that are not all finite take the f32 kernel: an infinite
+    input gives its row's infinities and a kept weight's infinity its column's, as in eager."""
+    torch.manual_seed(5)
+    linear = torch.nn.Linear(64, 96, bias=False)
+    x = torch.randn(128, 64)
+    x[5, 7] = float("inf")
+    compiled = compile_tpu(linear)
+    with torch.no_grad():
+        for _ in range(2):
+            got, want = compiled(x), linear(x)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+            assert torch.isinf(got[5]).sum() >= 95 and torch.isinf(got[:, 11]).sum() >= 127 * linear.weight[11, 3].isinf()
+            linear.weight[11, 3] = float("-inf")
+
+
 def kept_bytes() -> int:
     return tpu_dynamo.stats()["packed_weight_bytes"]
 
@@ -194,18 +212,24 @@ def test_weights_are_packed_once_and_again_after_an_in_place_change():
     model, x = TwoLinears(), torch.randn(2, 64, 64)
     compiled_model = torch.compile(model, backend="tpu", fullgraph=True)
     before = kept_bytes()
+    if tpu_dynamo.device_info()["amx"]:
+        # Six 1 KiB tiles (two halves of 16 columns, three pieces) per 32 columns and 32 of K:
+        # [160, 64] as 5 x 2 of them, [160, 96] as 3 x 5.
+        packed_bytes = 6 * 1024 * (5 * 2 + 3 * 5)
+    else:
+        # [160, 64] as 5 panels of [64, 32] f32s, [160, 96] as 3 of [160, 32].
+        packed_bytes = 4 * (5 * 64 * 32 + 3 * 160 * 32)
     with torch.no_grad():
         for step in range(4):
             got = compiled_model(x)
             torch.testing.assert_close(got, model(x), rtol=1e-5, atol=1e-5)
             if step == 0:
-                # [160, 64] packed as 5 panels of [64, 32], [160, 96] as 3 of [160, 32].
-                assert kept_bytes() - before == 4 * (5 * 64 * 32 + 3 * 160 * 32)
+                assert kept_bytes() - before == packed_bytes
             if step == 1:
                 model.up.weight.mul_(-2.0)
             if step == 2:
                 model.down.copy_(torch.randn(160, 96))
-    assert kept_bytes() - before == 4 * (5 * 64 * 32 + 3 * 160 * 32), "the old versions' panels are freed"
+    assert kept_bytes() - before == packed_bytes, "the old versions' panels are freed"
     del compiled_model, got
     torch._dynamo.reset()
     tpu_dynamo.reset_stats()

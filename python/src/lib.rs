@@ -79,6 +79,8 @@ fn device_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let devices: Vec<String> = t.client.devices().iter().map(|dev| format!("{dev:?}")).collect();
     d.set_item("devices", devices)?;
     d.set_item("host_kernels", t.host_kernels.clone())?;
+    let f32_products = t.host_kernels.contains(&tpu_dynamo_runtime::host_kernels::F32_MATMUL_NT_TARGET);
+    d.set_item("amx", f32_products && tpu_dynamo_runtime::host_kernels::products_on_tiles())?;
     Ok(d)
 }
 

@@ -10,6 +10,8 @@
 //! the bytes. This one streams the weight once, with f32 sums as
 //! PyTorch's CPU kernels keep them.
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
 mod attention;
 mod gemm;
 mod pool;
@@ -270,6 +272,14 @@ unsafe fn destroy(api: *const u8, error: *mut c_void) -> bool {
     if let Some(destroy) = *(api.add(ERROR_DESTROY_OFFSET) as *const Option<Destroy>) {
         destroy(&mut ErrorDestroyArgs { struct_size: std::mem::size_of::<ErrorDestroyArgs>(), extension_start: std::ptr::null_mut(), error });
     }
+    false
+}
+
+/// Whether the f32 products run on AMX tiles here (`amx`).
+pub fn products_on_tiles() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return amx::available();
+    #[cfg(not(target_arch = "x86_64"))]
     false
 }
 

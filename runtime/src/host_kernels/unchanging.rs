@@ -18,8 +18,9 @@ use super::gemm::Line;
 /// products with K ≤ 256 take panels (the compiler's bound), i.e. small models' weights.
 const MAX_KEPT_BYTES: usize = 256 << 20;
 
-/// A product's panels of one weight: its address, `n`, `k`, and whether it is stored `[N, K]`.
-pub(super) type PanelKey = (usize, usize, usize, bool);
+/// A product's panels of one weight: its address, `n`, `k`, whether it is stored `[N, K]`, and
+/// whether they are its AMX pieces (`amx::pack`) rather than f32 panels.
+pub(super) type PanelKey = (usize, usize, usize, bool, bool);
 
 struct Range {
     end: usize,
@@ -123,7 +124,7 @@ pub(super) fn panels(key: PanelKey, (read, packed): (usize, usize), pack: impl F
     // Packed under the lock: once per weight, and no declaration may change meanwhile.
     let panels: Arc<[Line]> = pack().into();
     range.panels.push((key, panels.clone()));
-    registry.kept_bytes += size;
+    registry.kept_bytes += std::mem::size_of_val(&*panels);
     Some(panels)
 }
 
@@ -137,7 +138,7 @@ mod tests {
     }
 
     fn kept(start: usize) -> bool {
-        panels((start, 32, 1, true), (32, 32), || vec![Line([0.0; 16]); 2]).is_some()
+        panels((start, 32, 1, true, false), (32, 32), || vec![Line([0.0; 16]); 2]).is_some()
     }
 
     #[test]
@@ -147,7 +148,7 @@ mod tests {
         let declared = declare(b, 4096);
         let mut packs = 0;
         for _ in 0..3 {
-            panels((b + 1024, 32, 1, true), (32, 32), || {
+            panels((b + 1024, 32, 1, true, false), (32, 32), || {
                 packs += 1;
                 vec![Line([1.0; 16]); 2]
             })
@@ -173,9 +174,9 @@ mod tests {
     fn a_newer_declaration_displaces_and_survives_the_older_one() {
         let b = base(3);
         let old = declare(b, 4096);
-        let first = panels((b, 32, 1, true), (32, 32), || vec![Line([1.0; 16]); 2]).unwrap();
+        let first = panels((b, 32, 1, true, false), (32, 32), || vec![Line([1.0; 16]); 2]).unwrap();
         let new = declare(b, 4096);
-        let second = panels((b, 32, 1, true), (32, 32), || vec![Line([2.0; 16]); 2]).unwrap();
+        let second = panels((b, 32, 1, true, false), (32, 32), || vec![Line([2.0; 16]); 2]).unwrap();
         assert_eq!((first[0].0[0], second[0].0[0]), (1.0, 2.0), "the new value is packed anew");
         drop(old);
         assert!(kept(b), "dropping the displaced declaration leaves the newer one");

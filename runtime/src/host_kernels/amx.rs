@@ -1,0 +1,384 @@
+//! f32 products on AMX's bf16 tiles (Intel Xeon since Sapphire Rapids) at f32's accuracy.
+//!
+//! An f32 value is the exact sum of three bf16 pieces (its mantissa's top 8 bits, the next 8,
+//! the last 8), so `x · w` is the sum of nine piece products, each exact in f32; the six that
+//! matter at f32's precision (`x1w1 + x1w2 + x2w1 + x1w3 + x2w2 + x3w1`; the dropped three are
+//! below 2⁻²⁴ of `|x||w|`) are tile products, accumulated in f32 as the vector kernel does.
+//! A tile product does 16 × 16 × 32 multiply-adds in 16 cycles: 512 a cycle where AVX-512 does
+//! 32 in f32, so even six of them are 2.7 times its peak.
+//!
+//! Only finite operands take this form: an infinite `x` would meet `w`'s zero pieces (`∞ · 0`)
+//! where the f32 product has none. The tiles flush subnormal pieces and products to zero, which
+//! moves results only for operands below ~1e-33.
+
+use super::gemm::{Line, Lines, COLUMNS};
+use super::Layout;
+use std::arch::asm;
+use std::cell::RefCell;
+use std::sync::OnceLock;
+
+/// Rows (and result columns) of a tile, and the bf16 values of K a tile row holds.
+const TILE: usize = 16;
+const STEP: usize = 32;
+/// Lines in one tile (16 rows of 64 bytes), and tiles per column block and step of K: two
+/// halves of 16 columns, three pieces each.
+const TILE_LINES: usize = 16;
+const BLOCK_STEP_TILES: usize = 6;
+
+/// Whether products run on the tiles here: the CPU has AMX-BF16 and Linux granted this process
+/// the tile registers' state (it must ask; `TPU_DYNAMO_AMX=0` keeps the vector kernel).
+pub(super) fn available() -> bool {
+    static AVAILABLE: OnceLock<bool> = OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+        {
+            const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+            const XFEATURE_XTILEDATA: libc::c_long = 18;
+            if std::env::var("TPU_DYNAMO_AMX").is_ok_and(|v| v == "0") {
+                return false;
+            }
+            let leaf7 = std::arch::x86_64::__cpuid_count(7, 0);
+            let (amx_bf16, amx_tile) = (leaf7.edx & (1 << 22) != 0, leaf7.edx & (1 << 24) != 0);
+            // SAFETY: the request only changes which state the kernel saves for this process.
+            amx_bf16 && amx_tile && unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) } == 0
+        }
+        #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+        false
+    })
+}
+
+/// The three bf16 pieces of `v` (each the top half of an f32 whose sum is exactly `v`).
+fn pieces(v: f32) -> [u16; 3] {
+    const TOP: u32 = 0xffff_0000;
+    let first = f32::from_bits(v.to_bits() & TOP);
+    let rest = v - first;
+    let second = f32::from_bits(rest.to_bits() & TOP);
+    let third = rest - second;
+    [(v.to_bits() >> 16) as u16, (second.to_bits() >> 16) as u16, (third.to_bits() >> 16) as u16]
+}
+
+/// Lines of `pack`'s result for a `[n, k]` weight.
+pub(super) fn packed_lines(n: usize, k: usize) -> usize {
+    n.div_ceil(COLUMNS) * k.div_ceil(STEP) * BLOCK_STEP_TILES * TILE_LINES
+}
+
+/// The weight's pieces as tiles, `[n / 32, k / 32, half, piece]` (each tile 16 rows of 16
+/// column pairs: row `r` holds K `2r` and `2r + 1` of each column, as the tile product reads
+/// them), zero past `n` and `k`; `None` where the weight is not all finite.
+///
+/// # Safety
+/// `w` must cover `[n, k]` (`RowPerOutput`) or `[k, n]` (`RowPerInput`).
+pub(super) unsafe fn pack(w: *const f32, (n, k): (usize, usize), layout: Layout) -> Option<Vec<Line>> {
+    let steps = k.div_ceil(STEP);
+    let mut packed = Lines::new();
+    let out = packed.u16s(packed_lines(n, k) * 2 * TILE);
+    for col in 0..n {
+        let (block, half, lane) = (col / COLUMNS, col % COLUMNS / TILE, col % TILE);
+        for kk in 0..k {
+            let v = match layout {
+                Layout::RowPerOutput => *w.add(col * k + kk),
+                Layout::RowPerInput => *w.add(kk * n + col),
+            };
+            if !v.is_finite() {
+                return None;
+            }
+            let (step, row, pair) = (kk / STEP, kk % STEP / 2, kk % 2);
+            let first_tile = ((block * steps + step) * 2 + half) * 3;
+            for (piece, bits) in pieces(v).into_iter().enumerate() {
+                out[((first_tile + piece) * TILE + row) * 2 * TILE + 2 * lane + pair] = bits;
+            }
+        }
+    }
+    Some(packed.0)
+}
+
+/// A thread's memory for its products on the tiles.
+struct Scratch {
+    /// Rows of `x` split into pieces, `[piece, rows / 32 * 32, k / 32 * 32]`.
+    split: Lines,
+    /// The weight's pieces where they are packed per call (empty where it is not all finite),
+    /// and which product's they are.
+    packed: Vec<Line>,
+    packed_for: u64,
+    /// A partial tile's results, `[32, 32]`.
+    partial: Lines,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> =
+        const { RefCell::new(Scratch { split: Lines::new(), packed: Vec::new(), packed_for: 0, partial: Lines::new() }) };
+}
+
+/// Rows `first_row..first_row + rows` of `y = x @ w` on the tiles, from the weight's pieces
+/// (`kept`, else packed here once per product `id` and thread); false, with nothing written,
+/// where those rows of `x` or the weight are not all finite.
+///
+/// # Safety
+/// `x` `[m, k]`, `w` and `y` `[m, n]` must cover the shapes for these rows, `kept` (if any) be
+/// `pack`'s result for `w`, and `available()` be true.
+pub(super) unsafe fn rows(
+    (x, w, y): (*const f32, *const f32, *mut f32),
+    (n, k): (usize, usize),
+    layout: Layout,
+    id: u64,
+    kept: Option<&[Line]>,
+    first_row: usize,
+    rows: usize,
+) -> bool {
+    SCRATCH.with(|scratch| {
+        let Scratch { split, packed, packed_for, partial } = &mut *scratch.borrow_mut();
+        let steps = k.div_ceil(STEP);
+        let lda = steps * STEP;
+        let tall = rows.div_ceil(2 * TILE) * 2 * TILE;
+        let a = split.u16s(3 * tall * lda);
+        if !x86::split(x.add(first_row * k), k, rows, a, tall * lda, lda) {
+            return false;
+        }
+        let pieces = match kept {
+            Some(kept) => kept,
+            None => {
+                if *packed_for != id {
+                    *packed = pack(w, (n, k), layout).unwrap_or_default();
+                    *packed_for = id;
+                }
+                if packed.is_empty() {
+                    return false;
+                }
+                &packed[..]
+            }
+        };
+        let partial = partial.floats(2 * TILE * COLUMNS);
+        x86::products(a.as_ptr(), (tall, lda, steps), pieces.as_ptr(), (y.add(first_row * n), n, rows), partial);
+        true
+    })
+}
+
+mod x86 {
+    use super::{asm, Line, BLOCK_STEP_TILES, COLUMNS, STEP, TILE, TILE_LINES};
+    use std::arch::x86_64::*;
+
+    /// Rows of `x` (`k` long) as their three pieces, at `a[piece * piece_len + r * lda + kk]`,
+    /// zero past `rows` (to `piece_len / lda`) and `k` (to `lda`); false where a value is not
+    /// finite.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn split(x: *const f32, k: usize, rows: usize, a: &mut [u16], piece_len: usize, lda: usize) -> bool {
+        let top = _mm512_set1_epi32(0xffff_0000u32 as i32);
+        let exponent = _mm512_set1_epi32(0x7f80_0000);
+        let mut infinite_or_nan: __mmask16 = 0;
+        let out = a.as_mut_ptr();
+        // The top halves of 32 lanes, the first vector's 16 then the second's.
+        let tops = _mm512_set_epi16(
+            63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1,
+        );
+        for r in 0..rows {
+            // 32 lanes at a time to `lda` (a multiple of 32): lanes past `k` load and store zeros.
+            for kk in (0..lda).step_by(32) {
+                let mut split = [[_mm512_setzero_si512(); 3]; 2];
+                for (half, pieces) in split.iter_mut().enumerate() {
+                    let from = kk + 16 * half;
+                    let mask = ((1u32 << k.saturating_sub(from).min(16)) - 1) as __mmask16;
+                    let v = _mm512_maskz_loadu_ps(mask, x.add(r * k + from));
+                    let bits = _mm512_castps_si512(v);
+                    infinite_or_nan |= _mm512_mask_cmpeq_epi32_mask(mask, _mm512_and_si512(bits, exponent), exponent);
+                    let first = _mm512_and_si512(bits, top);
+                    let rest = _mm512_sub_ps(v, _mm512_castsi512_ps(first));
+                    let second = _mm512_and_si512(_mm512_castps_si512(rest), top);
+                    let third = _mm512_castps_si512(_mm512_sub_ps(rest, _mm512_castsi512_ps(second)));
+                    *pieces = [first, second, third];
+                }
+                for (piece, (&low, &high)) in split[0].iter().zip(&split[1]).enumerate() {
+                    let halves = _mm512_permutex2var_epi16(low, tops, high);
+                    _mm512_storeu_si512(out.add(piece * piece_len + r * lda + kk) as *mut __m512i, halves);
+                }
+            }
+        }
+        for piece in 0..3 {
+            a[piece * piece_len + rows * lda..(piece + 1) * piece_len].fill(0);
+        }
+        infinite_or_nan == 0
+    }
+
+    /// Every pair of tile rows of `a` (`tall` rows, a multiple of 32) times every column block
+    /// of the weight's `pieces`, into `y` (`rows` rows, `n` columns), a partial tile through
+    /// `partial` (`[32, 32]`).
+    ///
+    /// Four sums (tmm0-3: rows 0-15 and 16-31 by columns 0-15 and 16-31) take turns, so that no
+    /// product waits for the one before it; tmm4-5 hold x's pieces of both row tiles, tmm6-7
+    /// the weight's of both column halves. Per step of K the six piece pairs run as x1w1, x2w1,
+    /// x3w1 (w1 loaded once), x2w2, x1w2 (w2), x1w3 (x1 still loaded): 16 loads, 24 products.
+    pub(super) unsafe fn products(
+        a: *const u16,
+        (tall, lda, steps): (usize, usize, usize),
+        pieces: *const Line,
+        (y, n, rows): (*mut f32, usize, usize),
+        partial: &mut [f32],
+    ) {
+        // Palette 1, all eight tiles 16 rows of 64 bytes.
+        let mut config = Line([0.0; 16]);
+        let bytes = config.0.as_mut_ptr() as *mut u8;
+        *bytes = 1;
+        for t in 0..8 {
+            *(bytes.add(16 + 2 * t) as *mut u16) = 64;
+            *bytes.add(48 + t) = TILE as u8;
+        }
+        asm!("ldtilecfg [{0}]", in(reg) bytes, options(nostack, readonly, preserves_flags));
+        let (a_stride, y_stride) = (2 * lda, 4 * n);
+        let piece_bytes = 2 * tall * lda;
+        let tile_rows_bytes = TILE * a_stride;
+        for block in 0..n.div_ceil(COLUMNS) {
+            let cols = (n - block * COLUMNS).min(COLUMNS);
+            for first in (0..rows).step_by(2 * TILE) {
+                asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem, preserves_flags));
+                for step in 0..steps {
+                    let x1 = (a as *const u8).add(2 * (first * lda + step * STEP));
+                    // The weight's tiles for this block and step: half 0's three pieces, then half 1's,
+                    // 1 KiB each.
+                    let w = pieces.add((block * steps + step) * BLOCK_STEP_TILES * TILE_LINES);
+                    asm!(
+                        "tileloadd tmm4, [{x1} + {sa}*1]",
+                        "tileloadd tmm6, [{w} + {sw}*1]",
+                        "tileloadd tmm7, [{w} + {sw}*1 + 3072]",
+                        "tileloadd tmm5, [{x1b} + {sa}*1]",
+                        "tdpbf16ps tmm0, tmm4, tmm6",
+                        "tdpbf16ps tmm1, tmm4, tmm7",
+                        "tileloadd tmm4, [{x2} + {sa}*1]",
+                        "tdpbf16ps tmm2, tmm5, tmm6",
+                        "tdpbf16ps tmm3, tmm5, tmm7",
+                        "tileloadd tmm5, [{x2b} + {sa}*1]",
+                        "tdpbf16ps tmm0, tmm4, tmm6",
+                        "tdpbf16ps tmm1, tmm4, tmm7",
+                        "tileloadd tmm4, [{x3} + {sa}*1]",
+                        "tdpbf16ps tmm2, tmm5, tmm6",
+                        "tdpbf16ps tmm3, tmm5, tmm7",
+                        "tileloadd tmm5, [{x3b} + {sa}*1]",
+                        "tdpbf16ps tmm0, tmm4, tmm6",
+                        "tdpbf16ps tmm1, tmm4, tmm7",
+                        "tileloadd tmm4, [{x2} + {sa}*1]",
+                        "tdpbf16ps tmm2, tmm5, tmm6",
+                        "tileloadd tmm6, [{w} + {sw}*1 + 1024]",
+                        "tdpbf16ps tmm3, tmm5, tmm7",
+                        "tileloadd tmm5, [{x2b} + {sa}*1]",
+                        "tileloadd tmm7, [{w} + {sw}*1 + 4096]",
+                        "tdpbf16ps tmm0, tmm4, tmm6",
+                        "tdpbf16ps tmm1, tmm4, tmm7",
+                        "tileloadd tmm4, [{x1} + {sa}*1]",
+                        "tdpbf16ps tmm2, tmm5, tmm6",
+                        "tdpbf16ps tmm3, tmm5, tmm7",
+                        "tileloadd tmm5, [{x1b} + {sa}*1]",
+                        "tdpbf16ps tmm0, tmm4, tmm6",
+                        "tdpbf16ps tmm1, tmm4, tmm7",
+                        "tdpbf16ps tmm2, tmm5, tmm6",
+                        "tileloadd tmm6, [{w} + {sw}*1 + 2048]",
+                        "tdpbf16ps tmm3, tmm5, tmm7",
+                        "tileloadd tmm7, [{w} + {sw}*1 + 5120]",
+                        "tdpbf16ps tmm0, tmm4, tmm6",
+                        "tdpbf16ps tmm1, tmm4, tmm7",
+                        "tdpbf16ps tmm2, tmm5, tmm6",
+                        "tdpbf16ps tmm3, tmm5, tmm7",
+                        x1 = in(reg) x1,
+                        x2 = in(reg) x1.add(piece_bytes),
+                        x3 = in(reg) x1.add(2 * piece_bytes),
+                        x1b = in(reg) x1.add(tile_rows_bytes),
+                        x2b = in(reg) x1.add(piece_bytes + tile_rows_bytes),
+                        x3b = in(reg) x1.add(2 * piece_bytes + tile_rows_bytes),
+                        sa = in(reg) a_stride,
+                        w = in(reg) w,
+                        sw = in(reg) 64usize,
+                        options(nostack, readonly, preserves_flags),
+                    );
+                }
+                let out = y.add(first * n + block * COLUMNS);
+                let valid = (rows - first).min(2 * TILE);
+                if valid == 2 * TILE && cols == COLUMNS {
+                    store(out, y_stride, TILE * n);
+                } else {
+                    store(partial.as_mut_ptr(), 4 * COLUMNS, TILE * COLUMNS);
+                    for r in 0..valid {
+                        std::ptr::copy_nonoverlapping(partial.as_ptr().add(r * COLUMNS), out.add(r * n), cols);
+                    }
+                }
+            }
+        }
+        asm!("tilerelease", options(nostack, nomem, preserves_flags));
+    }
+
+    /// The four sums (tmm0-3) as 32 rows of 32 f32s from `out`, rows `stride` bytes apart,
+    /// the second row tile `lower` f32s after the first.
+    unsafe fn store(out: *mut f32, stride: usize, lower: usize) {
+        asm!(
+            "tilestored [{o} + {s}*1], tmm0",
+            "tilestored [{o1} + {s}*1], tmm1",
+            "tilestored [{o2} + {s}*1], tmm2",
+            "tilestored [{o3} + {s}*1], tmm3",
+            o = in(reg) out,
+            o1 = in(reg) out.add(TILE),
+            o2 = in(reg) out.add(lower),
+            o3 = in(reg) out.add(lower + TILE),
+            s = in(reg) stride,
+            options(nostack, preserves_flags),
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn three_pieces_sum_to_the_value_exactly() {
+        let mut next = super::super::uniform(3);
+        for scale in [1e-30f32, 1e-3, 1.0, 7.5e3, 3e38] {
+            for _ in 0..1000 {
+                let v = next() * scale;
+                let [a, b, c] = pieces(v).map(|p| f32::from_bits(u32::from(p) << 16));
+                assert_eq!(f64::from(a) + f64::from(b) + f64::from(c), f64::from(v), "{v:e}");
+            }
+        }
+    }
+
+    /// Every shape class (row and column tails, K past and short of a step, both layouts)
+    /// within f32 summation's rounding of a sum in f64, and non-finite operands refused.
+    #[test]
+    fn agrees_with_f64_sums_and_refuses_non_finite_operands() {
+        if !available() {
+            return;
+        }
+        let mut next = super::super::uniform(11);
+        for (m, n, k) in [(16, 32, 32), (128, 1000, 64), (13, 45, 70), (37, 200, 33), (25, 31, 1), (64, 64, 256)] {
+            let x: Vec<f32> = (0..m * k).map(|_| next() * 3.0).collect();
+            let w: Vec<f32> = (0..n * k).map(|_| next()).collect();
+            for layout in [Layout::RowPerOutput, Layout::RowPerInput] {
+                let at = |j: usize, kk: usize| if layout == Layout::RowPerOutput { w[j * k + kk] } else { w[kk * n + j] };
+                let kept = unsafe { pack(w.as_ptr(), (n, k), layout) }.unwrap();
+                for kept in [Some(&kept[..]), None] {
+                    let mut y = vec![f32::NAN; m * n];
+                    let id = super::super::gemm::next_product_id();
+                    // Two runs of rows, as two threads would take them.
+                    let half = m.div_ceil(32) * 16;
+                    for (first, rows) in [(0, half.min(m)), (half.min(m), m - half.min(m))] {
+                        let done = unsafe { rows_of((x.as_ptr(), w.as_ptr(), y.as_mut_ptr()), (n, k), layout, id, kept, first, rows) };
+                        assert!(done);
+                    }
+                    for i in 0..m {
+                        for j in 0..n {
+                            let want: f64 = (0..k).map(|kk| f64::from(x[i * k + kk]) * f64::from(at(j, kk))).sum();
+                            let got = f64::from(y[i * n + j]);
+                            assert!((got - want).abs() <= 1e-6 * (k as f64).sqrt() * 3.0, "{m}x{n}x{k} at {i},{j}: {got} vs {want}");
+                        }
+                    }
+                }
+            }
+            let mut bad_x = x.clone();
+            bad_x[m * k - 1] = f32::INFINITY;
+            let mut y = vec![0.0; m * n];
+            let id = super::super::gemm::next_product_id();
+            assert!(!unsafe { rows_of((bad_x.as_ptr(), w.as_ptr(), y.as_mut_ptr()), (n, k), Layout::RowPerInput, id, None, 0, m) });
+            let mut bad_w = w.clone();
+            bad_w[0] = f32::NAN;
+            assert!(unsafe { pack(bad_w.as_ptr(), (n, k), Layout::RowPerInput) }.is_none());
+        }
+    }
+
+    use super::rows as rows_of;
+}
+
