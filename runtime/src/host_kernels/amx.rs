@@ -24,6 +24,8 @@ const STEP: usize = 32;
 /// halves of 16 columns, three pieces each.
 const TILE_LINES: usize = 16;
 const BLOCK_STEP_TILES: usize = 6;
+/// Bytes of `x`'s pieces a group of rows may take (half of L1's 48 KiB).
+const L1_ROWS_BYTES: usize = 24 << 10;
 
 /// Whether products run on the tiles here: the CPU has AMX-BF16 and Linux granted this process
 /// the tile registers' state (it must ask; `TPU_DYNAMO_AMX=0` keeps the vector kernel).
@@ -154,7 +156,7 @@ pub(super) unsafe fn rows(
 }
 
 mod x86 {
-    use super::{asm, Line, BLOCK_STEP_TILES, COLUMNS, STEP, TILE, TILE_LINES};
+    use super::{asm, Line, BLOCK_STEP_TILES, COLUMNS, L1_ROWS_BYTES, STEP, TILE, TILE_LINES};
     use std::arch::x86_64::*;
 
     /// Rows of `x` (`k` long) as their three pieces, at `a[piece * piece_len + r * lda + kk]`,
@@ -225,76 +227,89 @@ mod x86 {
         let (a_stride, y_stride) = (2 * lda, 4 * n);
         let piece_bytes = 2 * tall * lda;
         let tile_rows_bytes = TILE * a_stride;
-        for block in 0..n.div_ceil(COLUMNS) {
-            let cols = (n - block * COLUMNS).min(COLUMNS);
-            for first in (0..rows).step_by(2 * TILE) {
-                asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem, preserves_flags));
-                for step in 0..steps {
-                    let x1 = (a as *const u8).add(2 * (first * lda + step * STEP));
-                    // The weight's tiles for this block and step: half 0's three pieces, then half 1's,
-                    // 1 KiB each.
-                    let w = pieces.add((block * steps + step) * BLOCK_STEP_TILES * TILE_LINES);
-                    asm!(
-                        "tileloadd tmm4, [{x1} + {sa}*1]",
-                        "tileloadd tmm6, [{w} + {sw}*1]",
-                        "tileloadd tmm7, [{w} + {sw}*1 + 3072]",
-                        "tileloadd tmm5, [{x1b} + {sa}*1]",
-                        "tdpbf16ps tmm0, tmm4, tmm6",
-                        "tdpbf16ps tmm1, tmm4, tmm7",
-                        "tileloadd tmm4, [{x2} + {sa}*1]",
-                        "tdpbf16ps tmm2, tmm5, tmm6",
-                        "tdpbf16ps tmm3, tmm5, tmm7",
-                        "tileloadd tmm5, [{x2b} + {sa}*1]",
-                        "tdpbf16ps tmm0, tmm4, tmm6",
-                        "tdpbf16ps tmm1, tmm4, tmm7",
-                        "tileloadd tmm4, [{x3} + {sa}*1]",
-                        "tdpbf16ps tmm2, tmm5, tmm6",
-                        "tdpbf16ps tmm3, tmm5, tmm7",
-                        "tileloadd tmm5, [{x3b} + {sa}*1]",
-                        "tdpbf16ps tmm0, tmm4, tmm6",
-                        "tdpbf16ps tmm1, tmm4, tmm7",
-                        "tileloadd tmm4, [{x2} + {sa}*1]",
-                        "tdpbf16ps tmm2, tmm5, tmm6",
-                        "tileloadd tmm6, [{w} + {sw}*1 + 1024]",
-                        "tdpbf16ps tmm3, tmm5, tmm7",
-                        "tileloadd tmm5, [{x2b} + {sa}*1]",
-                        "tileloadd tmm7, [{w} + {sw}*1 + 4096]",
-                        "tdpbf16ps tmm0, tmm4, tmm6",
-                        "tdpbf16ps tmm1, tmm4, tmm7",
-                        "tileloadd tmm4, [{x1} + {sa}*1]",
-                        "tdpbf16ps tmm2, tmm5, tmm6",
-                        "tdpbf16ps tmm3, tmm5, tmm7",
-                        "tileloadd tmm5, [{x1b} + {sa}*1]",
-                        "tdpbf16ps tmm0, tmm4, tmm6",
-                        "tdpbf16ps tmm1, tmm4, tmm7",
-                        "tdpbf16ps tmm2, tmm5, tmm6",
-                        "tileloadd tmm6, [{w} + {sw}*1 + 2048]",
-                        "tdpbf16ps tmm3, tmm5, tmm7",
-                        "tileloadd tmm7, [{w} + {sw}*1 + 5120]",
-                        "tdpbf16ps tmm0, tmm4, tmm6",
-                        "tdpbf16ps tmm1, tmm4, tmm7",
-                        "tdpbf16ps tmm2, tmm5, tmm6",
-                        "tdpbf16ps tmm3, tmm5, tmm7",
-                        x1 = in(reg) x1,
-                        x2 = in(reg) x1.add(piece_bytes),
-                        x3 = in(reg) x1.add(2 * piece_bytes),
-                        x1b = in(reg) x1.add(tile_rows_bytes),
-                        x2b = in(reg) x1.add(piece_bytes + tile_rows_bytes),
-                        x3b = in(reg) x1.add(2 * piece_bytes + tile_rows_bytes),
-                        sa = in(reg) a_stride,
-                        w = in(reg) w,
-                        sw = in(reg) 64usize,
-                        options(nostack, readonly, preserves_flags),
-                    );
-                }
-                let out = y.add(first * n + block * COLUMNS);
-                let valid = (rows - first).min(2 * TILE);
-                if valid == 2 * TILE && cols == COLUMNS {
-                    store(out, y_stride, TILE * n);
-                } else {
-                    store(partial.as_mut_ptr(), 4 * COLUMNS, TILE * COLUMNS);
+        // Rows in groups whose pieces stay in L1 (24 KiB) while every column block passes over
+        // them: streamed from L2 instead, a tile product's operands arrive slower than it runs
+        // (a tiny Llama at batch 8, `[512, 64]` rows a thread: 2.8 ms against the vector
+        // kernel's 2.2).
+        let group = (L1_ROWS_BYTES / (2 * TILE * 3 * a_stride)).max(1) * 2 * TILE;
+        for group_first in (0..rows).step_by(group) {
+            for block in 0..n.div_ceil(COLUMNS) {
+                let cols = (n - block * COLUMNS).min(COLUMNS);
+                for first in (group_first..rows.min(group_first + group)).step_by(2 * TILE) {
+                    let out = y.add(first * n + block * COLUMNS);
+                    let valid = (rows - first).min(2 * TILE);
+                    // The results' lines fetched for writing while the products run: a large `y`
+                    // (a batch's logits) is not in cache, and the tiles' stores waited for it.
                     for r in 0..valid {
-                        std::ptr::copy_nonoverlapping(partial.as_ptr().add(r * COLUMNS), out.add(r * n), cols);
+                        _mm_prefetch::<_MM_HINT_ET0>(out.add(r * n) as *const i8);
+                        _mm_prefetch::<_MM_HINT_ET0>(out.add(r * n + cols - 1) as *const i8);
+                    }
+                    asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem, preserves_flags));
+                    for step in 0..steps {
+                        let x1 = (a as *const u8).add(2 * (first * lda + step * STEP));
+                        // The weight's tiles for this block and step: half 0's three pieces, then half 1's,
+                        // 1 KiB each.
+                        let w = pieces.add((block * steps + step) * BLOCK_STEP_TILES * TILE_LINES);
+                        asm!(
+                            "tileloadd tmm4, [{x1} + {sa}*1]",
+                            "tileloadd tmm6, [{w} + {sw}*1]",
+                            "tileloadd tmm7, [{w} + {sw}*1 + 3072]",
+                            "tileloadd tmm5, [{x1b} + {sa}*1]",
+                            "tdpbf16ps tmm0, tmm4, tmm6",
+                            "tdpbf16ps tmm1, tmm4, tmm7",
+                            "tileloadd tmm4, [{x2} + {sa}*1]",
+                            "tdpbf16ps tmm2, tmm5, tmm6",
+                            "tdpbf16ps tmm3, tmm5, tmm7",
+                            "tileloadd tmm5, [{x2b} + {sa}*1]",
+                            "tdpbf16ps tmm0, tmm4, tmm6",
+                            "tdpbf16ps tmm1, tmm4, tmm7",
+                            "tileloadd tmm4, [{x3} + {sa}*1]",
+                            "tdpbf16ps tmm2, tmm5, tmm6",
+                            "tdpbf16ps tmm3, tmm5, tmm7",
+                            "tileloadd tmm5, [{x3b} + {sa}*1]",
+                            "tdpbf16ps tmm0, tmm4, tmm6",
+                            "tdpbf16ps tmm1, tmm4, tmm7",
+                            "tileloadd tmm4, [{x2} + {sa}*1]",
+                            "tdpbf16ps tmm2, tmm5, tmm6",
+                            "tileloadd tmm6, [{w} + {sw}*1 + 1024]",
+                            "tdpbf16ps tmm3, tmm5, tmm7",
+                            "tileloadd tmm5, [{x2b} + {sa}*1]",
+                            "tileloadd tmm7, [{w} + {sw}*1 + 4096]",
+                            "tdpbf16ps tmm0, tmm4, tmm6",
+                            "tdpbf16ps tmm1, tmm4, tmm7",
+                            "tileloadd tmm4, [{x1} + {sa}*1]",
+                            "tdpbf16ps tmm2, tmm5, tmm6",
+                            "tdpbf16ps tmm3, tmm5, tmm7",
+                            "tileloadd tmm5, [{x1b} + {sa}*1]",
+                            "tdpbf16ps tmm0, tmm4, tmm6",
+                            "tdpbf16ps tmm1, tmm4, tmm7",
+                            "tdpbf16ps tmm2, tmm5, tmm6",
+                            "tileloadd tmm6, [{w} + {sw}*1 + 2048]",
+                            "tdpbf16ps tmm3, tmm5, tmm7",
+                            "tileloadd tmm7, [{w} + {sw}*1 + 5120]",
+                            "tdpbf16ps tmm0, tmm4, tmm6",
+                            "tdpbf16ps tmm1, tmm4, tmm7",
+                            "tdpbf16ps tmm2, tmm5, tmm6",
+                            "tdpbf16ps tmm3, tmm5, tmm7",
+                            x1 = in(reg) x1,
+                            x2 = in(reg) x1.add(piece_bytes),
+                            x3 = in(reg) x1.add(2 * piece_bytes),
+                            x1b = in(reg) x1.add(tile_rows_bytes),
+                            x2b = in(reg) x1.add(piece_bytes + tile_rows_bytes),
+                            x3b = in(reg) x1.add(2 * piece_bytes + tile_rows_bytes),
+                            sa = in(reg) a_stride,
+                            w = in(reg) w,
+                            sw = in(reg) 64usize,
+                            options(nostack, readonly, preserves_flags),
+                        );
+                    }
+                    if valid == 2 * TILE && cols == COLUMNS {
+                        store(out, y_stride, TILE * n);
+                    } else {
+                        store(partial.as_mut_ptr(), 4 * COLUMNS, TILE * COLUMNS);
+                        for r in 0..valid {
+                            std::ptr::copy_nonoverlapping(partial.as_ptr().add(r * COLUMNS), out.add(r * n), cols);
+                        }
                     }
                 }
             }
@@ -344,7 +359,7 @@ mod tests {
             return;
         }
         let mut next = super::super::uniform(11);
-        for (m, n, k) in [(16, 32, 32), (128, 1000, 64), (13, 45, 70), (37, 200, 33), (25, 31, 1), (64, 64, 256)] {
+        for (m, n, k) in [(16, 32, 32), (128, 1000, 64), (13, 45, 70), (37, 200, 33), (25, 31, 1), (64, 64, 256), (300, 40, 64)] {
             let x: Vec<f32> = (0..m * k).map(|_| next() * 3.0).collect();
             let w: Vec<f32> = (0..n * k).map(|_| next()).collect();
             for layout in [Layout::RowPerOutput, Layout::RowPerInput] {
@@ -382,3 +397,28 @@ mod tests {
     use super::rows as rows_of;
 }
 
+#[cfg(test)]
+mod timing {
+    use super::super::gemm::Gemm;
+    use super::super::{pool, Layout};
+    #[test]
+    #[ignore]
+    fn time_products() {
+        let mut next = super::super::uniform(5);
+        let shapes: Vec<(usize, usize, usize)> = std::env::var("SHAPES").unwrap().split(';').map(|s| { let v: Vec<usize> = s.split(',').map(|x| x.parse().unwrap()).collect(); (v[0], v[1], v[2]) }).collect();
+        for (m, n, k) in shapes {
+            let x: Vec<f32> = (0..m * k).map(|_| next()).collect();
+            let w: Vec<f32> = (0..n * k).map(|_| next()).collect();
+            let mut y = vec![0f32; m * n];
+            let _d = super::super::unchanging::declare(w.as_ptr() as usize, n * k * 4);
+            let (g, chunks) = Gemm::new(x.as_ptr(), w.as_ptr(), y.as_mut_ptr(), (m, n, k), Layout::RowPerOutput, 2);
+            for _ in 0..20 { pool::run(&g, chunks); }
+            let reps = 300;
+            let mut ts = vec![];
+            for _ in 0..reps { let t = std::time::Instant::now(); pool::run(&g, chunks); ts.push(t.elapsed().as_secs_f64()); }
+            ts.sort_by(|a, b| a.partial_cmp(b).unwrap());
+            let us = ts[reps / 2] * 1e6;
+            eprintln!("{m}x{n}x{k} chunks {chunks}: {us:.1} us, {:.1} GFLOPS", 2.0 * (m * n * k) as f64 / us / 1e3);
+        }
+    }
+}

@@ -62,9 +62,12 @@ pub(super) fn next_product_id() -> u64 {
 /// bare executes 0.97-1.04 ms against 0.88-0.92 alone; GPT-2's 3.1 MFLOP `[128, 64] x [64,
 /// 192]` gains from the split).
 pub(super) const ALONE_MAX_FLOPS: usize = 1 << 21;
-/// The same on AMX tiles, which run products ~1.7 times as fast: a tiny Llama's LM head, `[128,
-/// 64] x [64, 1000]` (16 MFLOP), alone took its calls 0.41-0.44 ms where split 0.45-0.47.
-const TILES_ALONE_MAX_FLOPS: usize = 1 << 24;
+/// On AMX tiles, products of fewer rows than this stay alone up to 16 MFLOP: split by rows, each
+/// thread would read all of a wide weight's pieces for a few rows. A tiny Llama's LM head, `[128,
+/// 64] x [64, 1000]`, alone: calls 0.40-0.41 ms, split 0.47-0.50 (Inductor's 0.47-0.52); at
+/// batch 8, its `[1024, 64] x [64, 128]` products alone 2.73-2.85, split 2.30-2.40.
+const TILES_SPLIT_MIN_ROWS: usize = 256;
+const TILES_FEW_ROWS_ALONE_MAX_FLOPS: usize = 1 << 24;
 
 impl Gemm {
     /// The product and how many units of work it splits into: `parts` runs of whole rows, as
@@ -77,8 +80,9 @@ impl Gemm {
         let tiles = amx::available();
         #[cfg(not(target_arch = "x86_64"))]
         let tiles = false;
-        let alone = if tiles { TILES_ALONE_MAX_FLOPS } else { ALONE_MAX_FLOPS };
-        let parts = if 2 * m * n * k <= alone { 1 } else { parts };
+        let flops = 2 * m * n * k;
+        let few_rows_on_tiles = tiles && m < TILES_SPLIT_MIN_ROWS && flops <= TILES_FEW_ROWS_ALONE_MAX_FLOPS;
+        let parts = if flops <= ALONE_MAX_FLOPS || few_rows_on_tiles { 1 } else { parts };
         let unit = if tiles { 32 } else { ROWS }; // two rows of AMX tiles
         let rows_per_chunk = m.div_ceil(unit).div_ceil(parts.max(1)) * unit;
         let key = |pieces| (w as usize, n, k, layout == Layout::RowPerOutput, pieces);
