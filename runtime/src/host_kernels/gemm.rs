@@ -76,8 +76,12 @@ impl Gemm {
     /// lines another core had written: a product, bias and GELU on `[1024, 64] x [64, 256]`
     /// took 335-382 µs against XLA's 327-341, in two runs of rows 272.
     pub fn new(x: *const f32, w: *const f32, y: *mut f32, (m, n, k): (usize, usize, usize), layout: Layout, parts: usize) -> (Self, usize) {
+        // Splitting `x` into pieces costs about what the tiles save on one block of 32 columns
+        // (`[256, 32] x [32, 128]`: 12.0 µs against 11.9, `[264, 160] x [160, 32]` 11.1 against
+        // 8.8), and a K of 16 fills half a tile; from two blocks on the tiles gain (`[128, 64] x
+        // [64, 64]` 4.9 against 6.2, `[256, 32] x [32, 128]` 11.2 against 13.6).
         #[cfg(target_arch = "x86_64")]
-        let tiles = amx::available();
+        let tiles = amx::available() && n > COLUMNS && k > 16;
         #[cfg(not(target_arch = "x86_64"))]
         let tiles = false;
         let flops = 2 * m * n * k;
