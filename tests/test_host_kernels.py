@@ -1,8 +1,12 @@
 """Our host kernels (runtime/src/host_kernels.rs) through backend="tpu" on the CPU plugin, with
 the weight stored `[N, K]` (`nn.Linear`) or `[K, N]` (GPT-2's `Conv1D`, `x @ W`): a bf16 vector
 times a weight (a linear layer at one token, a decode step's), f32 products of short
-contractions split over XLA's threads, and f32 attention without a mask or with the causal one."""
+contractions split over XLA's threads (on AMX tiles where the CPU has them), and f32 attention
+without a mask or with the causal one."""
 import gc
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +31,7 @@ def host_kernels() -> list[str]:
 F32_KERNELS = ["tpu_dynamo.f32_matmul_nt", "tpu_dynamo.f32_matmul_nn"]
 ATTENTION_KERNELS = ["tpu_dynamo.f32_attention", "tpu_dynamo.f32_causal_attention"]
 AVX512 = "avx512f" in Path("/proc/cpuinfo").read_text()
+AMX = {"amx_bf16", "amx_tile"} <= set(Path("/proc/cpuinfo").read_text().split())
 
 
 def test_the_embedded_plugin_runs_our_kernels():
@@ -185,6 +190,26 @@ def test_an_infinite_input_or_kept_weight_gives_eager_s_infinities():
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
             assert torch.isinf(got[5]).sum() >= 95 and torch.isinf(got[:, 11]).sum() >= 127 * linear.weight[11, 3].isinf()
             linear.weight[11, 3] = float("-inf")
+
+
+@needs_f32_kernels
+def test_the_vector_kernel_runs_the_products_where_amx_is_turned_off():
+    """`TPU_DYNAMO_AMX=0` keeps the AVX-512 kernel (the same results to f32 rounding); on a CPU
+    with AMX (Sapphire Rapids, this CI's) the tiles run them otherwise, pytest's fault handler's
+    signal stack notwithstanding (Linux grants the tiles' state only where stacks can hold it)."""
+    script = (
+        "import torch, tpu_dynamo\n"
+        "torch.manual_seed(0)\n"
+        "x, w = torch.randn(128, 64), torch.randn(1000, 64)\n"
+        "f = torch.compile(torch.nn.functional.linear, backend='tpu', fullgraph=True)\n"
+        "assert (f(x, w) - x.double() @ w.double().T).abs().max() < 1e-4\n"
+        "print(tpu_dynamo.device_info()['amx'])\n"
+    )
+    for setting, expected in (("0", "False"), ("1", None)):
+        env = {**os.environ, "TPU_DYNAMO_AMX": setting}
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout
+        assert out.split()[-1] == (expected or str(AMX))
+    assert tpu_dynamo.device_info()["amx"] == AMX
 
 
 def kept_bytes() -> int:
