@@ -94,41 +94,21 @@ pub(super) unsafe fn pack(w: *const f32, (n, k): (usize, usize), layout: Layout)
     Some(packed.0)
 }
 
-/// A thread's memory for its products on the tiles.
-struct Scratch {
-    /// Rows of `x` split into pieces, `[piece, rows / 32 * 32, k / 32 * 32]`.
-    split: Lines,
-    /// The weight's pieces where they are packed per call (empty where it is not all finite),
-    /// and which product's they are.
-    packed: Vec<Line>,
-    packed_for: u64,
-    /// A partial tile's results, `[32, 32]`.
-    partial: Lines,
-}
-
 thread_local! {
-    static SCRATCH: RefCell<Scratch> =
-        const { RefCell::new(Scratch { split: Lines::new(), packed: Vec::new(), packed_for: 0, partial: Lines::new() }) };
+    /// A thread's memory for its products on the tiles: rows of `x` split into pieces, `[piece,
+    /// rows / 32 * 32, k / 32 * 32]`, and a partial tile's results, `[32, 32]`.
+    static SCRATCH: RefCell<(Lines, Lines)> = const { RefCell::new((Lines::new(), Lines::new())) };
 }
 
-/// Rows `first_row..first_row + rows` of `y = x @ w` on the tiles, from the weight's pieces
-/// (`kept`, else packed here once per product `id` and thread); false, with nothing written,
-/// where those rows of `x` or the weight are not all finite.
+/// Rows `first_row..first_row + rows` of `y = x @ w` on the tiles, from the weight's `pieces`;
+/// false, with nothing written, where those rows of `x` are not all finite.
 ///
 /// # Safety
-/// `x` `[m, k]`, `w` and `y` `[m, n]` must cover the shapes for these rows, `kept` (if any) be
-/// `pack`'s result for `w`, and `available()` be true.
-pub(super) unsafe fn rows(
-    (x, w, y): (*const f32, *const f32, *mut f32),
-    (n, k): (usize, usize),
-    layout: Layout,
-    id: u64,
-    kept: Option<&[Line]>,
-    first_row: usize,
-    rows: usize,
-) -> bool {
+/// `x` `[m, k]` and `y` `[m, n]` must cover these rows, `pieces` be `pack`'s result for `w`, and
+/// `available()` be true.
+pub(super) unsafe fn rows((x, y): (*const f32, *mut f32), (n, k): (usize, usize), pieces: &[Line], first_row: usize, rows: usize) -> bool {
     SCRATCH.with(|scratch| {
-        let Scratch { split, packed, packed_for, partial } = &mut *scratch.borrow_mut();
+        let (split, partial) = &mut *scratch.borrow_mut();
         let steps = k.div_ceil(STEP);
         let lda = steps * STEP;
         let tall = rows.div_ceil(2 * TILE) * 2 * TILE;
@@ -136,19 +116,6 @@ pub(super) unsafe fn rows(
         if !x86::split(x.add(first_row * k), k, rows, a, tall * lda, lda) {
             return false;
         }
-        let pieces = match kept {
-            Some(kept) => kept,
-            None => {
-                if *packed_for != id {
-                    *packed = pack(w, (n, k), layout).unwrap_or_default();
-                    *packed_for = id;
-                }
-                if packed.is_empty() {
-                    return false;
-                }
-                &packed[..]
-            }
-        };
         let partial = partial.floats(2 * TILE * COLUMNS);
         x86::products(a.as_ptr(), (tall, lda, steps), pieces.as_ptr(), (y.add(first_row * n), n, rows), partial);
         true
@@ -364,61 +331,27 @@ mod tests {
             let w: Vec<f32> = (0..n * k).map(|_| next()).collect();
             for layout in [Layout::RowPerOutput, Layout::RowPerInput] {
                 let at = |j: usize, kk: usize| if layout == Layout::RowPerOutput { w[j * k + kk] } else { w[kk * n + j] };
-                let kept = unsafe { pack(w.as_ptr(), (n, k), layout) }.unwrap();
-                for kept in [Some(&kept[..]), None] {
-                    let mut y = vec![f32::NAN; m * n];
-                    let id = super::super::gemm::next_product_id();
-                    // Two runs of rows, as two threads would take them.
-                    let half = m.div_ceil(32) * 16;
-                    for (first, rows) in [(0, half.min(m)), (half.min(m), m - half.min(m))] {
-                        let done = unsafe { rows_of((x.as_ptr(), w.as_ptr(), y.as_mut_ptr()), (n, k), layout, id, kept, first, rows) };
-                        assert!(done);
-                    }
-                    for i in 0..m {
-                        for j in 0..n {
-                            let want: f64 = (0..k).map(|kk| f64::from(x[i * k + kk]) * f64::from(at(j, kk))).sum();
-                            let got = f64::from(y[i * n + j]);
-                            assert!((got - want).abs() <= 1e-6 * (k as f64).sqrt() * 3.0, "{m}x{n}x{k} at {i},{j}: {got} vs {want}");
-                        }
+                let pieces = unsafe { pack(w.as_ptr(), (n, k), layout) }.unwrap();
+                let mut y = vec![f32::NAN; m * n];
+                // Two runs of rows, as two threads would take them.
+                let half = (m.div_ceil(32) * 16).min(m);
+                for (first, rows) in [(0, half), (half, m - half)] {
+                    assert!(unsafe { super::rows((x.as_ptr(), y.as_mut_ptr()), (n, k), &pieces, first, rows) });
+                }
+                for i in 0..m {
+                    for j in 0..n {
+                        let want: f64 = (0..k).map(|kk| f64::from(x[i * k + kk]) * f64::from(at(j, kk))).sum();
+                        let got = f64::from(y[i * n + j]);
+                        assert!((got - want).abs() <= 1e-6 * (k as f64).sqrt() * 3.0, "{m}x{n}x{k} at {i},{j}: {got} vs {want}");
                     }
                 }
+                let mut bad_x = x.clone();
+                bad_x[m * k - 1] = f32::INFINITY;
+                assert!(!unsafe { super::rows((bad_x.as_ptr(), y.as_mut_ptr()), (n, k), &pieces, 0, m) });
             }
-            let mut bad_x = x.clone();
-            bad_x[m * k - 1] = f32::INFINITY;
-            let mut y = vec![0.0; m * n];
-            let id = super::super::gemm::next_product_id();
-            assert!(!unsafe { rows_of((bad_x.as_ptr(), w.as_ptr(), y.as_mut_ptr()), (n, k), Layout::RowPerInput, id, None, 0, m) });
             let mut bad_w = w.clone();
             bad_w[0] = f32::NAN;
             assert!(unsafe { pack(bad_w.as_ptr(), (n, k), Layout::RowPerInput) }.is_none());
-        }
-    }
-
-    use super::rows as rows_of;
-}
-
-#[cfg(test)]
-mod timing {
-    use super::super::gemm::Gemm;
-    use super::super::{pool, Layout};
-    #[test]
-    #[ignore]
-    fn time_products() {
-        let mut next = super::super::uniform(5);
-        let shapes: Vec<(usize, usize, usize)> = std::env::var("SHAPES").unwrap().split(';').map(|s| { let v: Vec<usize> = s.split(',').map(|x| x.parse().unwrap()).collect(); (v[0], v[1], v[2]) }).collect();
-        for (m, n, k) in shapes {
-            let x: Vec<f32> = (0..m * k).map(|_| next()).collect();
-            let w: Vec<f32> = (0..n * k).map(|_| next()).collect();
-            let mut y = vec![0f32; m * n];
-            let _d = super::super::unchanging::declare(w.as_ptr() as usize, n * k * 4);
-            let (g, chunks) = Gemm::new(x.as_ptr(), w.as_ptr(), y.as_mut_ptr(), (m, n, k), Layout::RowPerOutput, 2);
-            for _ in 0..20 { pool::run(&g, chunks); }
-            let reps = 300;
-            let mut ts = vec![];
-            for _ in 0..reps { let t = std::time::Instant::now(); pool::run(&g, chunks); ts.push(t.elapsed().as_secs_f64()); }
-            ts.sort_by(|a, b| a.partial_cmp(b).unwrap());
-            let us = ts[reps / 2] * 1e6;
-            eprintln!("{m}x{n}x{k} chunks {chunks}: {us:.1} us, {:.1} GFLOPS", 2.0 * (m * n * k) as f64 / us / 1e3);
         }
     }
 }

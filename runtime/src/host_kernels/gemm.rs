@@ -37,13 +37,11 @@ pub(super) struct Gemm {
     /// This product among all the process runs, so that a thread taking both units copies
     /// each panel once.
     id: u64,
-    /// Whether the product runs on AMX tiles (where `x`'s rows and `w` are finite).
-    tiles: bool,
     kept: Kept,
 }
 
 /// A weight kept packed: as f32 panels, `[N / 32, K, 32]`, or as AMX tiles of its bf16 pieces
-/// (`amx::pack`).
+/// (`amx::pack`; then the product runs on the tiles, where `x`'s rows are finite).
 enum Kept {
     Nothing,
     Panels(Arc<[Line]>),
@@ -51,11 +49,6 @@ enum Kept {
 }
 
 static PRODUCTS: AtomicU64 = AtomicU64::new(1);
-
-/// A number no other product of this process has.
-pub(super) fn next_product_id() -> u64 {
-    PRODUCTS.fetch_add(1, Ordering::Relaxed)
-}
 
 /// Products up to this many flops run on the calling thread alone: waking a worker costs about
 /// what it saves on them (a tiny Llama's `[128, 64] x [64, 128]` projections, 2.1 MFLOP, split:
@@ -69,6 +62,19 @@ pub(super) const ALONE_MAX_FLOPS: usize = 1 << 21;
 const TILES_SPLIT_MIN_ROWS: usize = 256;
 const TILES_FEW_ROWS_ALONE_MAX_FLOPS: usize = 1 << 24;
 
+/// Whether a product runs on AMX tiles here, given its weight kept as their pieces: splitting `x`
+/// into pieces costs about what the tiles save on one block of 32 columns (`[256, 32] x [32,
+/// 128]`: 12.0 µs against 11.9, `[264, 160] x [160, 32]` 11.1 against 8.8), and a K of 16 fills
+/// half a tile; from two blocks on the tiles gain (`[128, 64] x [64, 64]` 4.9 against 6.2, `[256,
+/// 32] x [32, 128]` 11.2 against 13.6). A weight packed on every call (an input read as it is)
+/// stays on the vector kernel, whose packing is a copy.
+fn tiles_suit(n: usize, k: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return amx::available() && n > COLUMNS && k > 16;
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 impl Gemm {
     /// The product and how many units of work it splits into: `parts` runs of whole rows, as
     /// XLA:CPU splits the loops that read the result (one up to `ALONE_MAX_FLOPS`). Cut any
@@ -76,26 +82,13 @@ impl Gemm {
     /// lines another core had written: a product, bias and GELU on `[1024, 64] x [64, 256]`
     /// took 335-382 µs against XLA's 327-341, in two runs of rows 272.
     pub fn new(x: *const f32, w: *const f32, y: *mut f32, (m, n, k): (usize, usize, usize), layout: Layout, parts: usize) -> (Self, usize) {
-        // Splitting `x` into pieces costs about what the tiles save on one block of 32 columns
-        // (`[256, 32] x [32, 128]`: 12.0 µs against 11.9, `[264, 160] x [160, 32]` 11.1 against
-        // 8.8), and a K of 16 fills half a tile; from two blocks on the tiles gain (`[128, 64] x
-        // [64, 64]` 4.9 against 6.2, `[256, 32] x [32, 128]` 11.2 against 13.6).
-        #[cfg(target_arch = "x86_64")]
-        let tiles = amx::available() && n > COLUMNS && k > 16;
-        #[cfg(not(target_arch = "x86_64"))]
-        let tiles = false;
-        let flops = 2 * m * n * k;
-        let few_rows_on_tiles = tiles && m < TILES_SPLIT_MIN_ROWS && flops <= TILES_FEW_ROWS_ALONE_MAX_FLOPS;
-        let parts = if flops <= ALONE_MAX_FLOPS || few_rows_on_tiles { 1 } else { parts };
-        let unit = if tiles { 32 } else { ROWS }; // two rows of AMX tiles
-        let rows_per_chunk = m.div_ceil(unit).div_ceil(parts.max(1)) * unit;
         let key = |pieces| (w as usize, n, k, layout == Layout::RowPerOutput, pieces);
         let floats = n.div_ceil(COLUMNS) * k * COLUMNS;
         // SAFETY: `w` covers `[n, k]` (the caller's contract) for the packing to read.
         let panels = || unchanging::panels(key(false), (n * k, floats), || unsafe { pack_all(w, (n, k), layout, floats) });
         let kept = if floats == 0 {
             None
-        } else if tiles {
+        } else if tiles_suit(n, k) {
             // SAFETY: as above. An empty result: the weight is not all finite.
             let pieces = || unsafe { amx::pack(w, (n, k), layout) }.unwrap_or_default();
             match unchanging::panels(key(true), (n * k, amx::packed_lines(n, k) * 16), pieces) {
@@ -106,7 +99,13 @@ impl Gemm {
             panels().map(Kept::Panels)
         };
         let kept = kept.unwrap_or(Kept::Nothing);
-        (Gemm { x, w, y, m, n, k, layout, rows_per_chunk, id: next_product_id(), tiles, kept }, m.div_ceil(rows_per_chunk))
+        let tiles = matches!(kept, Kept::Pieces(_));
+        let flops = 2 * m * n * k;
+        let few_rows_on_tiles = tiles && m < TILES_SPLIT_MIN_ROWS && flops <= TILES_FEW_ROWS_ALONE_MAX_FLOPS;
+        let parts = if flops <= ALONE_MAX_FLOPS || few_rows_on_tiles { 1 } else { parts };
+        let unit = if tiles { 32 } else { ROWS }; // two rows of AMX tiles
+        let rows_per_chunk = m.div_ceil(unit).div_ceil(parts.max(1)) * unit;
+        (Gemm { x, w, y, m, n, k, layout, rows_per_chunk, id: PRODUCTS.fetch_add(1, Ordering::Relaxed), kept }, m.div_ceil(rows_per_chunk))
     }
 
     /// Rows `first_row..first_row + rows` of column block `block`, whose panel is `panel`.
@@ -182,10 +181,8 @@ impl Chunked for Gemm {
         let first_row = chunk * self.rows_per_chunk;
         let rows = self.rows_per_chunk.min(self.m - first_row);
         #[cfg(target_arch = "x86_64")]
-        if self.tiles && !matches!(self.kept, Kept::Panels(_)) {
-            let pieces = if let Kept::Pieces(pieces) = &self.kept { Some(&pieces[..]) } else { None };
-            let operands = (self.x, self.w, self.y);
-            if amx::rows(operands, (self.n, self.k), self.layout, self.id, pieces, first_row, rows) {
+        if let Kept::Pieces(pieces) = &self.kept {
+            if amx::rows((self.x, self.y), (self.n, self.k), pieces, first_row, rows) {
                 return;
             }
         }
