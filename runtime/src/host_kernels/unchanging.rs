@@ -1,7 +1,7 @@
 //! Host memory declared to hold one value for as long as a buffer over it lives (a resident
 //! weight's: the runtime makes a new buffer, declared anew, when the weight's version moves), and
-//! what the products derive from it: their `[K, 32]` panels of a weight, packed once instead of
-//! on every call (7 % of a tiny Llama's execute).
+//! what the products derive from it: their `[K, 32]` panels of a weight (or, on AMX, its bf16
+//! pieces as tiles), packed once instead of on every call (7 % of a tiny Llama's execute).
 //!
 //! A kernel sees only an operand's address. Memory counts as unchanging only while a range
 //! declared over it is in the registry: a declaration displaces any range it overlaps, and the
