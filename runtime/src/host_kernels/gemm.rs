@@ -158,7 +158,7 @@ impl Lines {
     /// The first `len` halves of f32s (bf16 bits), grown (with zeros) to hold them.
     pub fn u16s(&mut self, len: usize) -> &mut [u16] {
         let floats = self.floats(len.div_ceil(2));
-        // SAFETY: the same memory as `len / 2` f32s, all initialized; u16's alignment is less.
+        // SAFETY: the memory of `len.div_ceil(2)` f32s, all initialized; a u16 needs less alignment.
         unsafe { std::slice::from_raw_parts_mut(floats.as_mut_ptr() as *mut u16, len) }
     }
 }
