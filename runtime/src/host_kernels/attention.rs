@@ -148,13 +148,14 @@ impl Chunked for Attention {
                 }
                 // 0 for a query whose keys are all hidden: its output is then written as 0.
                 let mut inverse = [0f32; ROWS];
-                for (i, inv) in inverse.iter_mut().enumerate().take(rows) {
+                let mut softmaxes = [(0f32, 0f32); ROWS];
+                for (i, (inv, softmax)) in inverse.iter_mut().zip(&mut softmaxes).enumerate().take(rows) {
                     let visible = if self.causal { (r0 + i + 1).min(self.valid) } else { self.valid };
-                    let (max, sum) = exponentials(scores.add(i * stride), visible, seen);
-                    let hidden = max == f32::NEG_INFINITY;
-                    *self.lse.add(head * s.len_q + r0 + i) = if hidden { 0.0 } else { max + sum.ln() };
-                    *inv = if hidden { 0.0 } else { 1.0 / sum };
+                    *softmax = exponentials(scores.add(i * stride), visible, seen);
+                    *inv = if softmax.0 == f32::NEG_INFINITY { 0.0 } else { 1.0 / softmax.1 };
                 }
+                let lse = logsumexps(&softmaxes);
+                std::ptr::copy_nonoverlapping(lse.as_ptr(), self.lse.add(head * s.len_q + r0), rows);
                 let out = self.out.add((head * s.len_q + r0) * s.dim);
                 for c in (0..s.dim).step_by(COLUMNS) {
                     let tile = Tile { b: values.add(c), ldb: s.dim, k: seen, ldx: stride, ldy: s.dim, cols: COLUMNS.min(s.dim - c) };
@@ -172,6 +173,25 @@ impl Chunked for Attention {
             }
         });
     }
+}
+
+/// `max + ln(sum)` of each row's `(max, sum)`, 0 where every key is hidden (`max` is -inf), a
+/// vector's worth at once (a `logf` call per row was 2 % of a tiny GPT-2's execute).
+fn logsumexps(softmaxes: &[(f32, f32); ROWS]) -> [f32; ROWS] {
+    let mut logs = [0f32; ROWS];
+    #[cfg(target_arch = "x86_64")]
+    if super::gemm::available() {
+        let mut sums = [1f32; 16];
+        sums.iter_mut().zip(softmaxes).for_each(|(s, &(_, sum))| *s = sum);
+        // SAFETY: AVX-512 is available; the array is 16 f32s.
+        let vector: [f32; 16] = unsafe { std::mem::transmute(x86::ln(std::arch::x86_64::_mm512_loadu_ps(sums.as_ptr()))) };
+        logs.copy_from_slice(&vector[..ROWS]);
+    } else {
+        logs.iter_mut().zip(softmaxes).for_each(|(l, &(_, sum))| *l = sum.ln());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    logs.iter_mut().zip(softmaxes).for_each(|(l, &(_, sum))| *l = sum.ln());
+    std::array::from_fn(|i| if softmaxes[i].0 == f32::NEG_INFINITY { 0.0 } else { softmaxes[i].0 + logs[i] })
 }
 
 /// Replaces the scores `row[..visible]` by `exp(score - max)` and `row[visible..len]` by 0;
@@ -218,6 +238,27 @@ mod x86 {
         }
         std::ptr::write_bytes(row.add(visible), 0, len - visible);
         (max, _mm512_reduce_add_ps(sum))
+    }
+
+    /// `ln(x)` to about 1 ulp for positive `x` (NaN stays NaN): `x = m 2^e` with `m` in `[√½,
+    /// √2)`, `ln(m)` by Cephes' `logf` polynomial in `m - 1`.
+    #[target_feature(enable = "avx512f,fma")]
+    pub(super) unsafe fn ln(x: __m512) -> __m512 {
+        let m = _mm512_getmant_ps::<_MM_MANT_NORM_1_2, _MM_MANT_SIGN_SRC>(x);
+        let big = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(m, _mm512_set1_ps(std::f32::consts::SQRT_2));
+        let m = _mm512_mask_mul_ps(m, big, m, _mm512_set1_ps(0.5));
+        let e = _mm512_getexp_ps(x);
+        let e = _mm512_mask_add_ps(e, big, e, _mm512_set1_ps(1.0));
+        let f = _mm512_sub_ps(m, _mm512_set1_ps(1.0));
+        let z = _mm512_mul_ps(f, f);
+        let mut p = _mm512_set1_ps(7.037_683_6e-2);
+        for c in [-1.151_461e-1, 1.167_699_9e-1, -1.242_014_1e-1, 1.424_932_3e-1, -1.666_805_8e-1, 2.000_071_4e-1, -2.499_999_4e-1, 3.333_333e-1] {
+            p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+        }
+        let y = _mm512_mul_ps(_mm512_mul_ps(p, f), z);
+        let y = _mm512_fmadd_ps(e, _mm512_set1_ps(-2.121_944_4e-4), y);
+        let y = _mm512_fnmadd_ps(_mm512_set1_ps(0.5), z, y);
+        _mm512_fmadd_ps(e, _mm512_set1_ps(0.693_359_4), _mm512_add_ps(f, y))
     }
 
     /// `e^x` to about 1 ulp: `x = n ln 2 + r` with `|r| ≤ ln 2 / 2`, `e^r` by Cephes' `expf`
@@ -293,6 +334,26 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn vector_ln_is_within_f32_epsilon() {
+        if !super::super::gemm::available() {
+            return;
+        }
+        use std::arch::x86_64::*;
+        // The sums it takes (1 to a few thousand, one exp per key), and well beyond.
+        let xs: Vec<f32> = (0..64_000).map(|i| 1e-6 * 1.0004f32.powi(i)).collect();
+        for chunk in xs.chunks_exact(16) {
+            let got: [f32; 16] = unsafe { std::mem::transmute(x86::ln(_mm512_loadu_ps(chunk.as_ptr()))) };
+            for (&x, &g) in chunk.iter().zip(&got) {
+                let want = f64::from(x).ln();
+                assert!((f64::from(g) - want).abs() <= f64::from(f32::EPSILON) * want.abs().max(1e-3), "ln({x}) = {g}, want {want}");
+            }
+        }
+        let nan: [f32; 16] = unsafe { std::mem::transmute(x86::ln(_mm512_set1_ps(f32::NAN))) };
+        assert!(nan[0].is_nan());
     }
 
     #[cfg(target_arch = "x86_64")]
