@@ -30,6 +30,7 @@ def host_kernels() -> list[str]:
 
 F32_KERNELS = ["tpu_dynamo.f32_matmul_nt", "tpu_dynamo.f32_matmul_nn"]
 ATTENTION_KERNELS = ["tpu_dynamo.f32_attention", "tpu_dynamo.f32_causal_attention"]
+LAYER_NORM_KERNEL = "tpu_dynamo.f32_layer_norm"
 AVX512 = "avx512f" in Path("/proc/cpuinfo").read_text()
 AMX = {"amx_bf16", "amx_tile"} <= set(Path("/proc/cpuinfo").read_text().split())
 
@@ -37,7 +38,7 @@ AMX = {"amx_bf16", "amx_tile"} <= set(Path("/proc/cpuinfo").read_text().split())
 def test_the_embedded_plugin_runs_our_kernels():
     """On x86-64 with AVX2 (this CI's machines) the embedded plugin registers the bf16 ones,
     and with AVX-512 the f32 ones too."""
-    assert host_kernels() == ["tpu_dynamo.bf16_matvec", "tpu_dynamo.bf16_vecmat"] + (F32_KERNELS + ATTENTION_KERNELS if AVX512 else [])
+    assert host_kernels() == ["tpu_dynamo.bf16_matvec", "tpu_dynamo.bf16_vecmat"] + (F32_KERNELS + ATTENTION_KERNELS + [LAYER_NORM_KERNEL] if AVX512 else [])
 
 
 def check_product(fn, x, w, b, target, compiled):
@@ -428,3 +429,36 @@ def test_f32_attention_nan_reaches_the_queries_that_see_it():
     assert got[0, 1, 25:].isnan().all() and want[0, 1, 25:].isnan().all()
     torch.testing.assert_close(got[0, 1, :25], want[0, 1, :25], rtol=0, atol=1e-5)
     torch.testing.assert_close(got[0, 0], want[0, 0], rtol=0, atol=1e-5)
+
+
+@needs_f32_kernels
+@pytest.mark.parametrize("shape, normalized", [((1, 128, 64), 1), ((8, 128, 64), 1), ((2, 264, 32), 1), ((3, 5, 7), 2), ((4, 1), 1)])
+@pytest.mark.parametrize("affine", [True, False])
+def test_f32_layer_norm_runs_our_kernel(shape, normalized, affine, compiled):
+    """Output, mean and rstd as close to the f64 values as eager's are (within twice its error;
+    the rows have a large common offset, as a residual stream has, which f32's rounding of
+    `x - mean` dominates), normalized over the last dims, with and without weight and bias."""
+    torch.manual_seed(sum(shape))
+    x = 50.0 + torch.randn(shape)
+    dims = list(shape[-normalized:])
+    weight, bias = (torch.randn(dims), torch.randn(dims)) if affine else (None, None)
+    fn = lambda x, *params: torch.ops.aten.native_layer_norm(x, dims, *params, 1e-5)
+    with torch.no_grad():
+        got, want = compile_tpu(fn)(x, weight, bias), fn(x, weight, bias)
+        exact = fn(x.double(), *(None if p is None else p.double() for p in (weight, bias)))
+    for g, w, e in zip(got, want, exact):
+        assert g.shape == w.shape and g.dtype == torch.float32
+        assert (g.double() - e).abs().max() <= 2 * (w.double() - e).abs().max() + 1e-6
+    ((graph_json, _),) = compiled
+    assert LAYER_NORM_KERNEL in _native.compile(graph_json, need_stablehlo=True).stablehlo
+
+
+@needs_f32_kernels
+def test_a_row_with_nan_or_infinity_normalizes_to_nan_as_in_eager():
+    x = torch.randn(6, 40)
+    x[1, 3], x[4, 0] = float("nan"), float("inf")
+    norm = torch.nn.LayerNorm(40)
+    with torch.no_grad():
+        got, want = compile_tpu(norm)(x), norm(x)
+    assert got[[1, 4]].isnan().all() and want[[1, 4]].isnan().all()
+    torch.testing.assert_close(got[[0, 2, 3, 5]], want[[0, 2, 3, 5]], rtol=1e-5, atol=1e-5)

@@ -1,8 +1,9 @@
 //! Kernels of our own that a host (XLA:CPU) plugin calls as typed-FFI custom calls, registered
 //! through the plugin's PJRT FFI extension when a client is created.
 //!
-//! f32 attention as one kernel (`attention`), and two products, each with the matrix stored
-//! `[N, K]` (`nn.Linear`'s weight) or `[K, N]` (GPT-2's `Conv1D`): f32 products of short
+//! f32 attention as one kernel (`attention`), f32 LayerNorm as one (`layer_norm`), and two
+//! products, each with the matrix stored `[N, K]` (`nn.Linear`'s weight) or `[K, N]` (GPT-2's
+//! `Conv1D`): f32 products of short
 //! contractions split over XLA's threads (`gemm`), and here a bf16 vector times a bf16 matrix,
 //! the products of every decode step of a bf16 model. XLA:CPU's own ways run at half the rate
 //! of its f32 products (YNNPACK packs the whole weight on every call; its own dot emitter has
@@ -14,6 +15,8 @@
 mod amx;
 mod attention;
 mod gemm;
+#[cfg(target_arch = "x86_64")]
+mod layer_norm;
 mod pool;
 pub mod unchanging;
 
@@ -31,6 +34,8 @@ pub const F32_MATMUL_NN_TARGET: &str = "tpu_dynamo.f32_matmul_nn";
 /// The custom call targets of f32 attention without a mask and with the causal one.
 pub const F32_ATTENTION_TARGET: &str = "tpu_dynamo.f32_attention";
 pub const F32_CAUSAL_ATTENTION_TARGET: &str = "tpu_dynamo.f32_causal_attention";
+/// The custom call target of f32 LayerNorm over the last dim.
+pub const F32_LAYER_NORM_TARGET: &str = "tpu_dynamo.f32_layer_norm";
 
 const PJRT_EXTENSION_FFI: u32 = 5;
 const XLA_FFI_EXTENSION_METADATA: c_int = 1;
@@ -131,6 +136,8 @@ pub fn register(plugin: &Plugin) -> Vec<&'static str> {
     if gemm::available() {
         handlers.extend([(F32_MATMUL_NT_TARGET, f32_matmul_nt as *const c_void), (F32_MATMUL_NN_TARGET, f32_matmul_nn as *const c_void)]);
         handlers.extend([(F32_ATTENTION_TARGET, f32_attention as *const c_void), (F32_CAUSAL_ATTENTION_TARGET, f32_causal_attention as *const c_void)]);
+        #[cfg(target_arch = "x86_64")]
+        handlers.push((F32_LAYER_NORM_TARGET, f32_layer_norm as *const c_void));
     }
     // The argument layout below is the one of PJRT API 0.115; later headers differ.
     if handlers.is_empty() || plugin.api_version().1 > 115 {
@@ -451,6 +458,54 @@ unsafe fn attend(frame: &mut FfiCallFrame, causal: bool) -> *mut c_void {
         Some(xla) => pool::run_scheduled(job, units, parts - 1, |task, data| xla.schedule(task, data)),
         None if parts > 1 => pool::run(&job, units),
         None => (0..units).for_each(|u| pool::Chunked::chunk(&job, u)),
+    });
+    match ran {
+        Ok(()) => std::ptr::null_mut(),
+        Err(_) => error(frame, target, "panicked"),
+    }
+}
+
+/// The LayerNorm handler: f32 `x` `[rows, N]`, `weight` and `bias` `[N]` and `eps` (0-d) into `y`
+/// `[rows, N]`, each row's mean and rstd `[rows]`, on XLA's threads.
+#[cfg(target_arch = "x86_64")]
+unsafe extern "C" fn f32_layer_norm(frame: *mut FfiCallFrame) -> *mut c_void {
+    let frame = &mut *frame;
+    let target = F32_LAYER_NORM_TARGET;
+    if !executes(frame) {
+        return std::ptr::null_mut();
+    }
+    if frame.args.size != 4 || frame.rets.size != 3 {
+        return error(frame, target, "expects x, weight, bias and eps, and three results");
+    }
+    let buffer = |list: &FfiList, i: usize| &**list.items.add(i);
+    let [x, weight, bias, eps] = [0, 1, 2, 3].map(|i| buffer(&frame.args, i));
+    let [y, mean, rstd] = [0, 1, 2].map(|i| buffer(&frame.rets, i));
+    let dims = |b: &FfiBuffer| std::slice::from_raw_parts(b.dims, b.rank as usize);
+    let all_f32 = [x, weight, bias, eps, y, mean, rstd].iter().all(|b| b.dtype == XLA_FFI_F32);
+    let (Some((rows, n)), true) = (match dims(x) {
+        &[rows, n] if dims(y) == [rows, n] && dims(weight) == [n] && dims(bias) == [n] && eps.rank == 0 && dims(mean) == [rows] && dims(rstd) == [rows] => Some((rows as usize, n as usize)),
+        _ => None,
+    }, all_f32) else {
+        let shapes = [x, weight, bias, eps, y, mean, rstd].map(dims);
+        return error(frame, target, &format!("expects f32 x [rows, N], weight and bias [N], eps [], y [rows, N], mean and rstd [rows], got {shapes:?}"));
+    };
+    let norm = layer_norm::LayerNorm {
+        x: x.data as *const f32,
+        weight: weight.data as *const f32,
+        bias: bias.data as *const f32,
+        y: y.data as *mut f32,
+        mean: mean.data as *mut f32,
+        rstd: rstd.data as *mut f32,
+        rows,
+        n,
+        eps: *(eps.data as *const f32),
+    };
+    let xla = XlaPool::of(frame);
+    let units = norm.units(xla.map_or_else(pool::threads, |xla| xla.threads));
+    let job = layer_norm::RowRuns(norm, units);
+    let ran = std::panic::catch_unwind(|| match xla {
+        Some(xla) => pool::run_scheduled(job, units, units - 1, |task, data| xla.schedule(task, data)),
+        None => pool::run(&job, units),
     });
     match ran {
         Ok(()) => std::ptr::null_mut(),

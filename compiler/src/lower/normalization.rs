@@ -1,7 +1,8 @@
 //! Layer, group and (inference) batch normalization, computed in f32 for half types with
 //! biased variance, returning PyTorch's saved mean / rstd as extra outputs.
 
-use super::builder::{opmath, Builder, Scalar, Val, R};
+use super::builder::{lowering_target, opmath, Builder, Scalar, Val, R};
+use crate::ir::{DType, TensorType};
 use super::reduction::variance;
 use super::{NodeCtx, Registry, Res};
 
@@ -45,6 +46,9 @@ fn layer_norm(n: NodeCtx<'_>) -> Res<'_> {
         .ok_or("normalized_shape longer than the input")?;
     let eps = n.float_or(4, "eps", 1e-5)?;
     let b = &n.b;
+    if let Some(outs) = host_layer_norm(&n, &x, axis, eps)? {
+        return Ok(outs);
+    }
     let dims: Vec<usize> = (axis..x.rank()).collect();
     let (var, mean) = variance(b, &x, &dims, 0.0)?;
     let rstd = rsqrt_eps(b, &var, eps)?;
@@ -61,6 +65,31 @@ fn layer_norm(n: NodeCtx<'_>) -> Res<'_> {
         b.convert(&mean, n.out(1)?.dtype)?,
         b.convert(&rstd, n.out(2)?.dtype)?,
     ])
+}
+
+/// `layer_norm`'s outputs from our host kernel (`tpu_dynamo_runtime::host_kernels`) where the
+/// plugin has it: f32 rows of the normalized dims (XLA:CPU ran five ops, each on its own thread
+/// hand-off, where the arithmetic of a small model's rows takes less than one).
+fn host_layer_norm<'a>(n: &NodeCtx<'a>, x: &Val<'a>, axis: usize, eps: f64) -> R<Option<Vec<Val<'a>>>> {
+    let Some(target) = lowering_target().host_layer_norm else { return Ok(None) };
+    let width: i64 = x.shape()[axis..].iter().product();
+    if x.dtype() != DType::F32 || width == 0 || x.ty.numel() == 0 {
+        return Ok(None);
+    }
+    let b = &n.b;
+    let rows = x.ty.numel() / width;
+    let param = |i, name, default| -> R<Val<'a>> {
+        match n.opt_tensor(i, name)? {
+            Some(p) => b.reshape(&b.convert(&p, DType::F32)?, &[width]),
+            None => b.splat(Scalar::Float(default), &TensorType::new(DType::F32, vec![width])),
+        }
+    };
+    let (weight, bias) = (param(2, "weight", 1.0)?, param(3, "bias", 0.0)?);
+    let eps = b.scalar(Scalar::Float(eps), DType::F32)?;
+    let results = vec![TensorType::new(DType::F32, vec![rows, width]), TensorType::new(DType::F32, vec![rows]), TensorType::new(DType::F32, vec![rows])];
+    let outs = b.host_call(target, &[&b.reshape(x, &[rows, width])?, &weight, &bias, &eps], results)?;
+    let shaped = |v: &Val<'a>, i| -> R<Val<'a>> { b.reshape(v, &n.out(i)?.shape) };
+    Ok(Some(vec![shaped(&outs[0], 0)?, shaped(&outs[1], 1)?, shaped(&outs[2], 2)?]))
 }
 
 /// `native_group_norm(x, weight, bias, N, C, HxW, group, eps)`: statistics over each group of
