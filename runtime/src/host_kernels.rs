@@ -365,10 +365,7 @@ unsafe fn handle(frame: &mut FfiCallFrame, layout: Layout, operands: c_int) -> *
         let threads = xla.map_or_else(pool::threads, |xla| xla.threads);
         std::panic::catch_unwind(|| {
             let (product, chunks) = gemm::Gemm::new(x.data as *const f32, w.data as *const f32, y.data as *mut f32, shape, layout, threads);
-            match xla {
-                Some(xla) => pool::run_scheduled(product, chunks, xla.threads, |task, data| xla.schedule(task, data)),
-                None => pool::run(&product, chunks),
-            }
+            run_units(xla, product, chunks, threads);
         })
     } else {
         let out = match y.dtype {
@@ -387,6 +384,24 @@ unsafe fn handle(frame: &mut FfiCallFrame, layout: Layout, operands: c_int) -> *
             pool::run(&job, n.div_ceil(OUTPUTS_PER_CHUNK));
         })
     };
+    answer(frame, target, ran)
+}
+
+/// Runs `job`'s `units` on this thread and on up to `helpers` tasks handed to XLA's pool, or
+/// on our own threads where the plugin lends none (alone where `helpers` is 0).
+///
+/// # Safety
+/// As `Chunked::chunk`: the job's pointers cover its units, which write disjoint memory.
+unsafe fn run_units<T: pool::Chunked + 'static>(xla: Option<XlaPool>, job: T, units: usize, helpers: usize) {
+    match xla {
+        Some(xla) => pool::run_scheduled(job, units, helpers, |task, data| xla.schedule(task, data)),
+        None if helpers == 0 => (0..units).for_each(|u| job.chunk(u)),
+        None => pool::run(&job, units),
+    }
+}
+
+/// A handler's answer: none where it ran, its error where it panicked.
+unsafe fn answer(frame: &mut FfiCallFrame, target: &str, ran: std::thread::Result<()>) -> *mut c_void {
     match ran {
         Ok(()) => std::ptr::null_mut(),
         Err(_) => error(frame, target, "panicked"),
@@ -454,15 +469,7 @@ unsafe fn attend(frame: &mut FfiCallFrame, causal: bool) -> *mut c_void {
     let threads = xla.map_or_else(pool::threads, |xla| xla.threads);
     let inputs = (q.data as *const f32, k.data as *const f32, v.data as *const f32);
     let (job, units, parts) = attention::Attention::new(inputs, (bias, valid), (out.data as *mut f32, lse.data as *mut f32), shape, causal, threads);
-    let ran = std::panic::catch_unwind(|| match xla {
-        Some(xla) => pool::run_scheduled(job, units, parts - 1, |task, data| xla.schedule(task, data)),
-        None if parts > 1 => pool::run(&job, units),
-        None => (0..units).for_each(|u| pool::Chunked::chunk(&job, u)),
-    });
-    match ran {
-        Ok(()) => std::ptr::null_mut(),
-        Err(_) => error(frame, target, "panicked"),
-    }
+    answer(frame, target, std::panic::catch_unwind(|| run_units(xla, job, units, parts - 1)))
 }
 
 /// The LayerNorm handler: f32 `x` `[rows, N]`, `weight` and `bias` `[N]` and `eps` (0-d) into `y`
@@ -502,15 +509,7 @@ unsafe extern "C" fn f32_layer_norm(frame: *mut FfiCallFrame) -> *mut c_void {
     };
     let xla = XlaPool::of(frame);
     let units = norm.units(xla.map_or_else(pool::threads, |xla| xla.threads));
-    let job = layer_norm::RowRuns(norm, units);
-    let ran = std::panic::catch_unwind(|| match xla {
-        Some(xla) => pool::run_scheduled(job, units, units - 1, |task, data| xla.schedule(task, data)),
-        None => pool::run(&job, units),
-    });
-    match ran {
-        Ok(()) => std::ptr::null_mut(),
-        Err(_) => error(frame, target, "panicked"),
-    }
+    answer(frame, target, std::panic::catch_unwind(|| run_units(xla, layer_norm::RowRuns(norm, units), units, units - 1)))
 }
 
 /// Outputs per unit of work: 64 rows of a 576-wide `[N, K]` weight are 72 KiB, within L2; a

@@ -178,20 +178,21 @@ impl Chunked for Attention {
 /// `max + ln(sum)` of each row's `(max, sum)`, 0 where every key is hidden (`max` is -inf), a
 /// vector's worth at once (a `logf` call per row was 2 % of a tiny GPT-2's execute).
 fn logsumexps(softmaxes: &[(f32, f32); ROWS]) -> [f32; ROWS] {
-    let mut logs = [0f32; ROWS];
+    let logs = lns(std::array::from_fn(|i| softmaxes[i].1));
+    std::array::from_fn(|i| if softmaxes[i].0 == f32::NEG_INFINITY { 0.0 } else { softmaxes[i].0 + logs[i] })
+}
+
+/// The natural log of each of `sums`, sixteen lanes at once where AVX-512 is there.
+fn lns(sums: [f32; ROWS]) -> [f32; ROWS] {
     #[cfg(target_arch = "x86_64")]
     if super::gemm::available() {
-        let mut sums = [1f32; 16];
-        sums.iter_mut().zip(softmaxes).for_each(|(s, &(_, sum))| *s = sum);
+        let mut lanes = [1f32; 16];
+        lanes[..ROWS].copy_from_slice(&sums);
         // SAFETY: AVX-512 is available; the array is 16 f32s.
-        let vector: [f32; 16] = unsafe { std::mem::transmute(x86::ln(std::arch::x86_64::_mm512_loadu_ps(sums.as_ptr()))) };
-        logs.copy_from_slice(&vector[..ROWS]);
-    } else {
-        logs.iter_mut().zip(softmaxes).for_each(|(l, &(_, sum))| *l = sum.ln());
+        let logs: [f32; 16] = unsafe { std::mem::transmute(x86::ln(std::arch::x86_64::_mm512_loadu_ps(lanes.as_ptr()))) };
+        return std::array::from_fn(|i| logs[i]);
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    logs.iter_mut().zip(softmaxes).for_each(|(l, &(_, sum))| *l = sum.ln());
-    std::array::from_fn(|i| if softmaxes[i].0 == f32::NEG_INFINITY { 0.0 } else { softmaxes[i].0 + logs[i] })
+    sums.map(f32::ln)
 }
 
 /// Replaces the scores `row[..visible]` by `exp(score - max)` and `row[visible..len]` by 0;

@@ -31,15 +31,11 @@ impl LayerNorm {
         (self.rows * self.n / VALUES_PER_CHUNK).clamp(1, threads.max(1)).min(self.rows.max(1))
     }
 
-    fn rows_per_unit(&self, units: usize) -> usize {
-        self.rows.div_ceil(units)
-    }
-
     /// Rows `first..first + count`.
     ///
     /// # Safety
     /// The pointers must cover the shapes, and the CPU have AVX-512 (`gemm::available()`).
-    pub unsafe fn rows(&self, first: usize, count: usize) {
+    unsafe fn rows(&self, first: usize, count: usize) {
         let weight = std::slice::from_raw_parts(self.weight, self.n);
         let bias = std::slice::from_raw_parts(self.bias, self.n);
         for r in first..first + count {
@@ -59,7 +55,7 @@ impl Chunked for RowRuns {
     /// # Safety
     /// The pointers must cover the shapes; units write disjoint rows.
     unsafe fn chunk(&self, unit: usize) {
-        let per = self.0.rows_per_unit(self.1);
+        let per = self.0.rows.div_ceil(self.1);
         let first = unit * per;
         self.0.rows(first, per.min(self.0.rows.saturating_sub(first)));
     }
