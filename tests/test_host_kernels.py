@@ -1,8 +1,8 @@
 """Our host kernels (runtime/src/host_kernels.rs) through backend="tpu" on the CPU plugin, with
 the weight stored `[N, K]` (`nn.Linear`) or `[K, N]` (GPT-2's `Conv1D`, `x @ W`): a bf16 vector
 times a weight (a linear layer at one token, a decode step's), f32 products of short
-contractions split over XLA's threads (on AMX tiles where the CPU has them), and f32 attention
-without a mask or with the causal one."""
+contractions split over XLA's threads (on AMX tiles where the CPU has them), f32 attention
+without a mask or with the causal one, and f32 LayerNorm and RMSNorm."""
 import gc
 import os
 import subprocess
@@ -31,6 +31,7 @@ def host_kernels() -> list[str]:
 F32_KERNELS = ["tpu_dynamo.f32_matmul_nt", "tpu_dynamo.f32_matmul_nn"]
 ATTENTION_KERNELS = ["tpu_dynamo.f32_attention", "tpu_dynamo.f32_causal_attention"]
 LAYER_NORM_KERNEL = "tpu_dynamo.f32_layer_norm"
+RMS_NORM_KERNEL = "tpu_dynamo.f32_rms_norm"
 AVX512 = "avx512f" in Path("/proc/cpuinfo").read_text()
 AMX = {"amx_bf16", "amx_tile"} <= set(Path("/proc/cpuinfo").read_text().split())
 
@@ -38,7 +39,7 @@ AMX = {"amx_bf16", "amx_tile"} <= set(Path("/proc/cpuinfo").read_text().split())
 def test_the_embedded_plugin_runs_our_kernels():
     """On x86-64 with AVX2 (this CI's machines) the embedded plugin registers the bf16 ones,
     and with AVX-512 the f32 ones too."""
-    assert host_kernels() == ["tpu_dynamo.bf16_matvec", "tpu_dynamo.bf16_vecmat"] + (F32_KERNELS + ATTENTION_KERNELS + [LAYER_NORM_KERNEL] if AVX512 else [])
+    assert host_kernels() == ["tpu_dynamo.bf16_matvec", "tpu_dynamo.bf16_vecmat"] + (F32_KERNELS + ATTENTION_KERNELS + [LAYER_NORM_KERNEL, RMS_NORM_KERNEL] if AVX512 else [])
 
 
 def check_product(fn, x, w, b, target, compiled):
@@ -462,3 +463,81 @@ def test_a_row_with_nan_or_infinity_normalizes_to_nan_as_in_eager():
         got, want = compile_tpu(norm)(x), norm(x)
     assert got[[1, 4]].isnan().all() and want[[1, 4]].isnan().all()
     torch.testing.assert_close(got[[0, 2, 3, 5]], want[[0, 2, 3, 5]], rtol=1e-5, atol=1e-5)
+
+
+def rms_norm(form: str, width: int) -> torch.nn.Module:
+    """An RMSNorm as transformers' Llama writes it (the weight first), as diffusers' does (the
+    weight last; without one), and torch's own (`F.rms_norm`, which reaches the backend as the
+    same ops)."""
+    from diffusers.models.normalization import RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = {
+        "llama": lambda: LlamaRMSNorm(width, eps=1e-6),
+        "diffusers": lambda: RMSNorm(width, eps=1e-6),
+        "unweighted": lambda: RMSNorm(width, eps=1e-6, elementwise_affine=False),
+        "torch": lambda: torch.nn.RMSNorm(width, eps=1e-5),
+    }[form]()
+    for p in norm.parameters():
+        torch.nn.init.normal_(p, 1.0, 0.5)
+    return norm
+
+
+def rms_calls(compiled) -> int:
+    """Our RMSNorm kernel's calls in the graphs compiled so far (each compiled again for its text,
+    which `compiled` records too: hence the copy)."""
+    return sum(_native.compile(graph_json, need_stablehlo=True).stablehlo.count(RMS_NORM_KERNEL) for graph_json, _ in list(compiled))
+
+
+@needs_f32_kernels
+@pytest.mark.parametrize("shape", [(1, 128, 64), (8, 128, 64), (2, 5, 33), (3, 576), (4, 1)])
+@pytest.mark.parametrize("form", ["llama", "diffusers", "unweighted", "torch"])
+def test_an_rms_norm_a_product_reads_runs_our_kernel(shape, form, compiled):
+    """Each form of RMSNorm before a linear layer (a decoder layer's projections) is our kernel,
+    as close to the f64 result as eager is (within twice its error, plus 1e-6)."""
+    torch.manual_seed(sum(shape))
+    norm, linear = rms_norm(form, shape[-1]), torch.nn.Linear(shape[-1], 48)
+    fn = lambda x: linear(norm(x))
+    x = 3.0 * torch.randn(shape)
+    with torch.no_grad():
+        got, want = compile_tpu(fn)(x), fn(x)
+        norm.double(), linear.double()
+        exact = fn(x.double())
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert (got.double() - exact).abs().max() <= 2 * (want.double() - exact).abs().max() + 1e-6
+    assert rms_calls(compiled) == 1
+
+
+@needs_f32_kernels
+def test_an_rms_norm_read_by_elementwise_work_stays_xla_s():
+    """Diffusers' query norm before the rotary embedding: XLA fuses it into that work, which our
+    kernel would cut in two. So would a norm over another dim, or one returned as it is."""
+    norm = rms_norm("diffusers", 16)
+    rotated = lambda x, cos: norm(x) * cos
+    over_rows = lambda x, cos: x * torch.rsqrt(x.pow(2).mean(0, keepdim=True) + 1e-6) @ cos.T
+    x, cos = torch.randn(2, 64, 4, 16), torch.randn(2, 64, 4, 16)
+    for fn, args in ((rotated, (x, cos)), (over_rows, (x[0, :, 0], cos[0, :, 0])), (norm, (x,))):
+        calls = []
+        compile_now = _native.compile
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(_native, "compile", lambda graph_json, **kw: calls.append(graph_json) or compile_now(graph_json, **kw))
+            with torch.no_grad():
+                torch._dynamo.reset()
+                got, want = compile_tpu(fn)(*args), fn(*args)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert all(RMS_NORM_KERNEL not in compile_now(g, need_stablehlo=True).stablehlo for g in calls)
+
+
+@needs_f32_kernels
+def test_an_rms_norm_row_with_nan_or_infinity_is_nan_as_in_eager(compiled):
+    """A row with a NaN or an infinity is NaN after the product, the others as eager's (the
+    kernel's own values there, NaN for ∞ · 0 and 0 for the rest of the row, are checked by its
+    Rust test)."""
+    norm, linear = rms_norm("llama", 40), torch.nn.Linear(40, 40)
+    fn = lambda x: linear(norm(x))
+    x = torch.randn(6, 40)
+    x[1, 3], x[4, 0] = float("nan"), float("inf")
+    with torch.no_grad():
+        got, want = compile_tpu(fn)(x), fn(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert rms_calls(compiled) == 1

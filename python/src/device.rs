@@ -234,6 +234,7 @@ pub fn target() -> Result<Arc<Target>, Error> {
         host_gemm: pair(host_kernels::F32_MATMUL_NT_TARGET, host_kernels::F32_MATMUL_NN_TARGET),
         host_attention: both(host_kernels::F32_ATTENTION_TARGET, host_kernels::F32_CAUSAL_ATTENTION_TARGET),
         host_layer_norm: host_kernels.contains(&host_kernels::F32_LAYER_NORM_TARGET).then_some(host_kernels::F32_LAYER_NORM_TARGET),
+        host_rms_norm: host_kernels.contains(&host_kernels::F32_RMS_NORM_TARGET).then_some(host_kernels::F32_RMS_NORM_TARGET),
     };
     let t = Arc::new(Target { client, device, host_memory, compiler_env: compiler_env(), host_kernels, identity: OnceLock::new() });
     *slot = Some(t.clone());

@@ -1,7 +1,8 @@
 //! Kernels of our own that a host (XLA:CPU) plugin calls as typed-FFI custom calls, registered
 //! through the plugin's PJRT FFI extension when a client is created.
 //!
-//! f32 attention as one kernel (`attention`), f32 LayerNorm as one (`layer_norm`), and two
+//! f32 attention as one kernel (`attention`), f32 LayerNorm and RMSNorm as one each
+//! (`layer_norm`), and two
 //! products, each with the matrix stored `[N, K]` (`nn.Linear`'s weight) or `[K, N]` (GPT-2's
 //! `Conv1D`): f32 products of short
 //! contractions split over XLA's threads (`gemm`), and here a bf16 vector times a bf16 matrix,
@@ -36,6 +37,8 @@ pub const F32_ATTENTION_TARGET: &str = "tpu_dynamo.f32_attention";
 pub const F32_CAUSAL_ATTENTION_TARGET: &str = "tpu_dynamo.f32_causal_attention";
 /// The custom call target of f32 LayerNorm over the last dim.
 pub const F32_LAYER_NORM_TARGET: &str = "tpu_dynamo.f32_layer_norm";
+/// The custom call target of f32 RMSNorm over the last dim.
+pub const F32_RMS_NORM_TARGET: &str = "tpu_dynamo.f32_rms_norm";
 
 const PJRT_EXTENSION_FFI: u32 = 5;
 const XLA_FFI_EXTENSION_METADATA: c_int = 1;
@@ -137,7 +140,7 @@ pub fn register(plugin: &Plugin) -> Vec<&'static str> {
         handlers.extend([(F32_MATMUL_NT_TARGET, f32_matmul_nt as *const c_void), (F32_MATMUL_NN_TARGET, f32_matmul_nn as *const c_void)]);
         handlers.extend([(F32_ATTENTION_TARGET, f32_attention as *const c_void), (F32_CAUSAL_ATTENTION_TARGET, f32_causal_attention as *const c_void)]);
         #[cfg(target_arch = "x86_64")]
-        handlers.push((F32_LAYER_NORM_TARGET, f32_layer_norm as *const c_void));
+        handlers.extend([(F32_LAYER_NORM_TARGET, f32_layer_norm as *const c_void), (F32_RMS_NORM_TARGET, f32_rms_norm as *const c_void)]);
     }
     // The argument layout below is the one of PJRT API 0.115; later headers differ.
     if handlers.is_empty() || plugin.api_version().1 > 115 {
@@ -507,6 +510,40 @@ unsafe extern "C" fn f32_layer_norm(frame: *mut FfiCallFrame) -> *mut c_void {
         n,
         eps: *(eps.data as *const f32),
     };
+    run_norm(frame, target, norm)
+}
+
+/// The RMSNorm handler: f32 `x` `[rows, N]`, `weight` `[N]` and `eps` (0-d) into `y` `[rows,
+/// N]`, on XLA's threads.
+#[cfg(target_arch = "x86_64")]
+unsafe extern "C" fn f32_rms_norm(frame: *mut FfiCallFrame) -> *mut c_void {
+    let frame = &mut *frame;
+    let target = F32_RMS_NORM_TARGET;
+    if !executes(frame) {
+        return std::ptr::null_mut();
+    }
+    if frame.args.size != 3 || frame.rets.size != 1 {
+        return error(frame, target, "expects x, weight and eps, and one result");
+    }
+    let buffer = |list: &FfiList, i: usize| &**list.items.add(i);
+    let [x, weight, eps] = [0, 1, 2].map(|i| buffer(&frame.args, i));
+    let y = buffer(&frame.rets, 0);
+    let dims = |b: &FfiBuffer| std::slice::from_raw_parts(b.dims, b.rank as usize);
+    let all_f32 = [x, weight, eps, y].iter().all(|b| b.dtype == XLA_FFI_F32);
+    let (Some((rows, n)), true) = (match dims(x) {
+        &[rows, n] if dims(y) == [rows, n] && dims(weight) == [n] && eps.rank == 0 => Some((rows as usize, n as usize)),
+        _ => None,
+    }, all_f32) else {
+        let shapes = [x, weight, eps, y].map(dims);
+        return error(frame, target, &format!("expects f32 x [rows, N], weight [N], eps [] and y [rows, N], got {shapes:?}"));
+    };
+    let norm = layer_norm::RmsNorm { x: x.data as *const f32, weight: weight.data as *const f32, y: y.data as *mut f32, rows, n, eps: *(eps.data as *const f32) };
+    run_norm(frame, target, norm)
+}
+
+/// A norm's rows split over XLA's threads.
+#[cfg(target_arch = "x86_64")]
+unsafe fn run_norm<T: layer_norm::Rows + std::panic::UnwindSafe + 'static>(frame: &mut FfiCallFrame, target: &str, norm: T) -> *mut c_void {
     let xla = XlaPool::of(frame);
     let units = norm.units(xla.map_or_else(pool::threads, |xla| xla.threads));
     answer(frame, target, std::panic::catch_unwind(|| run_units(xla, layer_norm::RowRuns(norm, units), units, units - 1)))

@@ -1234,12 +1234,13 @@ pub struct LoweringTarget {
     /// The custom call targets of a host kernel for f32 attention without a mask and with
     /// the causal one, where the plugin has them registered.
     pub host_attention: Option<(&'static str, &'static str)>,
-    /// The custom call target of a host kernel for f32 LayerNorm over the last dim.
+    /// The custom call targets of host kernels for f32 LayerNorm and RMSNorm over the last dim.
     pub host_layer_norm: Option<&'static str>,
+    pub host_rms_norm: Option<&'static str>,
 }
 
 pub static LOWERING_TARGET: RwLock<LoweringTarget> =
-    RwLock::new(LoweringTarget { cpu: false, host_matvec: None, host_gemm: None, host_attention: None, host_layer_norm: None });
+    RwLock::new(LoweringTarget { cpu: false, host_matvec: None, host_gemm: None, host_attention: None, host_layer_norm: None, host_rms_norm: None });
 
 pub fn lowering_target() -> LoweringTarget {
     *LOWERING_TARGET.read().unwrap_or_else(|poisoned| poisoned.into_inner())

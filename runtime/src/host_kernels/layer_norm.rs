@@ -1,10 +1,11 @@
-//! f32 LayerNorm over the last dim as one kernel: XLA:CPU runs it as five ops, each a thunk of
-//! its own (a YNNPACK reduction for the mean, `x − mean`, another reduction for the variance,
-//! `rsqrt`, the affine), which on a small model's rows cost more than their arithmetic: over
-//! `[1024, 64]` they took 78 µs beyond the add before them, this kernel 25.
+//! f32 LayerNorm and RMSNorm over the last dim, each as one kernel: XLA:CPU runs LayerNorm as
+//! five ops, each a thunk of its own (a YNNPACK reduction for the mean, `x − mean`, another
+//! reduction for the variance, `rsqrt`, the affine), which on a small model's rows cost more
+//! than their arithmetic: over `[1024, 64]` they took 78 µs beyond the add before them, this
+//! kernel 25. An RMSNorm was four (the squares, their sum, `rsqrt`, the scaling).
 //!
-//! Each row is read three times from L1 (for its mean, its variance about it: the two-pass form
-//! XLA's was, and the output) and written once.
+//! A LayerNorm reads each row three times from L1 (for its mean, its variance about it: the
+//! two-pass form XLA's was, and the output), an RMSNorm twice; each writes it once.
 
 use super::pool::Chunked;
 
@@ -25,16 +26,55 @@ pub(super) struct LayerNorm {
     pub eps: f32,
 }
 
-impl LayerNorm {
-    /// Units of work for up to `threads`: runs of whole rows.
-    pub fn units(&self, threads: usize) -> usize {
-        (self.rows * self.n / VALUES_PER_CHUNK).clamp(1, threads.max(1)).min(self.rows.max(1))
-    }
+/// `y = x · rstd · weight`, `rstd = 1 / sqrt(mean(x²) + eps)` for each row of `x` `[rows, n]`
+/// (transformers' and diffusers' RMSNorm, rounded where theirs is: after `rstd`, after `x ·
+/// rstd`, after the weight).
+pub(super) struct RmsNorm {
+    pub x: *const f32,
+    pub weight: *const f32,
+    pub y: *mut f32,
+    pub rows: usize,
+    pub n: usize,
+    pub eps: f32,
+}
+
+/// A norm of rows, which units of work split.
+pub(super) trait Rows {
+    /// `(rows, n)`.
+    fn shape(&self) -> (usize, usize);
 
     /// Rows `first..first + count`.
     ///
     /// # Safety
     /// The pointers must cover the shapes, and the CPU have AVX-512 (`gemm::available()`).
+    unsafe fn rows(&self, first: usize, count: usize);
+
+    /// Units of work for up to `threads`: runs of whole rows.
+    fn units(&self, threads: usize) -> usize {
+        let (rows, n) = self.shape();
+        (rows * n / VALUES_PER_CHUNK).clamp(1, threads.max(1)).min(rows.max(1))
+    }
+}
+
+impl Rows for RmsNorm {
+    fn shape(&self) -> (usize, usize) {
+        (self.rows, self.n)
+    }
+
+    unsafe fn rows(&self, first: usize, count: usize) {
+        let weight = std::slice::from_raw_parts(self.weight, self.n);
+        for r in first..first + count {
+            let x = std::slice::from_raw_parts(self.x.add(r * self.n), self.n);
+            x86::rms_row(x, weight, std::slice::from_raw_parts_mut(self.y.add(r * self.n), self.n), self.eps);
+        }
+    }
+}
+
+impl Rows for LayerNorm {
+    fn shape(&self) -> (usize, usize) {
+        (self.rows, self.n)
+    }
+
     unsafe fn rows(&self, first: usize, count: usize) {
         let weight = std::slice::from_raw_parts(self.weight, self.n);
         let bias = std::slice::from_raw_parts(self.bias, self.n);
@@ -48,16 +88,17 @@ impl LayerNorm {
     }
 }
 
-/// A `LayerNorm` cut into `units` runs of rows.
-pub(super) struct RowRuns(pub LayerNorm, pub usize);
+/// A norm cut into `units` runs of rows.
+pub(super) struct RowRuns<T>(pub T, pub usize);
 
-impl Chunked for RowRuns {
+impl<T: Rows> Chunked for RowRuns<T> {
     /// # Safety
     /// The pointers must cover the shapes; units write disjoint rows.
     unsafe fn chunk(&self, unit: usize) {
-        let per = self.0.rows.div_ceil(self.1);
+        let rows = self.0.shape().0;
+        let per = rows.div_ceil(self.1);
         let first = unit * per;
-        self.0.rows(first, per.min(self.0.rows.saturating_sub(first)));
+        self.0.rows(first, per.min(rows.saturating_sub(first)));
     }
 }
 
@@ -93,6 +134,26 @@ mod x86 {
         }
         (_mm_cvtss_f32(_mm512_castps512_ps128(mean)), rstd)
     }
+
+    /// One row of an RMSNorm into `y`. The squares are summed unrounded, in four sums (a
+    /// 576-wide row is 36 vectors: one sum would wait on each add before it).
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn rms_row(x: &[f32], weight: &[f32], y: &mut [f32], eps: f32) {
+        let n = x.len();
+        let mask = |at: usize| ((1u32 << (n - at).min(16)) - 1) as __mmask16;
+        let load = |p: &[f32], at: usize| _mm512_maskz_loadu_ps(mask(at), p.as_ptr().add(at));
+        let mut sums = [_mm512_setzero_ps(); 4];
+        for (i, at) in (0..n).step_by(16).enumerate() {
+            let v = load(x, at);
+            sums[i % 4] = _mm512_fmadd_ps(v, v, sums[i % 4]);
+        }
+        let squares = _mm512_add_ps(_mm512_add_ps(sums[0], sums[1]), _mm512_add_ps(sums[2], sums[3]));
+        let scale = _mm512_set1_ps(1.0 / (_mm512_reduce_add_ps(squares) / n as f32 + eps).sqrt());
+        for at in (0..n).step_by(16) {
+            let out = _mm512_mul_ps(_mm512_mul_ps(load(x, at), scale), load(weight, at));
+            _mm512_mask_storeu_ps(y.as_mut_ptr().add(at), mask(at), out);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -126,5 +187,47 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// RMSNorm rows of several widths (off the 16 lanes and the four sums too), against f64;
+    /// a row with a NaN is NaN, one with an infinity NaN there and 0 elsewhere (`x · rsqrt(∞)`).
+    #[test]
+    fn rms_agrees_with_f64() {
+        if !super::super::gemm::available() {
+            return;
+        }
+        let mut next = super::super::uniform(7);
+        for (rows, n) in [(5, 64), (3, 33), (2, 1), (4, 8), (9, 576), (300, 48)] {
+            let x: Vec<f32> = (0..rows * n).map(|_| 4.0 * next()).collect();
+            let weight: Vec<f32> = (0..n).map(|_| 1.0 + next()).collect();
+            let mut y = vec![f32::NAN; rows * n];
+            let norm = RmsNorm { x: x.as_ptr(), weight: weight.as_ptr(), y: y.as_mut_ptr(), rows, n, eps: 1e-6 };
+            let units = RowRuns(norm, 3.min(rows));
+            (0..units.1).for_each(|u| unsafe { units.chunk(u) });
+            for r in 0..rows {
+                let row: Vec<f64> = x[r * n..(r + 1) * n].iter().map(|&v| f64::from(v)).collect();
+                let s = 1.0 / (row.iter().map(|v| v * v).sum::<f64>() / n as f64 + 1e-6).sqrt();
+                for j in 0..n {
+                    let want = row[j] * s * f64::from(weight[j]);
+                    assert!((f64::from(y[r * n + j]) - want).abs() < 1e-6 * (1.0 + want.abs()), "{rows}x{n} at {r},{j}: {} vs {want}", y[r * n + j]);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rms_of_a_row_with_nan_or_infinity() {
+        if !super::super::gemm::available() {
+            return;
+        }
+        let mut x: Vec<f32> = (0..3 * 20).map(|i| i as f32 - 7.0).collect();
+        (x[3], x[20 + 5]) = (f32::NAN, f32::INFINITY);
+        let weight = [2.0f32; 20];
+        let mut y = vec![0.5; 60];
+        let norm = RowRuns(RmsNorm { x: x.as_ptr(), weight: weight.as_ptr(), y: y.as_mut_ptr(), rows: 3, n: 20, eps: 1e-6 }, 1);
+        unsafe { norm.chunk(0) };
+        assert!(y[..20].iter().all(|v| v.is_nan()));
+        assert!(y[25].is_nan() && y[20..40].iter().enumerate().all(|(j, &v)| j == 5 || v == 0.0));
+        assert!(y[40..].iter().all(|v| v.is_finite()));
     }
 }
