@@ -351,7 +351,6 @@ unsafe fn handle(frame: &mut FfiCallFrame, layout: Layout, operands: c_int) -> *
         return error(frame, target, "expects two operands and one result");
     }
     let (x, w, y) = (&**frame.args.items, &**frame.args.items.add(1), &**frame.rets.items);
-    let dims = |b: &FfiBuffer| std::slice::from_raw_parts(b.dims, b.rank as usize);
     let (xd, wd, yd) = (dims(x), dims(w), dims(y));
     let (Some((&k, lead)), &[rows_w, cols_w]) = (xd.split_last(), wd) else {
         return error(frame, target, &format!("expects x [.., K] and a matrix w, got {xd:?} and {wd:?}"));
@@ -437,7 +436,6 @@ unsafe fn attend(frame: &mut FfiCallFrame, causal: bool) -> *mut c_void {
     let extra = |count: bool| (3..frame.args.size as usize).map(|i| buffer(&frame.args, i)).find(|b| (b.rank == 0) == count);
     let (bias, count) = (extra(false), extra(true));
     let [out, lse] = [0, 1].map(|i| buffer(&frame.rets, i));
-    let dims = |b: &FfiBuffer| std::slice::from_raw_parts(b.dims, b.rank as usize);
     let (qd, kd, vd, od, ld) = (dims(q), dims(k), dims(v), dims(out), dims(lse));
     let agree = match (qd, kd) {
         (&[batch, heads, len_q, dim], &[kb, kv_heads, len_kv, kdim]) => {
@@ -479,26 +477,17 @@ unsafe fn attend(frame: &mut FfiCallFrame, causal: bool) -> *mut c_void {
 /// `[rows, N]`, each row's mean and rstd `[rows]`, on XLA's threads.
 #[cfg(target_arch = "x86_64")]
 unsafe extern "C" fn f32_layer_norm(frame: *mut FfiCallFrame) -> *mut c_void {
-    let frame = &mut *frame;
-    let target = F32_LAYER_NORM_TARGET;
-    if !executes(frame) {
-        return std::ptr::null_mut();
-    }
-    if frame.args.size != 4 || frame.rets.size != 3 {
-        return error(frame, target, "expects x, weight, bias and eps, and three results");
-    }
-    let buffer = |list: &FfiList, i: usize| &**list.items.add(i);
-    let [x, weight, bias, eps] = [0, 1, 2, 3].map(|i| buffer(&frame.args, i));
-    let [y, mean, rstd] = [0, 1, 2].map(|i| buffer(&frame.rets, i));
-    let dims = |b: &FfiBuffer| std::slice::from_raw_parts(b.dims, b.rank as usize);
-    let all_f32 = [x, weight, bias, eps, y, mean, rstd].iter().all(|b| b.dtype == XLA_FFI_F32);
-    let (Some((rows, n)), true) = (match dims(x) {
-        &[rows, n] if dims(y) == [rows, n] && dims(weight) == [n] && dims(bias) == [n] && eps.rank == 0 && dims(mean) == [rows] && dims(rstd) == [rows] => Some((rows as usize, n as usize)),
-        _ => None,
-    }, all_f32) else {
-        let shapes = [x, weight, bias, eps, y, mean, rstd].map(dims);
-        return error(frame, target, &format!("expects f32 x [rows, N], weight and bias [N], eps [], y [rows, N], mean and rstd [rows], got {shapes:?}"));
+    let (frame, target) = (&mut *frame, F32_LAYER_NORM_TARGET);
+    let expects = "expects f32 x [rows, N], weight and bias [N], eps [], y [rows, N], mean and rstd [rows]";
+    let ([x, weight, bias, eps], [y, mean, rstd]) = match f32_buffers(frame, target, expects) {
+        Ok(buffers) => buffers,
+        Err(answer) => return answer,
     };
+    let &[rows, n] = dims(x) else { return shapes_error(frame, target, expects, &[x, weight, bias, eps, y, mean, rstd]) };
+    if !(dims(y) == [rows, n] && dims(weight) == [n] && dims(bias) == [n] && eps.rank == 0 && dims(mean) == [rows] && dims(rstd) == [rows]) {
+        return shapes_error(frame, target, expects, &[x, weight, bias, eps, y, mean, rstd]);
+    }
+    let (rows, n) = (rows as usize, n as usize);
     let norm = layer_norm::LayerNorm {
         x: x.data as *const f32,
         weight: weight.data as *const f32,
@@ -517,28 +506,53 @@ unsafe extern "C" fn f32_layer_norm(frame: *mut FfiCallFrame) -> *mut c_void {
 /// N]`, on XLA's threads.
 #[cfg(target_arch = "x86_64")]
 unsafe extern "C" fn f32_rms_norm(frame: *mut FfiCallFrame) -> *mut c_void {
-    let frame = &mut *frame;
-    let target = F32_RMS_NORM_TARGET;
-    if !executes(frame) {
-        return std::ptr::null_mut();
-    }
-    if frame.args.size != 3 || frame.rets.size != 1 {
-        return error(frame, target, "expects x, weight and eps, and one result");
-    }
-    let buffer = |list: &FfiList, i: usize| &**list.items.add(i);
-    let [x, weight, eps] = [0, 1, 2].map(|i| buffer(&frame.args, i));
-    let y = buffer(&frame.rets, 0);
-    let dims = |b: &FfiBuffer| std::slice::from_raw_parts(b.dims, b.rank as usize);
-    let all_f32 = [x, weight, eps, y].iter().all(|b| b.dtype == XLA_FFI_F32);
-    let (Some((rows, n)), true) = (match dims(x) {
-        &[rows, n] if dims(y) == [rows, n] && dims(weight) == [n] && eps.rank == 0 => Some((rows as usize, n as usize)),
-        _ => None,
-    }, all_f32) else {
-        let shapes = [x, weight, eps, y].map(dims);
-        return error(frame, target, &format!("expects f32 x [rows, N], weight [N], eps [] and y [rows, N], got {shapes:?}"));
+    let (frame, target) = (&mut *frame, F32_RMS_NORM_TARGET);
+    let expects = "expects f32 x [rows, N], weight [N], eps [] and y [rows, N]";
+    let ([x, weight, eps], [y]) = match f32_buffers(frame, target, expects) {
+        Ok(buffers) => buffers,
+        Err(answer) => return answer,
     };
+    let &[rows, n] = dims(x) else { return shapes_error(frame, target, expects, &[x, weight, eps, y]) };
+    if !(dims(y) == [rows, n] && dims(weight) == [n] && eps.rank == 0) {
+        return shapes_error(frame, target, expects, &[x, weight, eps, y]);
+    }
+    let (rows, n) = (rows as usize, n as usize);
     let norm = layer_norm::RmsNorm { x: x.data as *const f32, weight: weight.data as *const f32, y: y.data as *mut f32, rows, n, eps: *(eps.data as *const f32) };
     run_norm(frame, target, norm)
+}
+
+/// A handler's `A` arguments and `R` results, all f32; where it is not the execute stage or they
+/// are not, what the handler answers instead (nothing, or the error `expects` describes).
+#[cfg(target_arch = "x86_64")]
+unsafe fn f32_buffers<const A: usize, const R: usize>(
+    frame: &mut FfiCallFrame,
+    target: &str,
+    expects: &str,
+) -> Result<([&'static FfiBuffer; A], [&'static FfiBuffer; R]), *mut c_void> {
+    if !executes(frame) {
+        return Err(std::ptr::null_mut());
+    }
+    if frame.args.size as usize != A || frame.rets.size as usize != R {
+        return Err(error(frame, target, &format!("{expects}: {A} arguments and {R} results")));
+    }
+    let args: [&FfiBuffer; A] = std::array::from_fn(|i| &**frame.args.items.add(i));
+    let rets: [&FfiBuffer; R] = std::array::from_fn(|i| &**frame.rets.items.add(i));
+    if args.iter().chain(&rets).any(|b| b.dtype != XLA_FFI_F32) {
+        return Err(shapes_error(frame, target, expects, &[args.as_slice(), rets.as_slice()].concat()));
+    }
+    Ok((args, rets))
+}
+
+/// A buffer's dims.
+unsafe fn dims(b: &FfiBuffer) -> &[i64] {
+    std::slice::from_raw_parts(b.dims, b.rank as usize)
+}
+
+/// The error for `buffers` not of the types and shapes `expects` describes.
+#[cfg(target_arch = "x86_64")]
+unsafe fn shapes_error(frame: &FfiCallFrame, target: &str, expects: &str, buffers: &[&FfiBuffer]) -> *mut c_void {
+    let got: Vec<(&[i64], c_int)> = buffers.iter().map(|&b| (dims(b), b.dtype)).collect();
+    error(frame, target, &format!("{expects}, got (dims, XLA type) {got:?}"))
 }
 
 /// A norm's rows split over XLA's threads.
