@@ -226,6 +226,7 @@ pub fn target() -> Result<Arc<Target>, Error> {
     // Our kernels run where the plugin computes on the host and lets us register them; the
     // lowering then calls them, so which it calls is part of every executable's cache key.
     let host_kernels = if host_memory && not_off("TPU_DYNAMO_HOST_KERNELS") { host_kernels::register(client.plugin()) } else { vec![] };
+    let one = |a: &'static str| host_kernels.contains(&a).then_some(a);
     let both = |a: &'static str, b: &'static str| (host_kernels.contains(&a) && host_kernels.contains(&b)).then_some((a, b));
     let pair = |a, b| both(a, b).map(|(row_per_output, row_per_input)| HostProduct { row_per_output, row_per_input });
     *LOWERING_TARGET.write().unwrap_or_else(|poisoned| poisoned.into_inner()) = LoweringTarget {
@@ -233,8 +234,8 @@ pub fn target() -> Result<Arc<Target>, Error> {
         host_matvec: pair(host_kernels::BF16_MATVEC_TARGET, host_kernels::BF16_VECMAT_TARGET),
         host_gemm: pair(host_kernels::F32_MATMUL_NT_TARGET, host_kernels::F32_MATMUL_NN_TARGET),
         host_attention: both(host_kernels::F32_ATTENTION_TARGET, host_kernels::F32_CAUSAL_ATTENTION_TARGET),
-        host_layer_norm: host_kernels.contains(&host_kernels::F32_LAYER_NORM_TARGET).then_some(host_kernels::F32_LAYER_NORM_TARGET),
-        host_rms_norm: host_kernels.contains(&host_kernels::F32_RMS_NORM_TARGET).then_some(host_kernels::F32_RMS_NORM_TARGET),
+        host_layer_norm: one(host_kernels::F32_LAYER_NORM_TARGET),
+        host_rms_norm: one(host_kernels::F32_RMS_NORM_TARGET),
     };
     let t = Arc::new(Target { client, device, host_memory, compiler_env: compiler_env(), host_kernels, identity: OnceLock::new() });
     *slot = Some(t.clone());

@@ -2,17 +2,15 @@
 //! through the plugin's PJRT FFI extension when a client is created.
 //!
 //! f32 attention as one kernel (`attention`), f32 LayerNorm and RMSNorm as one each
-//! (`layer_norm`), and two
-//! products, each with the matrix stored `[N, K]` (`nn.Linear`'s weight) or `[K, N]` (GPT-2's
-//! `Conv1D`): f32 products of short
-//! contractions split over XLA's threads (`gemm`), and here a bf16 vector times a bf16 matrix,
+//! (`layer_norm`), and two products, each with the matrix stored `[N, K]` (`nn.Linear`'s
+//! weight) or `[K, N]` (GPT-2's `Conv1D`): f32 products of short contractions split over XLA's
+//! threads (`gemm`, on AMX tiles where the CPU has them: `amx`), and here a bf16 vector times a bf16 matrix,
 //! the products of every decode step of a bf16 model. XLA:CPU's own ways run at half the rate
 //! of its f32 products (YNNPACK packs the whole weight on every call; its own dot emitter has
 //! no bf16 kernel), so a bf16 decode step was slower than an f32 one although it reads half
 //! the bytes. This one streams the weight once, with f32 sums as
 //! PyTorch's CPU kernels keep them.
 
-#[cfg(target_arch = "x86_64")]
 mod amx;
 mod attention;
 mod gemm;
@@ -287,10 +285,7 @@ unsafe fn destroy(api: *const u8, error: *mut c_void) -> bool {
 
 /// Whether the f32 products run on AMX tiles here (`amx`).
 pub fn products_on_tiles() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    return amx::available();
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+    amx::available()
 }
 
 /// The weight's layout: `[N, K]` (`y = x @ w.T`) or `[K, N]` (`y = x @ w`).

@@ -27,7 +27,7 @@ mod trig;
 mod view;
 mod window;
 
-use crate::ir::{self, Arg, DType, Graph, TensorType, ValueId};
+use crate::ir::{self, Arg, DType, Graph, TensorType};
 use builder::{mlir_type, type_str, Builder, Operand, Scalar, Val, R};
 use melior::{
     dialect::{func, DialectHandle},
@@ -503,8 +503,7 @@ fn emit_body<'a>(
         })
         .collect();
     let reg = registry();
-    let rms_target = builder::lowering_target().host_rms_norm;
-    let rms_norms = rms_target.map(|_| normalization::rms_norms(graph)).unwrap_or_default();
+    let rms_norms = normalization::RmsNorms::of(graph);
     for (i, node) in graph.nodes.iter().enumerate() {
         let source = sources.get(i).cloned().flatten();
         let resolved = node
@@ -553,15 +552,9 @@ fn emit_body<'a>(
             kwargs,
             outputs: node.outputs.clone(),
         };
-        let produced = match (rms_norms.get(&i), rms_target) {
-            (Some(norm), Some(target)) => {
-                let operand = |v: ValueId| values.get(v as usize).cloned().flatten().ok_or_else(|| format!("%{v} is not a value"));
-                let weight = norm.weight.map(operand).transpose();
-                operand(norm.x)
-                    .and_then(|x| normalization::host_rms_norm(&n.b, target, &x, weight?.as_ref(), norm.eps))
-                    .map(|y| vec![y])
-            }
-            _ => rule(n),
+        let produced = match rms_norms.lower(i, &n.b, &values) {
+            Some(lowered) => lowered,
+            None => rule(n),
         }
         .map_err(|m| error(LowerErrorKind::Failed, arg_types.clone(), m))?;
         check_types(&produced, &node.outputs)

@@ -160,10 +160,35 @@ fn batch_norm_inference<'a>(n: NodeCtx<'a>) -> Res<'a> {
 /// keepdim) + eps)`, times a `weight` `[N]` or not. No ATen op of its own reaches the backend (nor
 /// does `F.rms_norm`'s, which decomposes into the same ops), so the norm is recognized by them.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct RmsNorm {
-    pub x: ValueId,
-    pub weight: Option<ValueId>,
-    pub eps: f64,
+struct RmsNorm {
+    x: ValueId,
+    weight: Option<ValueId>,
+    eps: f64,
+}
+
+/// The RMSNorms of a graph lowered as our kernel, by the node holding each one's result.
+pub struct RmsNorms {
+    target: Option<&'static str>,
+    by_node: HashMap<usize, RmsNorm>,
+}
+
+impl RmsNorms {
+    /// `graph`'s norms where the plugin runs our kernel (none elsewhere).
+    pub fn of(graph: &Graph) -> Self {
+        let target = lowering_target().host_rms_norm;
+        RmsNorms { target, by_node: target.map(|_| rms_norms(graph)).unwrap_or_default() }
+    }
+
+    /// Node `i`'s value as our kernel's, where it is a norm's result; `values`: those lowered so far.
+    pub fn lower<'a>(&self, i: usize, b: &Builder<'a>, values: &[Option<Val<'a>>]) -> Option<R<Vec<Val<'a>>>> {
+        let (norm, target) = (self.by_node.get(&i)?, self.target?);
+        let operand = |v: ValueId| values.get(v as usize).cloned().flatten().ok_or_else(|| format!("%{v} is not a value"));
+        let lowered = || -> R<Vec<Val<'a>>> {
+            let weight = norm.weight.map(operand).transpose()?;
+            Ok(vec![host_rms_norm(b, target, &operand(norm.x)?, weight.as_ref(), norm.eps)?])
+        };
+        Some(lowered())
+    }
 }
 
 /// The f32 RMSNorms of `graph` whose result only products read (through views), by the node
@@ -173,7 +198,7 @@ pub struct RmsNorm {
 /// four (a batch-8 tiny Llama's call 2.82 → 2.61-2.70 ms); a norm read by elementwise work
 /// (diffusers' queries and keys, then rotated) stays XLA's, which fuses it into that work (our
 /// kernel there: a tiny Flux's call 1.20-1.24 → 1.27-1.38 ms).
-pub fn rms_norms(graph: &Graph) -> HashMap<usize, RmsNorm> {
+fn rms_norms(graph: &Graph) -> HashMap<usize, RmsNorm> {
     // The node defining each value, and each node's first value.
     let mut defined_by = vec![None; graph.inputs.len()];
     let mut first_output = Vec::with_capacity(graph.nodes.len());
@@ -280,7 +305,7 @@ impl<'g> Readers<'g> {
 }
 
 /// An RMSNorm's result, `[..., N]` like `x`, from our host kernel.
-pub fn host_rms_norm<'a>(b: &Builder<'a>, target: &str, x: &Val<'a>, weight: Option<&Val<'a>>, eps: f64) -> R<Val<'a>> {
+fn host_rms_norm<'a>(b: &Builder<'a>, target: &str, x: &Val<'a>, weight: Option<&Val<'a>>, eps: f64) -> R<Val<'a>> {
     let width = *x.shape().last().ok_or("an RMSNorm of a 0-d tensor")?;
     let weight = match weight {
         Some(w) => b.reshape(w, &[width])?,

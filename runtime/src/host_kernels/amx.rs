@@ -13,7 +13,9 @@
 
 use super::gemm::{Line, Lines, COLUMNS};
 use super::Layout;
+#[cfg(target_arch = "x86_64")]
 use std::arch::asm;
+#[cfg(target_arch = "x86_64")]
 use std::cell::RefCell;
 use std::sync::OnceLock;
 
@@ -94,6 +96,7 @@ pub(super) unsafe fn pack(w: *const f32, (n, k): (usize, usize), layout: Layout)
     Some(packed.0)
 }
 
+#[cfg(target_arch = "x86_64")]
 thread_local! {
     /// A thread's memory for its products on the tiles: rows of `x` split into pieces, `[piece,
     /// rows / 32 * 32, k / 32 * 32]`, and a partial tile's results, `[32, 32]`.
@@ -106,6 +109,7 @@ thread_local! {
 /// # Safety
 /// `x` `[m, k]` and `y` `[m, n]` must cover these rows, `pieces` be `pack`'s result for `w`, and
 /// `available()` be true.
+#[cfg(target_arch = "x86_64")]
 pub(super) unsafe fn rows((x, y): (*const f32, *mut f32), (n, k): (usize, usize), pieces: &[Line], first_row: usize, rows: usize) -> bool {
     SCRATCH.with(|scratch| {
         let (split, partial) = &mut *scratch.borrow_mut();
@@ -122,6 +126,7 @@ pub(super) unsafe fn rows((x, y): (*const f32, *mut f32), (n, k): (usize, usize)
     })
 }
 
+#[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::{asm, Line, BLOCK_STEP_TILES, COLUMNS, L1_ROWS_BYTES, STEP, TILE, TILE_LINES};
     use std::arch::x86_64::*;
@@ -303,7 +308,7 @@ mod x86 {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
 

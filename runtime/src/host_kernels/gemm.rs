@@ -8,7 +8,6 @@
 //! A weight in memory declared unchanging (`unchanging`) is packed into panels once. Where the
 //! CPU has AMX, the products run on its tiles instead (`amx`), at the same accuracy.
 
-#[cfg(target_arch = "x86_64")]
 use super::amx;
 use super::pool::Chunked;
 use super::{unchanging, Layout};
@@ -69,10 +68,7 @@ const TILES_FEW_ROWS_ALONE_MAX_FLOPS: usize = 1 << 24;
 /// 32] x [32, 128]` 11.2 against 13.6). A weight packed on every call (an input read as it is)
 /// stays on the vector kernel, whose packing is a copy.
 fn tiles_suit(n: usize, k: usize) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    return amx::available() && n > COLUMNS && k > 16;
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+    amx::available() && n > COLUMNS && k > 16
 }
 
 impl Gemm {
