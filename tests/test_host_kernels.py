@@ -1,8 +1,9 @@
 """Our host kernels (runtime/src/host_kernels.rs) through backend="tpu" on the CPU plugin, with
 the weight stored `[N, K]` (`nn.Linear`) or `[K, N]` (GPT-2's `Conv1D`, `x @ W`): a bf16 vector
 times a weight (a linear layer at one token, a decode step's), f32 products of short
-contractions split over XLA's threads (on AMX tiles where the CPU has them), f32 attention
-without a mask or with the causal one, and f32 LayerNorm and RMSNorm."""
+contractions split over XLA's threads (on AMX tiles where the CPU has them; with their bias, and
+a tanh GELU after it, applied by the kernel), f32 attention without a mask or with the causal
+one, and f32 LayerNorm and RMSNorm."""
 import gc
 import os
 import subprocess
@@ -29,6 +30,8 @@ def host_kernels() -> list[str]:
 
 
 F32_KERNELS = ["tpu_dynamo.f32_matmul_nt", "tpu_dynamo.f32_matmul_nn"]
+BIAS_KERNELS = ["tpu_dynamo.f32_matmul_nt_bias", "tpu_dynamo.f32_matmul_nn_bias"]
+GELU_KERNELS = ["tpu_dynamo.f32_matmul_nt_bias_gelu_tanh", "tpu_dynamo.f32_matmul_nn_bias_gelu_tanh"]
 ATTENTION_KERNELS = ["tpu_dynamo.f32_attention", "tpu_dynamo.f32_causal_attention"]
 LAYER_NORM_KERNEL = "tpu_dynamo.f32_layer_norm"
 RMS_NORM_KERNEL = "tpu_dynamo.f32_rms_norm"
@@ -39,7 +42,9 @@ AMX = {"amx_bf16", "amx_tile"} <= set(Path("/proc/cpuinfo").read_text().split())
 def test_the_embedded_plugin_runs_our_kernels():
     """On x86-64 with AVX2 (this CI's machines) the embedded plugin registers the bf16 ones,
     and with AVX-512 the f32 ones too."""
-    assert host_kernels() == ["tpu_dynamo.bf16_matvec", "tpu_dynamo.bf16_vecmat"] + (F32_KERNELS + ATTENTION_KERNELS + [LAYER_NORM_KERNEL, RMS_NORM_KERNEL] if AVX512 else [])
+    assert host_kernels() == ["tpu_dynamo.bf16_matvec", "tpu_dynamo.bf16_vecmat"] + (
+        F32_KERNELS + BIAS_KERNELS + GELU_KERNELS + ATTENTION_KERNELS + [LAYER_NORM_KERNEL, RMS_NORM_KERNEL] if AVX512 else []
+    )
 
 
 def check_product(fn, x, w, b, target, compiled):
@@ -134,16 +139,16 @@ def test_an_f32_linear_of_a_short_contraction_runs_our_kernel(rows, k, n, bias, 
     torch.manual_seed(rows * k + n)
     x, w = torch.randn(1, rows, k), torch.randn(n, k)
     args = (x, w, torch.randn(n)) if bias else (x, w)
-    check_f32_product(torch.nn.functional.linear, args, "tpu_dynamo.f32_matmul_nt", compiled)
+    check_f32_product(torch.nn.functional.linear, args, BIAS_KERNELS[0] if bias else F32_KERNELS[0], compiled)
 
 
 @needs_f32_kernels
 @pytest.mark.parametrize("rows, k, n", F32_SHAPES)
 def test_an_f32_conv1d_of_a_short_contraction_runs_our_kernel(rows, k, n, compiled):
-    """GPT-2's `Conv1D`: `addmm(bias, x, W)` with W stored `[K, N]`."""
+    """GPT-2's `Conv1D`: `addmm(bias, x, W)` with W stored `[K, N]`, the bias added by the kernel."""
     torch.manual_seed(rows + k * n)
     args = (torch.randn(rows, k), torch.randn(k, n), torch.randn(n))
-    check_f32_product(lambda x, w, b: torch.addmm(b, x, w), args, "tpu_dynamo.f32_matmul_nn", compiled)
+    check_f32_product(lambda x, w, b: torch.addmm(b, x, w), args, BIAS_KERNELS[1], compiled)
 
 
 @needs_f32_kernels
@@ -192,6 +197,82 @@ def test_an_infinite_input_or_kept_weight_gives_eager_s_infinities():
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
             assert torch.isinf(got[5]).sum() >= 95 and torch.isinf(got[:, 11]).sum() >= 127 * linear.weight[11, 3].isinf()
             linear.weight[11, 3] = float("-inf")
+
+
+def gelu_mlp(form: str, k: int, n: int) -> torch.nn.Module:
+    """A product then its tanh GELU as GPT-2 writes it (`Conv1D`, then `gelu_new`'s ops), as
+    transformers' `gelu_pytorch_tanh` and diffusers' `GELU(approximate="tanh")` do (`nn.Linear`,
+    then `F.gelu(approximate="tanh")`)."""
+    from diffusers.models.activations import GELU
+    from transformers.activations import ACT2FN
+    from transformers.pytorch_utils import Conv1D
+
+    if form == "diffusers":
+        return GELU(k, n, approximate="tanh")
+    product = Conv1D(n, k) if form == "gelu_new" else torch.nn.Linear(k, n)
+    torch.nn.init.normal_(product.bias)
+    return torch.nn.Sequential(product, ACT2FN[form])
+
+
+def gelu_calls(compiled) -> int:
+    """Our GELU product kernel's calls in the graphs compiled so far (see `rms_calls`)."""
+    texts = [_native.compile(graph_json, need_stablehlo=True).stablehlo for graph_json, _ in list(compiled)]
+    return sum(text.count(target) for text in texts for target in GELU_KERNELS)
+
+
+@needs_f32_kernels
+@pytest.mark.parametrize("shape, n", [((1, 128, 64), 256), ((8, 128, 64), 256), ((77, 70), 200), ((2, 40, 33), 130)])
+@pytest.mark.parametrize("form", ["gelu_new", "gelu_pytorch_tanh", "diffusers"])
+def test_a_tanh_gelu_after_a_product_runs_in_our_kernel(shape, n, form, compiled):
+    """The product, its bias and the GELU are one call of our kernel, as close to the f64 result
+    as eager is (within twice its error, plus 1e-6)."""
+    torch.manual_seed(sum(shape) + n)
+    mlp = gelu_mlp(form, shape[-1], n)
+    x = 2.0 * torch.randn(shape)
+    with torch.no_grad():
+        got, want = compile_tpu(mlp)(x), mlp(x)
+        exact = mlp.double()(x.double())
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert (got.double() - exact).abs().max() <= 2 * (want.double() - exact).abs().max() + 1e-6
+    assert gelu_calls(compiled) == 1
+
+
+@needs_f32_kernels
+def test_a_product_read_besides_its_gelu_keeps_xla_s_gelu():
+    """Where something else reads the product too, the GELU stays XLA's (the kernel would not
+    keep the product before it); the bias is still the kernel's."""
+    mlp = gelu_mlp("gelu_new", 64, 256)
+
+    def fn(x):
+        h = mlp[0](x)
+        return mlp[1](h) + h
+
+    x = torch.randn(128, 64)
+    calls = []
+    compile_now = _native.compile
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(_native, "compile", lambda graph_json, **kw: calls.append(graph_json) or compile_now(graph_json, **kw))
+        with torch.no_grad():
+            torch._dynamo.reset()
+            got, want = compile_tpu(fn)(x), fn(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    texts = [compile_now(g, need_stablehlo=True).stablehlo for g in calls]
+    assert any(BIAS_KERNELS[1] in t for t in texts) and not any(target in t for t in texts for target in GELU_KERNELS)
+
+
+@needs_f32_kernels
+def test_a_gelu_product_s_nan_and_infinity_go_as_eager_s(compiled):
+    """A row of `x` with a NaN, or with an infinity, and an infinite bias: the outputs they
+    touch are NaN or ±∞ as in eager (GELU(−∞) = −∞ · 0 is NaN, GELU(∞) = ∞)."""
+    mlp = gelu_mlp("gelu_new", 64, 256)
+    x = torch.randn(128, 64)
+    x[1, 3], x[4, 0] = float("nan"), float("inf")
+    with torch.no_grad():
+        mlp[0].bias[[7, 9]] = torch.tensor([float("inf"), float("-inf")])
+        got, want = compile_tpu(mlp)(x), mlp(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert got[:, 9].isnan().all() and (got[[0, 2], 7] == float("inf")).all() and got[1].isnan().all()
+    assert gelu_calls(compiled) == 1
 
 
 @needs_f32_kernels

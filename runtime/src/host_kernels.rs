@@ -13,6 +13,7 @@
 
 mod amx;
 mod attention;
+mod epilogue;
 mod gemm;
 #[cfg(target_arch = "x86_64")]
 mod layer_norm;
@@ -20,6 +21,7 @@ mod pool;
 pub mod unchanging;
 
 use crate::plugin::Plugin;
+use epilogue::{Activation, Epilogue};
 use pjrt_sys::PJRT_Extension_Base;
 use std::ffi::{c_char, c_int, c_void};
 
@@ -30,6 +32,11 @@ pub const BF16_VECMAT_TARGET: &str = "tpu_dynamo.bf16_vecmat";
 /// The custom call targets of an f32 product with a matrix stored `[N, K]` and `[K, N]`.
 pub const F32_MATMUL_NT_TARGET: &str = "tpu_dynamo.f32_matmul_nt";
 pub const F32_MATMUL_NN_TARGET: &str = "tpu_dynamo.f32_matmul_nn";
+/// The same products with a bias `[N]` added to each row, and then the tanh GELU.
+pub const F32_MATMUL_NT_BIAS_TARGET: &str = "tpu_dynamo.f32_matmul_nt_bias";
+pub const F32_MATMUL_NN_BIAS_TARGET: &str = "tpu_dynamo.f32_matmul_nn_bias";
+pub const F32_MATMUL_NT_BIAS_GELU_TANH_TARGET: &str = "tpu_dynamo.f32_matmul_nt_bias_gelu_tanh";
+pub const F32_MATMUL_NN_BIAS_GELU_TANH_TARGET: &str = "tpu_dynamo.f32_matmul_nn_bias_gelu_tanh";
 /// The custom call targets of f32 attention without a mask and with the causal one.
 pub const F32_ATTENTION_TARGET: &str = "tpu_dynamo.f32_attention";
 pub const F32_CAUSAL_ATTENTION_TARGET: &str = "tpu_dynamo.f32_causal_attention";
@@ -136,6 +143,12 @@ pub fn register(plugin: &Plugin) -> Vec<&'static str> {
     }
     if gemm::available() {
         handlers.extend([(F32_MATMUL_NT_TARGET, f32_matmul_nt as *const c_void), (F32_MATMUL_NN_TARGET, f32_matmul_nn as *const c_void)]);
+        handlers.extend([
+            (F32_MATMUL_NT_BIAS_TARGET, f32_matmul_nt_bias as *const c_void),
+            (F32_MATMUL_NN_BIAS_TARGET, f32_matmul_nn_bias as *const c_void),
+            (F32_MATMUL_NT_BIAS_GELU_TANH_TARGET, f32_matmul_nt_bias_gelu_tanh as *const c_void),
+            (F32_MATMUL_NN_BIAS_GELU_TANH_TARGET, f32_matmul_nn_bias_gelu_tanh as *const c_void),
+        ]);
         handlers.extend([(F32_ATTENTION_TARGET, f32_attention as *const c_void), (F32_CAUSAL_ATTENTION_TARGET, f32_causal_attention as *const c_void)]);
         #[cfg(target_arch = "x86_64")]
         handlers.extend([(F32_LAYER_NORM_TARGET, f32_layer_norm as *const c_void), (F32_RMS_NORM_TARGET, f32_rms_norm as *const c_void)]);
@@ -313,37 +326,63 @@ unsafe fn executes(frame: &mut FfiCallFrame) -> bool {
 }
 
 unsafe extern "C" fn bf16_matvec(frame: *mut FfiCallFrame) -> *mut c_void {
-    handle(&mut *frame, Layout::RowPerOutput, XLA_FFI_BF16)
+    handle(&mut *frame, Layout::RowPerOutput, XLA_FFI_BF16, None)
 }
 
 unsafe extern "C" fn bf16_vecmat(frame: *mut FfiCallFrame) -> *mut c_void {
-    handle(&mut *frame, Layout::RowPerInput, XLA_FFI_BF16)
+    handle(&mut *frame, Layout::RowPerInput, XLA_FFI_BF16, None)
 }
 
 unsafe extern "C" fn f32_matmul_nt(frame: *mut FfiCallFrame) -> *mut c_void {
-    handle(&mut *frame, Layout::RowPerOutput, XLA_FFI_F32)
+    handle(&mut *frame, Layout::RowPerOutput, XLA_FFI_F32, None)
 }
 
 unsafe extern "C" fn f32_matmul_nn(frame: *mut FfiCallFrame) -> *mut c_void {
-    handle(&mut *frame, Layout::RowPerInput, XLA_FFI_F32)
+    handle(&mut *frame, Layout::RowPerInput, XLA_FFI_F32, None)
+}
+
+unsafe extern "C" fn f32_matmul_nt_bias(frame: *mut FfiCallFrame) -> *mut c_void {
+    handle(&mut *frame, Layout::RowPerOutput, XLA_FFI_F32, Some(Activation::Identity))
+}
+
+unsafe extern "C" fn f32_matmul_nn_bias(frame: *mut FfiCallFrame) -> *mut c_void {
+    handle(&mut *frame, Layout::RowPerInput, XLA_FFI_F32, Some(Activation::Identity))
+}
+
+unsafe extern "C" fn f32_matmul_nt_bias_gelu_tanh(frame: *mut FfiCallFrame) -> *mut c_void {
+    handle(&mut *frame, Layout::RowPerOutput, XLA_FFI_F32, Some(Activation::GeluTanh))
+}
+
+unsafe extern "C" fn f32_matmul_nn_bias_gelu_tanh(frame: *mut FfiCallFrame) -> *mut c_void {
+    handle(&mut *frame, Layout::RowPerInput, XLA_FFI_F32, Some(Activation::GeluTanh))
+}
+
+/// The target a product handler answers to: by its operands' type, the weight's layout and,
+/// for f32, what it applies after a bias (where it takes one).
+fn product_target(operands: c_int, layout: Layout, epilogue: Option<Activation>) -> &'static str {
+    let row_per_output = layout == Layout::RowPerOutput;
+    match (operands, epilogue) {
+        (XLA_FFI_F32, None) => if row_per_output { F32_MATMUL_NT_TARGET } else { F32_MATMUL_NN_TARGET },
+        (XLA_FFI_F32, Some(Activation::Identity)) => if row_per_output { F32_MATMUL_NT_BIAS_TARGET } else { F32_MATMUL_NN_BIAS_TARGET },
+        (XLA_FFI_F32, Some(Activation::GeluTanh)) => {
+            if row_per_output { F32_MATMUL_NT_BIAS_GELU_TANH_TARGET } else { F32_MATMUL_NN_BIAS_GELU_TANH_TARGET }
+        }
+        _ => if row_per_output { BF16_MATVEC_TARGET } else { BF16_VECMAT_TARGET },
+    }
 }
 
 /// The typed-FFI handlers: `y[m, n] = sum_k x[m, k] * w[n, k]` (or `w[k, n]`) for `x` `[.., K]`
 /// into `y` `[.., N]`: bf16 `x` and `w` (leading dims of one or a few rows) into bf16 or f32
-/// `y`, or f32 throughout. Answers XLA's metadata query at registration; never unwinds into the
-/// plugin.
-unsafe fn handle(frame: &mut FfiCallFrame, layout: Layout, operands: c_int) -> *mut c_void {
-    let target = match (operands, layout) {
-        (XLA_FFI_F32, Layout::RowPerOutput) => F32_MATMUL_NT_TARGET,
-        (XLA_FFI_F32, Layout::RowPerInput) => F32_MATMUL_NN_TARGET,
-        (_, Layout::RowPerOutput) => BF16_MATVEC_TARGET,
-        (_, Layout::RowPerInput) => BF16_VECMAT_TARGET,
-    };
+/// `y`, or f32 throughout, then (f32, `epilogue` given) a bias `[N]` added and the activation
+/// applied. Answers XLA's metadata query at registration; never unwinds into the plugin.
+unsafe fn handle(frame: &mut FfiCallFrame, layout: Layout, operands: c_int, epilogue: Option<Activation>) -> *mut c_void {
+    let target = product_target(operands, layout, epilogue);
     if !executes(frame) {
         return std::ptr::null_mut();
     }
-    if frame.args.size != 2 || frame.rets.size != 1 {
-        return error(frame, target, "expects two operands and one result");
+    let arguments = 2 + usize::from(epilogue.is_some());
+    if frame.args.size as usize != arguments || frame.rets.size != 1 {
+        return error(frame, target, &format!("expects {arguments} operands and one result"));
     }
     let (x, w, y) = (&**frame.args.items, &**frame.args.items.add(1), &**frame.rets.items);
     let (xd, wd, yd) = (dims(x), dims(w), dims(y));
@@ -357,12 +396,22 @@ unsafe fn handle(frame: &mut FfiCallFrame, layout: Layout, operands: c_int) -> *
         if [x.dtype, w.dtype, y.dtype] != [XLA_FFI_F32; 3] || !shapes_agree {
             return error(frame, target, &format!("expects f32 x [.., K], w and y [.., N], got {xd:?}, {wd:?}, {yd:?}"));
         }
+        let epilogue = match epilogue {
+            None => None,
+            Some(activation) => {
+                let bias = &**frame.args.items.add(2);
+                if bias.dtype != XLA_FFI_F32 || dims(bias) != [n] {
+                    return error(frame, target, &format!("expects an f32 bias [{n}], got {:?}", dims(bias)));
+                }
+                Some(Epilogue { bias: bias.data as *const f32, activation })
+            }
+        };
         let shape = (rows as usize, n as usize, k as usize);
         let xla = XlaPool::of(frame);
         let threads = xla.map_or_else(pool::threads, |xla| xla.threads);
         std::panic::catch_unwind(|| {
             let (product, chunks) = gemm::Gemm::new(x.data as *const f32, w.data as *const f32, y.data as *mut f32, shape, layout, threads);
-            run_units(xla, product, chunks, threads);
+            run_units(xla, product.then(epilogue), chunks, threads);
         })
     } else {
         let out = match y.dtype {

@@ -2,7 +2,7 @@
 //! f32, rounded once), which is what PyTorch's CPU GEMMs do.
 
 use super::builder::{
-    broadcast_shapes, norm_dim, opmath, Builder, Combiner, Scalar, Val, R,
+    broadcast_shapes, lowering_target, norm_dim, opmath, Builder, Combiner, Scalar, Val, R,
 };
 use super::reduction::sum_to;
 use super::attention::hide_padded_keys;
@@ -120,6 +120,12 @@ fn matmul(n: NodeCtx<'_>) -> Res<'_> {
         let k = a.rank() as i64 - 1;
         let a = hide_padded_keys(&n, a, k as usize, 0.0)?;
         let b = hide_padded_keys(&n, b, k as usize - 1, 0.0)?;
+        if n.op == "aten.addmm.default" && n.float_or(3, "beta", 1.0)? == 1.0 && n.float_or(4, "alpha", 1.0)? == 1.0 {
+            // The bias added by our product kernel, where it computes the product.
+            if let Some(y) = bd.host_product_then(lowering_target().host_gemm_bias, &a, &b, &n.tensor(0, "self")?)? {
+                return Ok(vec![y]);
+            }
+        }
         bd.dot_general(&a, &b, (batch, batch), (&[k], &[k - 1]), product_type(out, fused, a.shape()[k as usize]))?
     };
     if !fused {

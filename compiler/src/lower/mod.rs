@@ -12,12 +12,14 @@ mod convert;
 mod convolution;
 mod creation;
 mod elementwise;
+mod epilogue;
 mod fft;
 mod indexing;
 mod lapack;
 mod linalg;
 mod normalization;
 mod packing;
+mod patterns;
 mod pooling;
 mod reduction;
 mod sampling;
@@ -504,6 +506,7 @@ fn emit_body<'a>(
         .collect();
     let reg = registry();
     let rms_norms = normalization::RmsNorms::of(graph);
+    let gelu_products = epilogue::GeluProducts::of(graph);
     for (i, node) in graph.nodes.iter().enumerate() {
         let source = sources.get(i).cloned().flatten();
         let resolved = node
@@ -552,7 +555,8 @@ fn emit_body<'a>(
             kwargs,
             outputs: node.outputs.clone(),
         };
-        let produced = match rms_norms.lower(i, &n.b, &values) {
+        let composite = rms_norms.lower(i, &n.b, &values).or_else(|| gelu_products.lower(i, &n.b, &values, node.outputs.first()?));
+        let produced = match composite {
             Some(lowered) => lowered,
             None => rule(n),
         }

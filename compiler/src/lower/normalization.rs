@@ -5,6 +5,7 @@
 use super::builder::{lowering_target, opmath, Builder, Scalar, Val, R};
 use crate::ir::{Arg, DType, Graph, Node, TensorType, ValueId};
 use std::collections::HashMap;
+use super::patterns::{number, value, Uses};
 use super::reduction::variance;
 use super::{NodeCtx, Registry, Res};
 
@@ -199,31 +200,15 @@ impl RmsNorms {
 /// (diffusers' queries and keys, then rotated) stays XLA's, which fuses it into that work (our
 /// kernel there: a tiny Flux's call 1.20-1.24 → 1.27-1.38 ms).
 fn rms_norms(graph: &Graph) -> HashMap<usize, RmsNorm> {
-    // The node defining each value, and each node's first value.
-    let mut defined_by = vec![None; graph.inputs.len()];
-    let mut first_output = Vec::with_capacity(graph.nodes.len());
-    for (i, node) in graph.nodes.iter().enumerate() {
-        first_output.push(defined_by.len() as ValueId);
-        defined_by.extend(std::iter::repeat_n(Some(i), node.outputs.len()));
-    }
-    let types = graph.value_types();
-    let node_of = |v: ValueId, op: &str| defined_by.get(v as usize).copied().flatten().filter(|&i| graph.nodes[i].op == op);
-    let value = |a: &Arg| match a {
-        Arg::Value(v) => Some(*v),
-        _ => None,
-    };
-    let number = |a: &Arg| match a {
-        Arg::Int(i) => Some(*i as f64),
-        Arg::Float(f) => Some(f.value()),
-        _ => None,
-    };
+    let uses = Uses::new(graph);
+    let (nodes, types) = (&graph.nodes, &uses.types);
     // `x` and `eps` of an `rsqrt(mean(x², -1) + eps)` over an f32 `x`.
     let inverse_rms = |rsqrt: usize| -> Option<(ValueId, f64)> {
-        let sum = value(graph.nodes[rsqrt].args.first()?)?;
-        let add = &graph.nodes[node_of(sum, "aten.add.Tensor").or_else(|| node_of(sum, "aten.add.Scalar"))?];
+        let sum = value(nodes[rsqrt].args.first()?)?;
+        let add = &nodes[uses.node_of(sum, "aten.add.Tensor").or_else(|| uses.node_of(sum, "aten.add.Scalar"))?];
         let eps = number(add.args.get(1)?)?;
-        let mean = &graph.nodes[node_of(value(add.args.first()?)?, "aten.mean.dim")?];
-        let pow = &graph.nodes[node_of(value(mean.args.first()?)?, "aten.pow.Tensor_Scalar")?];
+        let mean = &nodes[uses.node_of(value(add.args.first()?)?, "aten.mean.dim")?];
+        let pow = &nodes[uses.node_of(value(mean.args.first()?)?, "aten.pow.Tensor_Scalar")?];
         let x = value(pow.args.first()?)?;
         let ty = types.get(x as usize)?;
         let last = ty.rank().checked_sub(1)? as i64;
@@ -240,68 +225,25 @@ fn rms_norms(graph: &Graph) -> HashMap<usize, RmsNorm> {
             _ => None,
         }
     };
-    let readers = Readers::new(graph, &first_output);
     let mut norms = HashMap::new();
-    for (r, node) in graph.nodes.iter().enumerate() {
+    for (r, node) in nodes.iter().enumerate() {
         let Some((x, eps)) = (node.op == "aten.rsqrt.default").then(|| inverse_rms(r)).flatten() else { continue };
         let x_ty = types[x as usize];
         let width = TensorType::new(DType::F32, vec![*x_ty.shape.last().unwrap_or(&1)]);
         // `mul(x, rsqrt)` of `x`'s type, then `mul(that, weight)` of it with a weight `[N]`.
         let product_of = |v: ValueId, with: &dyn Fn(ValueId) -> bool| {
-            readers.of(v).iter().copied().find_map(|i| times(&graph.nodes[i], v).filter(|&o| with(o) && graph.nodes[i].outputs.first() == Some(x_ty)).map(|o| (i, o)))
+            uses.readers(v).iter().copied().find_map(|i| times(&nodes[i], v).filter(|&o| with(o) && nodes[i].outputs.first() == Some(x_ty)).map(|o| (i, o)))
         };
-        let Some((scaling, _)) = product_of(first_output[r], &|o| o == x) else { continue };
-        let (node, norm) = match product_of(first_output[scaling], &|o| types[o as usize] == &width) {
+        let Some((scaling, _)) = product_of(uses.output(r), &|o| o == x) else { continue };
+        let (node, norm) = match product_of(uses.output(scaling), &|o| types[o as usize] == &width) {
             Some((weighting, weight)) => (weighting, RmsNorm { x, weight: Some(weight), eps }),
             None => (scaling, RmsNorm { x, weight: None, eps }),
         };
-        if readers.only_products(first_output[node], 0) {
+        if uses.only_products(uses.output(node), 0) {
             norms.insert(node, norm);
         }
     }
     norms
-}
-
-/// Which nodes read each value of a graph.
-struct Readers<'g> {
-    graph: &'g Graph,
-    first_output: &'g [ValueId],
-    of: HashMap<ValueId, Vec<usize>>,
-}
-
-impl<'g> Readers<'g> {
-    fn new(graph: &'g Graph, first_output: &'g [ValueId]) -> Self {
-        let mut of: HashMap<ValueId, Vec<usize>> = HashMap::new();
-        for (i, node) in graph.nodes.iter().enumerate() {
-            let mut args: Vec<&Arg> = node.args.iter().chain(node.kwargs.iter().map(|(_, a)| a)).collect();
-            while let Some(arg) = args.pop() {
-                match arg {
-                    Arg::Value(v) => of.entry(*v).or_default().push(i),
-                    Arg::List(items) => args.extend(items),
-                    _ => {}
-                }
-            }
-        }
-        Readers { graph, first_output, of }
-    }
-
-    fn of(&self, v: ValueId) -> &[usize] {
-        self.of.get(&v).map_or(&[], Vec::as_slice)
-    }
-
-    /// Whether only products read `v`, directly or through (up to four) views of it.
-    fn only_products(&self, v: ValueId, depth: usize) -> bool {
-        const PRODUCTS: [&str; 3] = ["aten.mm.default", "aten.addmm.default", "aten.bmm.default"];
-        const VIEWS: [&str; 4] = ["aten.view.default", "aten._unsafe_view.default", "aten.alias.default", "aten.slice.Tensor"];
-        let nodes = self.of(v);
-        depth < 4
-            && !nodes.is_empty()
-            && !self.graph.outputs.contains(&v)
-            && nodes.iter().all(|&i| {
-                let op = self.graph.nodes[i].op.as_str();
-                PRODUCTS.contains(&op) || (VIEWS.contains(&op) && self.only_products(self.first_output[i], depth + 1))
-            })
-    }
 }
 
 /// An RMSNorm's result, `[..., N]` like `x`, from our host kernel.

@@ -9,6 +9,7 @@
 //! CPU has AMX, the products run on its tiles instead (`amx`), at the same accuracy.
 
 use super::amx;
+use super::epilogue::Epilogue;
 use super::pool::Chunked;
 use super::{unchanging, Layout};
 use std::cell::RefCell;
@@ -37,6 +38,8 @@ pub(super) struct Gemm {
     /// each panel once.
     id: u64,
     kept: Kept,
+    /// Applied to each unit's rows once they are computed (while in cache).
+    epilogue: Option<Epilogue>,
 }
 
 /// A weight kept packed: as f32 panels, `[N / 32, K, 32]`, or as AMX tiles of its bf16 pieces
@@ -101,7 +104,13 @@ impl Gemm {
         let parts = if flops <= ALONE_MAX_FLOPS || few_rows_on_tiles { 1 } else { parts };
         let unit = if tiles { 32 } else { ROWS }; // two rows of AMX tiles
         let rows_per_chunk = m.div_ceil(unit).div_ceil(parts.max(1)) * unit;
-        (Gemm { x, w, y, m, n, k, layout, rows_per_chunk, id: PRODUCTS.fetch_add(1, Ordering::Relaxed), kept }, m.div_ceil(rows_per_chunk))
+        let id = PRODUCTS.fetch_add(1, Ordering::Relaxed);
+        (Gemm { x, w, y, m, n, k, layout, rows_per_chunk, id, kept, epilogue: None }, m.div_ceil(rows_per_chunk))
+    }
+
+    /// The product with `epilogue` applied to its rows.
+    pub fn then(self, epilogue: Option<Epilogue>) -> Self {
+        Gemm { epilogue, ..self }
     }
 
     /// Rows `first_row..first_row + rows` of column block `block`, whose panel is `panel`.
@@ -176,6 +185,16 @@ impl Chunked for Gemm {
     unsafe fn chunk(&self, chunk: usize) {
         let first_row = chunk * self.rows_per_chunk;
         let rows = self.rows_per_chunk.min(self.m - first_row);
+        self.products(first_row, rows);
+        if let Some(epilogue) = &self.epilogue {
+            epilogue.apply(self.y.add(first_row * self.n), self.n, rows);
+        }
+    }
+}
+
+impl Gemm {
+    /// Rows `first_row..first_row + rows` of the product.
+    unsafe fn products(&self, first_row: usize, rows: usize) {
         #[cfg(target_arch = "x86_64")]
         if let Kept::Pieces(pieces) = &self.kept {
             if amx::rows((self.x, self.y), (self.n, self.k), pieces, first_row, rows) {

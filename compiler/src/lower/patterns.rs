@@ -1,0 +1,81 @@
+//! What the passes that find a composite among a graph's ATen ops (RMSNorm, a product's GELU)
+//! ask of the graph: which node defines a value, which nodes read it, its type.
+
+use crate::ir::{Arg, Graph, TensorType, ValueId};
+use std::collections::HashMap;
+
+/// A graph's values by the nodes that define and read them.
+pub struct Uses<'g> {
+    pub graph: &'g Graph,
+    pub types: Vec<&'g TensorType>,
+    defined_by: Vec<Option<usize>>,
+    first_output: Vec<ValueId>,
+    readers: HashMap<ValueId, Vec<usize>>,
+}
+
+impl<'g> Uses<'g> {
+    pub fn new(graph: &'g Graph) -> Self {
+        let mut defined_by = vec![None; graph.inputs.len()];
+        let mut first_output = Vec::with_capacity(graph.nodes.len());
+        let mut readers: HashMap<ValueId, Vec<usize>> = HashMap::new();
+        for (i, node) in graph.nodes.iter().enumerate() {
+            first_output.push(defined_by.len() as ValueId);
+            defined_by.extend(std::iter::repeat_n(Some(i), node.outputs.len()));
+            let mut args: Vec<&Arg> = node.args.iter().chain(node.kwargs.iter().map(|(_, a)| a)).collect();
+            while let Some(arg) = args.pop() {
+                match arg {
+                    Arg::Value(v) => readers.entry(*v).or_default().push(i),
+                    Arg::List(items) => args.extend(items),
+                    _ => {}
+                }
+            }
+        }
+        Uses { graph, types: graph.value_types(), defined_by, first_output, readers }
+    }
+
+    /// The node defining `v`, where it is an `op`.
+    pub fn node_of(&self, v: ValueId, op: &str) -> Option<usize> {
+        self.defined_by.get(v as usize).copied().flatten().filter(|&i| self.graph.nodes[i].op == op)
+    }
+
+    /// Node `i`'s first value.
+    pub fn output(&self, i: usize) -> ValueId {
+        self.first_output[i]
+    }
+
+    /// The nodes reading `v` (once per argument that names it).
+    pub fn readers(&self, v: ValueId) -> &[usize] {
+        self.readers.get(&v).map_or(&[], Vec::as_slice)
+    }
+
+    /// Whether only products read `v`, directly or through (up to four) views of it.
+    pub fn only_products(&self, v: ValueId, depth: usize) -> bool {
+        const PRODUCTS: [&str; 3] = ["aten.mm.default", "aten.addmm.default", "aten.bmm.default"];
+        const VIEWS: [&str; 4] = ["aten.view.default", "aten._unsafe_view.default", "aten.alias.default", "aten.slice.Tensor"];
+        let nodes = self.readers(v);
+        depth < 4
+            && !nodes.is_empty()
+            && !self.graph.outputs.contains(&v)
+            && nodes.iter().all(|&i| {
+                let op = self.graph.nodes[i].op.as_str();
+                PRODUCTS.contains(&op) || (VIEWS.contains(&op) && self.only_products(self.output(i), depth + 1))
+            })
+    }
+}
+
+/// The value an argument names.
+pub fn value(a: &Arg) -> Option<ValueId> {
+    match a {
+        Arg::Value(v) => Some(*v),
+        _ => None,
+    }
+}
+
+/// The number an argument is.
+pub fn number(a: &Arg) -> Option<f64> {
+    match a {
+        Arg::Int(i) => Some(*i as f64),
+        Arg::Float(f) => Some(f.value()),
+        _ => None,
+    }
+}
