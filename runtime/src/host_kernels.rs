@@ -410,8 +410,8 @@ unsafe fn handle(frame: &mut FfiCallFrame, layout: Layout, operands: c_int, epil
         let xla = XlaPool::of(frame);
         let threads = xla.map_or_else(pool::threads, |xla| xla.threads);
         std::panic::catch_unwind(|| {
-            let (product, chunks) = gemm::Gemm::new(x.data as *const f32, w.data as *const f32, y.data as *mut f32, shape, layout, threads);
-            run_units(xla, product.then(epilogue), chunks, threads);
+            let (product, chunks) = gemm::Gemm::new(x.data as *const f32, w.data as *const f32, y.data as *mut f32, shape, layout, threads, epilogue);
+            run_units(xla, product, chunks, threads);
         })
     } else {
         let out = match y.dtype {

@@ -80,7 +80,7 @@ impl Gemm {
     /// other way (blocks of columns, or four parts for two threads) the loop after it read
     /// lines another core had written: a product, bias and GELU on `[1024, 64] x [64, 256]`
     /// took 335-382 µs against XLA's 327-341, in two runs of rows 272.
-    pub fn new(x: *const f32, w: *const f32, y: *mut f32, (m, n, k): (usize, usize, usize), layout: Layout, parts: usize) -> (Self, usize) {
+    pub fn new(x: *const f32, w: *const f32, y: *mut f32, (m, n, k): (usize, usize, usize), layout: Layout, parts: usize, epilogue: Option<Epilogue>) -> (Self, usize) {
         let key = |pieces| (w as usize, n, k, layout == Layout::RowPerOutput, pieces);
         let floats = n.div_ceil(COLUMNS) * k * COLUMNS;
         // SAFETY: `w` covers `[n, k]` (the caller's contract) for the packing to read.
@@ -105,12 +105,7 @@ impl Gemm {
         let unit = if tiles { 32 } else { ROWS }; // two rows of AMX tiles
         let rows_per_chunk = m.div_ceil(unit).div_ceil(parts.max(1)) * unit;
         let id = PRODUCTS.fetch_add(1, Ordering::Relaxed);
-        (Gemm { x, w, y, m, n, k, layout, rows_per_chunk, id, kept, epilogue: None }, m.div_ceil(rows_per_chunk))
-    }
-
-    /// The product with `epilogue` applied to its rows.
-    pub fn then(self, epilogue: Option<Epilogue>) -> Self {
-        Gemm { epilogue, ..self }
+        (Gemm { x, w, y, m, n, k, layout, rows_per_chunk, id, kept, epilogue }, m.div_ceil(rows_per_chunk))
     }
 
     /// Rows `first_row..first_row + rows` of column block `block`, whose panel is `panel`.
@@ -408,7 +403,7 @@ mod tests {
             let w: Vec<f32> = (0..n * k).map(|_| next()).collect();
             for layout in [Layout::RowPerOutput, Layout::RowPerInput] {
                 let mut y = vec![f32::NAN; m * n];
-                let (gemm, chunks) = Gemm::new(x.as_ptr(), w.as_ptr(), y.as_mut_ptr(), (m, n, k), layout, 3);
+                let (gemm, chunks) = Gemm::new(x.as_ptr(), w.as_ptr(), y.as_mut_ptr(), (m, n, k), layout, 3, None);
                 (0..chunks).for_each(|c| unsafe { gemm.chunk(c) });
                 for i in 0..m {
                     for j in 0..n {
