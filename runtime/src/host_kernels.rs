@@ -19,6 +19,8 @@ mod gemm;
 mod layer_norm;
 mod pool;
 pub mod unchanging;
+#[cfg(target_arch = "x86_64")]
+mod vector_math;
 
 use crate::plugin::Plugin;
 use epilogue::{Activation, Epilogue};

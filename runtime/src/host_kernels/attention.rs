@@ -189,7 +189,7 @@ fn lns(sums: [f32; ROWS]) -> [f32; ROWS] {
         let mut lanes = [1f32; 16];
         lanes[..ROWS].copy_from_slice(&sums);
         // SAFETY: AVX-512 is available; the array is 16 f32s.
-        let logs: [f32; 16] = unsafe { std::mem::transmute(x86::ln(std::arch::x86_64::_mm512_loadu_ps(lanes.as_ptr()))) };
+        let logs: [f32; 16] = unsafe { std::mem::transmute(super::vector_math::ln(std::arch::x86_64::_mm512_loadu_ps(lanes.as_ptr()))) };
         return std::array::from_fn(|i| logs[i]);
     }
     sums.map(f32::ln)
@@ -216,6 +216,7 @@ unsafe fn exponentials(row: *mut f32, visible: usize, len: usize) -> (f32, f32) 
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use super::super::vector_math::exp;
     use std::arch::x86_64::*;
 
     #[target_feature(enable = "avx512f,fma")]
@@ -239,45 +240,6 @@ mod x86 {
         }
         std::ptr::write_bytes(row.add(visible), 0, len - visible);
         (max, _mm512_reduce_add_ps(sum))
-    }
-
-    /// `ln(x)` to about 1 ulp for positive `x` (NaN stays NaN): `x = m 2^e` with `m` in `[√½,
-    /// √2)`, `ln(m)` by Cephes' `logf` polynomial in `m - 1`.
-    #[target_feature(enable = "avx512f,fma")]
-    pub(super) unsafe fn ln(x: __m512) -> __m512 {
-        let m = _mm512_getmant_ps::<_MM_MANT_NORM_1_2, _MM_MANT_SIGN_SRC>(x);
-        let big = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(m, _mm512_set1_ps(std::f32::consts::SQRT_2));
-        let m = _mm512_mask_mul_ps(m, big, m, _mm512_set1_ps(0.5));
-        let e = _mm512_getexp_ps(x);
-        let e = _mm512_mask_add_ps(e, big, e, _mm512_set1_ps(1.0));
-        let f = _mm512_sub_ps(m, _mm512_set1_ps(1.0));
-        let z = _mm512_mul_ps(f, f);
-        let mut p = _mm512_set1_ps(7.037_683_6e-2);
-        for c in [-1.151_461e-1, 1.167_699_9e-1, -1.242_014_1e-1, 1.424_932_3e-1, -1.666_805_8e-1, 2.000_071_4e-1, -2.499_999_4e-1, 3.333_333e-1] {
-            p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
-        }
-        let y = _mm512_mul_ps(_mm512_mul_ps(p, f), z);
-        let y = _mm512_fmadd_ps(e, _mm512_set1_ps(-2.121_944_4e-4), y);
-        let y = _mm512_fnmadd_ps(_mm512_set1_ps(0.5), z, y);
-        _mm512_fmadd_ps(e, _mm512_set1_ps(0.693_359_4), _mm512_add_ps(f, y))
-    }
-
-    /// `e^x` to about 1 ulp: `x = n ln 2 + r` with `|r| ≤ ln 2 / 2`, `e^r` by Cephes' `expf`
-    /// polynomial, scaled by `2^n` (`scalef` gives 0 below f32's range, inf above it, and keeps
-    /// NaN). `x` is raised to -120 first, so that -inf (a hidden key) gives 0, not NaN (`max`
-    /// returns its second operand where one is NaN).
-    #[target_feature(enable = "avx512f,fma")]
-    pub(super) unsafe fn exp(x: __m512) -> __m512 {
-        let x = _mm512_max_ps(_mm512_set1_ps(-120.0), x);
-        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)));
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
-        let mut p = _mm512_set1_ps(1.987_569_1e-4);
-        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5] {
-            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-        }
-        let e = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0)));
-        _mm512_scalef_ps(e, n)
     }
 }
 
@@ -335,46 +297,5 @@ mod tests {
                 }
             }
         }
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn vector_ln_is_within_f32_epsilon() {
-        if !super::super::gemm::available() {
-            return;
-        }
-        use std::arch::x86_64::*;
-        // The sums it takes (1 to a few thousand, one exp per key), and well beyond.
-        let xs: Vec<f32> = (0..64_000).map(|i| 1e-6 * 1.0004f32.powi(i)).collect();
-        for chunk in xs.chunks_exact(16) {
-            let got: [f32; 16] = unsafe { std::mem::transmute(x86::ln(_mm512_loadu_ps(chunk.as_ptr()))) };
-            for (&x, &g) in chunk.iter().zip(&got) {
-                let want = f64::from(x).ln();
-                assert!((f64::from(g) - want).abs() <= f64::from(f32::EPSILON) * want.abs().max(1e-3), "ln({x}) = {g}, want {want}");
-            }
-        }
-        let nan: [f32; 16] = unsafe { std::mem::transmute(x86::ln(_mm512_set1_ps(f32::NAN))) };
-        assert!(nan[0].is_nan());
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn vector_exp_is_within_two_ulp() {
-        if !super::super::gemm::available() {
-            return;
-        }
-        use std::arch::x86_64::*;
-        let xs: Vec<f32> = (0..16_000).map(|i| -100.0 + i as f32 * 0.00625).collect();
-        for chunk in xs.chunks(16) {
-            let got: [f32; 16] = unsafe { std::mem::transmute(x86::exp(_mm512_loadu_ps(chunk.as_ptr()))) };
-            for (&x, &g) in chunk.iter().zip(&got) {
-                let want = (f64::from(x)).exp() as f32;
-                let ulps = (g.to_bits() as i64 - want.to_bits() as i64).abs();
-                assert!(ulps <= 2 || (want < 1e-37 && (g - want).abs() < 1e-44), "exp({x}) = {g}, want {want}");
-            }
-        }
-        let special: [f32; 16] = unsafe { std::mem::transmute(x86::exp(_mm512_setr_ps(f32::NAN, -200.0, 100.0, 0.0, f32::NEG_INFINITY, 0., 0., 0., 0., 0., 0., 0., 0., 0., 0., 0.))) };
-        assert!(special[0].is_nan());
-        assert_eq!((special[1], special[2], special[3], special[4]), (0.0, f32::INFINITY, 1.0, 0.0));
     }
 }

@@ -1,0 +1,158 @@
+//! Elementwise functions on sixteen f32 lanes (AVX-512) that our kernels share: e^x and ln x
+//! (attention's softmax and its log-sum-exp), tanh x (the GELU after a product).
+
+use std::arch::x86_64::*;
+
+/// `ln(x)` to about 1 ulp for positive `x` (NaN stays NaN): `x = m 2^e` with `m` in `[√½,
+/// √2)`, `ln(m)` by Cephes' `logf` polynomial in `m - 1`.
+#[target_feature(enable = "avx512f,fma")]
+pub(super) unsafe fn ln(x: __m512) -> __m512 {
+    let m = _mm512_getmant_ps::<_MM_MANT_NORM_1_2, _MM_MANT_SIGN_SRC>(x);
+    let big = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(m, _mm512_set1_ps(std::f32::consts::SQRT_2));
+    let m = _mm512_mask_mul_ps(m, big, m, _mm512_set1_ps(0.5));
+    let e = _mm512_getexp_ps(x);
+    let e = _mm512_mask_add_ps(e, big, e, _mm512_set1_ps(1.0));
+    let f = _mm512_sub_ps(m, _mm512_set1_ps(1.0));
+    let z = _mm512_mul_ps(f, f);
+    let mut p = _mm512_set1_ps(7.037_683_6e-2);
+    for c in [-1.151_461e-1, 1.167_699_9e-1, -1.242_014_1e-1, 1.424_932_3e-1, -1.666_805_8e-1, 2.000_071_4e-1, -2.499_999_4e-1, 3.333_333e-1] {
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+    }
+    let y = _mm512_mul_ps(_mm512_mul_ps(p, f), z);
+    let y = _mm512_fmadd_ps(e, _mm512_set1_ps(-2.121_944_4e-4), y);
+    let y = _mm512_fnmadd_ps(_mm512_set1_ps(0.5), z, y);
+    _mm512_fmadd_ps(e, _mm512_set1_ps(0.693_359_4), _mm512_add_ps(f, y))
+}
+
+/// `e^x` to about 1 ulp: `x = n ln 2 + r` with `|r| ≤ ln 2 / 2`, `e^r` by Cephes' `expf`
+/// polynomial, scaled by `2^n` (`scalef` gives 0 below f32's range, inf above it, and keeps
+/// NaN). `x` is raised to -120 first, so that -inf (a hidden key) gives 0, not NaN (`max`
+/// returns its second operand where one is NaN).
+#[target_feature(enable = "avx512f,fma")]
+pub(super) unsafe fn exp(x: __m512) -> __m512 {
+    let x = _mm512_max_ps(_mm512_set1_ps(-120.0), x);
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)));
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
+    let mut p = _mm512_set1_ps(1.987_569_1e-4);
+    for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    }
+    let e = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0)));
+    _mm512_scalef_ps(e, n)
+}
+
+/// `(tanh(u) - u) / u³` as a polynomial in `u²` on `|u| < SMALL` (a least-squares fit in f64 at
+/// Chebyshev nodes; within 0.75 ulp of tanh there once rounded to f32), lowest order first.
+const TANH_SMALL: [f32; 6] = [-0.333_333_13, 0.133_326_66, -0.053_890_612, 0.021_444_825, -0.007_645_958_6, 0.001_730_296_8];
+/// Below it tanh is the polynomial, above it `1 − 2 / (e^{2|u|} + 1)`, which loses no more
+/// than a bit to cancellation from here on.
+const SMALL: f32 = 0.75;
+/// From here on tanh rounds to ±1.
+const SATURATED: f32 = 10.0;
+
+/// tanh on 16 lanes, within an ulp; NaN stays NaN.
+#[target_feature(enable = "avx512f,fma")]
+pub(super) unsafe fn tanh(u: __m512) -> __m512 {
+    let sign = _mm512_set1_epi32(i32::MIN);
+    let magnitude = _mm512_castsi512_ps(_mm512_andnot_si512(sign, _mm512_castps_si512(u)));
+    // Near 0: u + u³ · P(u²).
+    let s = _mm512_mul_ps(u, u);
+    let mut p = _mm512_set1_ps(TANH_SMALL[5]);
+    for &c in TANH_SMALL[..5].iter().rev() {
+        p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(c));
+    }
+    let small = _mm512_fmadd_ps(_mm512_mul_ps(u, s), p, u);
+    // Elsewhere: 1 − 2 / (e^{2|u|} + 1), its sign then u's. `min` keeps a NaN (its second operand).
+    let clamped = _mm512_min_ps(_mm512_set1_ps(SATURATED), magnitude);
+    let one = _mm512_set1_ps(1.0);
+    let large = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0), _mm512_add_ps(exp(_mm512_add_ps(clamped, clamped)), one)));
+    let large = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(large), _mm512_and_si512(sign, _mm512_castps_si512(u))));
+    let is_small = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(magnitude, _mm512_set1_ps(SMALL));
+    _mm512_mask_blend_ps(is_small, large, small)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ulps(got: f32, want: f64) -> f64 {
+        let rounded = want as f32;
+        ((got as f64 - want) / (rounded.abs().max(f32::MIN_POSITIVE) as f64 * f32::EPSILON as f64)).abs()
+    }
+
+    #[test]
+    fn tanh_is_within_an_ulp() {
+        if !std::arch::is_x86_feature_detected!("avx512f") {
+            return;
+        }
+        let mut worst = (0f64, 0f32);
+        // Every 97th f32 from 1e-30 to past saturation, both signs.
+        let (from, to) = (1e-30f32.to_bits(), 12f32.to_bits());
+        let inputs: Vec<f32> = (from..to).step_by(97).flat_map(|b| [f32::from_bits(b), -f32::from_bits(b)]).collect();
+        for chunk in inputs.chunks(16) {
+            let mut lanes = [0f32; 16];
+            lanes[..chunk.len()].copy_from_slice(chunk);
+            let mut out = [0f32; 16];
+            unsafe { _mm512_storeu_ps(out.as_mut_ptr(), tanh(_mm512_loadu_ps(lanes.as_ptr()))) };
+            for (&u, &t) in chunk.iter().zip(&out) {
+                let e = ulps(t, (u as f64).tanh());
+                if e > worst.0 {
+                    worst = (e, u);
+                }
+            }
+        }
+        assert!(worst.0 <= 1.0, "{} ulps at {}", worst.0, worst.1);
+    }
+
+    #[test]
+    fn special_values_go_as_tanh_does() {
+        if !std::arch::is_x86_feature_detected!("avx512f") {
+            return;
+        }
+        let inputs = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, 1e-40, 88.0, -88.0, 9.5, -9.5, 0.75, -0.75, 0.7499999, f32::MAX, f32::MIN, 3.0];
+        let mut out = [0f32; 16];
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), tanh(_mm512_loadu_ps(inputs.as_ptr()))) };
+        for (&u, &t) in inputs.iter().zip(&out) {
+            let want = u.tanh();
+            assert!(t.to_bits() == want.to_bits() || (t.is_nan() && want.is_nan()) || ulps(t, (u as f64).tanh()) <= 1.5, "tanh({u}) = {t}, want {want}");
+        }
+    }
+
+    #[test]
+    fn vector_ln_is_within_f32_epsilon() {
+        if !std::arch::is_x86_feature_detected!("avx512f") {
+            return;
+        }
+            // The sums it takes (1 to a few thousand, one exp per key), and well beyond.
+        let xs: Vec<f32> = (0..64_000).map(|i| 1e-6 * 1.0004f32.powi(i)).collect();
+        for chunk in xs.chunks_exact(16) {
+            let got: [f32; 16] = unsafe { std::mem::transmute(ln(_mm512_loadu_ps(chunk.as_ptr()))) };
+            for (&x, &g) in chunk.iter().zip(&got) {
+                let want = f64::from(x).ln();
+                assert!((f64::from(g) - want).abs() <= f64::from(f32::EPSILON) * want.abs().max(1e-3), "ln({x}) = {g}, want {want}");
+            }
+        }
+        let nan: [f32; 16] = unsafe { std::mem::transmute(ln(_mm512_set1_ps(f32::NAN))) };
+        assert!(nan[0].is_nan());
+    }
+
+    #[test]
+    fn vector_exp_is_within_two_ulp() {
+        if !std::arch::is_x86_feature_detected!("avx512f") {
+            return;
+        }
+            let xs: Vec<f32> = (0..16_000).map(|i| -100.0 + i as f32 * 0.00625).collect();
+        for chunk in xs.chunks(16) {
+            let got: [f32; 16] = unsafe { std::mem::transmute(exp(_mm512_loadu_ps(chunk.as_ptr()))) };
+            for (&x, &g) in chunk.iter().zip(&got) {
+                let want = (f64::from(x)).exp() as f32;
+                let ulps = (g.to_bits() as i64 - want.to_bits() as i64).abs();
+                assert!(ulps <= 2 || (want < 1e-37 && (g - want).abs() < 1e-44), "exp({x}) = {g}, want {want}");
+            }
+        }
+        let special: [f32; 16] = unsafe { std::mem::transmute(exp(_mm512_setr_ps(f32::NAN, -200.0, 100.0, 0.0, f32::NEG_INFINITY, 0., 0., 0., 0., 0., 0., 0., 0., 0., 0., 0.))) };
+        assert!(special[0].is_nan());
+        assert_eq!((special[1], special[2], special[3], special[4]), (0.0, f32::INFINITY, 1.0, 0.0));
+    }
+}
