@@ -2,7 +2,7 @@
 the weight stored `[N, K]` (`nn.Linear`) or `[K, N]` (GPT-2's `Conv1D`, `x @ W`): a bf16 vector
 times a weight (a linear layer at one token, a decode step's), f32 products of short
 contractions split over XLA's threads (on AMX tiles where the CPU has them; with their bias, and
-a tanh GELU after it, applied by the kernel), f32 attention without a mask or with the causal
+a tanh GELU after it, or a gated MLP's SiLU and product, applied by the kernel), f32 attention without a mask or with the causal
 one, and f32 LayerNorm and RMSNorm."""
 import gc
 import os
@@ -32,6 +32,7 @@ def host_kernels() -> list[str]:
 F32_KERNELS = ["tpu_dynamo.f32_matmul_nt", "tpu_dynamo.f32_matmul_nn"]
 BIAS_KERNELS = ["tpu_dynamo.f32_matmul_nt_bias", "tpu_dynamo.f32_matmul_nn_bias"]
 GELU_KERNELS = ["tpu_dynamo.f32_matmul_nt_bias_gelu_tanh", "tpu_dynamo.f32_matmul_nn_bias_gelu_tanh"]
+SILU_KERNELS = ["tpu_dynamo.f32_matmul_nt_silu_times", "tpu_dynamo.f32_matmul_nn_silu_times"]
 ATTENTION_KERNELS = ["tpu_dynamo.f32_attention", "tpu_dynamo.f32_causal_attention"]
 LAYER_NORM_KERNEL = "tpu_dynamo.f32_layer_norm"
 RMS_NORM_KERNEL = "tpu_dynamo.f32_rms_norm"
@@ -43,7 +44,7 @@ def test_the_embedded_plugin_runs_our_kernels():
     """On x86-64 with AVX2 (this CI's machines) the embedded plugin registers the bf16 ones,
     and with AVX-512 the f32 ones too."""
     assert host_kernels() == ["tpu_dynamo.bf16_matvec", "tpu_dynamo.bf16_vecmat"] + (
-        F32_KERNELS + BIAS_KERNELS + GELU_KERNELS + ATTENTION_KERNELS + [LAYER_NORM_KERNEL, RMS_NORM_KERNEL] if AVX512 else []
+        F32_KERNELS + BIAS_KERNELS + GELU_KERNELS + SILU_KERNELS + ATTENTION_KERNELS + [LAYER_NORM_KERNEL, RMS_NORM_KERNEL] if AVX512 else []
     )
 
 
@@ -214,10 +215,10 @@ def gelu_mlp(form: str, k: int, n: int) -> torch.nn.Module:
     return torch.nn.Sequential(product, ACT2FN[form])
 
 
-def gelu_calls(compiled) -> int:
-    """Our GELU product kernel's calls in the graphs compiled so far (see `rms_calls`)."""
+def kernel_calls(compiled, targets: list[str]) -> int:
+    """Calls of the kernels `targets` in the graphs compiled so far (see `rms_calls`)."""
     texts = [_native.compile(graph_json, need_stablehlo=True).stablehlo for graph_json, _ in list(compiled)]
-    return sum(text.count(target) for text in texts for target in GELU_KERNELS)
+    return sum(text.count(target) for text in texts for target in targets)
 
 
 @needs_f32_kernels
@@ -234,7 +235,7 @@ def test_a_tanh_gelu_after_a_product_runs_in_our_kernel(shape, n, form, compiled
         exact = mlp.double()(x.double())
     assert got.shape == want.shape and got.dtype == torch.float32
     assert (got.double() - exact).abs().max() <= 2 * (want.double() - exact).abs().max() + 1e-6
-    assert gelu_calls(compiled) == 1
+    assert kernel_calls(compiled, GELU_KERNELS) == 1
 
 
 @needs_f32_kernels
@@ -272,7 +273,71 @@ def test_a_gelu_product_s_nan_and_infinity_go_as_eager_s(compiled):
         got, want = compile_tpu(mlp)(x), mlp(x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
     assert got[:, 9].isnan().all() and (got[[0, 2], 7] == float("inf")).all() and got[1].isnan().all()
-    assert gelu_calls(compiled) == 1
+    assert kernel_calls(compiled, GELU_KERNELS) == 1
+
+
+def gated_mlp(form: str, k: int, n: int) -> torch.nn.Module:
+    """A gated MLP: transformers' `LlamaMLP` (`down(silu(gate(x)) * up(x))`, SiLU reaching the
+    backend as `x * sigmoid(x)`), or the up product first and `F.silu` (`aten.silu`)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    if form == "llama":
+        return LlamaMLP(LlamaConfig(hidden_size=k, intermediate_size=n, num_attention_heads=1, num_key_value_heads=1, head_dim=2))
+
+    class UpFirst(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate, self.up = torch.nn.Linear(k, n, bias=False), torch.nn.Linear(k, n, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.up(x) * torch.nn.functional.silu(self.gate(x))
+
+    return UpFirst()
+
+
+@needs_f32_kernels
+@pytest.mark.parametrize("shape, n", [((1, 128, 64), 128), ((8, 128, 64), 172), ((77, 70), 200), ((2, 40, 33), 130)])
+@pytest.mark.parametrize("form", ["llama", "up_first"])
+def test_a_gated_mlp_s_silu_and_product_run_in_our_kernel(shape, n, form, compiled):
+    """The gate's product, its SiLU and the product with the up projection are one call of our
+    kernel, as close to the f64 result as eager is (within twice its error, plus 1e-6)."""
+    torch.manual_seed(sum(shape) + n)
+    mlp = gated_mlp(form, shape[-1], n)
+    x = 2.0 * torch.randn(shape)
+    with torch.no_grad():
+        got, want = compile_tpu(mlp)(x), mlp(x)
+        exact = mlp.double()(x.double())
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert (got.double() - exact).abs().max() <= 2 * (want.double() - exact).abs().max() + 1e-6
+    assert kernel_calls(compiled, SILU_KERNELS) == 1
+
+
+@needs_f32_kernels
+def test_a_gate_read_besides_its_silu_and_infinities_go_as_eager_s():
+    """A gate's product read by something else too keeps XLA's SiLU; NaN and infinite rows of
+    `x` give eager's NaN and infinities (SiLU(−∞) = −∞ · 0 is NaN)."""
+    mlp = gated_mlp("up_first", 64, 128)
+    x = torch.randn(128, 64)
+
+    def read_twice(x):
+        g = mlp.gate(x)
+        return torch.nn.functional.silu(g) * mlp.up(x) + g
+
+    x_bad = x.clone()
+    x_bad[1, 3], x_bad[4, 0], x_bad[6, 2] = float("nan"), float("inf"), float("-inf")
+    for fn, arg, fused in ((read_twice, x, False), (mlp, x_bad, True)):
+        calls = []
+        compile_now = _native.compile
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(_native, "compile", lambda graph_json, **kw: calls.append(graph_json) or compile_now(graph_json, **kw))
+            with torch.no_grad():
+                torch._dynamo.reset()
+                got, want = compile_tpu(fn)(arg), fn(arg)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+        texts = [compile_now(g, need_stablehlo=True).stablehlo for g in calls]
+        assert any(target in t for t in texts for target in SILU_KERNELS) == fused
+    assert got[[1, 4, 6]].isnan().any(dim=1).all() and torch.isfinite(got[[0, 2, 3, 5]]).all()
 
 
 @needs_f32_kernels

@@ -39,6 +39,10 @@ pub const F32_MATMUL_NT_BIAS_TARGET: &str = "tpu_dynamo.f32_matmul_nt_bias";
 pub const F32_MATMUL_NN_BIAS_TARGET: &str = "tpu_dynamo.f32_matmul_nn_bias";
 pub const F32_MATMUL_NT_BIAS_GELU_TANH_TARGET: &str = "tpu_dynamo.f32_matmul_nt_bias_gelu_tanh";
 pub const F32_MATMUL_NN_BIAS_GELU_TANH_TARGET: &str = "tpu_dynamo.f32_matmul_nn_bias_gelu_tanh";
+/// The same products with SiLU applied, times a factor of the result's shape (a gated MLP's
+/// other product).
+pub const F32_MATMUL_NT_SILU_TIMES_TARGET: &str = "tpu_dynamo.f32_matmul_nt_silu_times";
+pub const F32_MATMUL_NN_SILU_TIMES_TARGET: &str = "tpu_dynamo.f32_matmul_nn_silu_times";
 /// The custom call targets of f32 attention without a mask and with the causal one.
 pub const F32_ATTENTION_TARGET: &str = "tpu_dynamo.f32_attention";
 pub const F32_CAUSAL_ATTENTION_TARGET: &str = "tpu_dynamo.f32_causal_attention";
@@ -150,6 +154,8 @@ pub fn register(plugin: &Plugin) -> Vec<&'static str> {
             (F32_MATMUL_NN_BIAS_TARGET, f32_matmul_nn_bias as *const c_void),
             (F32_MATMUL_NT_BIAS_GELU_TANH_TARGET, f32_matmul_nt_bias_gelu_tanh as *const c_void),
             (F32_MATMUL_NN_BIAS_GELU_TANH_TARGET, f32_matmul_nn_bias_gelu_tanh as *const c_void),
+            (F32_MATMUL_NT_SILU_TIMES_TARGET, f32_matmul_nt_silu_times as *const c_void),
+            (F32_MATMUL_NN_SILU_TIMES_TARGET, f32_matmul_nn_silu_times as *const c_void),
         ]);
         handlers.extend([(F32_ATTENTION_TARGET, f32_attention as *const c_void), (F32_CAUSAL_ATTENTION_TARGET, f32_causal_attention as *const c_void)]);
         #[cfg(target_arch = "x86_64")]
@@ -359,6 +365,14 @@ unsafe extern "C" fn f32_matmul_nn_bias_gelu_tanh(frame: *mut FfiCallFrame) -> *
     handle(&mut *frame, Layout::RowPerInput, XLA_FFI_F32, Some(Activation::GeluTanh))
 }
 
+unsafe extern "C" fn f32_matmul_nt_silu_times(frame: *mut FfiCallFrame) -> *mut c_void {
+    handle(&mut *frame, Layout::RowPerOutput, XLA_FFI_F32, Some(Activation::Silu))
+}
+
+unsafe extern "C" fn f32_matmul_nn_silu_times(frame: *mut FfiCallFrame) -> *mut c_void {
+    handle(&mut *frame, Layout::RowPerInput, XLA_FFI_F32, Some(Activation::Silu))
+}
+
 /// The target a product handler answers to: by its operands' type, the weight's layout and,
 /// for f32, what it applies after a bias (where it takes one).
 fn product_target(operands: c_int, layout: Layout, epilogue: Option<Activation>) -> &'static str {
@@ -369,6 +383,7 @@ fn product_target(operands: c_int, layout: Layout, epilogue: Option<Activation>)
         (XLA_FFI_F32, Some(Activation::GeluTanh)) => {
             if row_per_output { F32_MATMUL_NT_BIAS_GELU_TANH_TARGET } else { F32_MATMUL_NN_BIAS_GELU_TANH_TARGET }
         }
+        (XLA_FFI_F32, Some(Activation::Silu)) => if row_per_output { F32_MATMUL_NT_SILU_TIMES_TARGET } else { F32_MATMUL_NN_SILU_TIMES_TARGET },
         _ => if row_per_output { BF16_MATVEC_TARGET } else { BF16_VECMAT_TARGET },
     }
 }
@@ -376,7 +391,7 @@ fn product_target(operands: c_int, layout: Layout, epilogue: Option<Activation>)
 /// The typed-FFI handlers: `y[m, n] = sum_k x[m, k] * w[n, k]` (or `w[k, n]`) for `x` `[.., K]`
 /// into `y` `[.., N]`: bf16 `x` and `w` (leading dims of one or a few rows) into bf16 or f32
 /// `y`, or f32 throughout, then (f32, `epilogue` given) a bias `[N]` added and the activation
-/// applied. Answers XLA's metadata query at registration; never unwinds into the plugin.
+/// applied, or SiLU applied and the result multiplied by a factor. Answers XLA's metadata query at registration; never unwinds into the plugin.
 unsafe fn handle(frame: &mut FfiCallFrame, layout: Layout, operands: c_int, epilogue: Option<Activation>) -> *mut c_void {
     let target = product_target(operands, layout, epilogue);
     if !executes(frame) {
@@ -398,14 +413,20 @@ unsafe fn handle(frame: &mut FfiCallFrame, layout: Layout, operands: c_int, epil
         if [x.dtype, w.dtype, y.dtype] != [XLA_FFI_F32; 3] || !shapes_agree {
             return error(frame, target, &format!("expects f32 x [.., K], w and y [.., N], got {xd:?}, {wd:?}, {yd:?}"));
         }
+        // The third operand: a bias `[N]`, or for SiLU the factor, shaped as `y`.
         let epilogue = match epilogue {
             None => None,
             Some(activation) => {
-                let bias = &**frame.args.items.add(2);
-                if bias.dtype != XLA_FFI_F32 || dims(bias) != [n] {
-                    return error(frame, target, &format!("expects an f32 bias [{n}], got {:?}", dims(bias)));
+                let third = &**frame.args.items.add(2);
+                let (data, none) = (third.data as *const f32, std::ptr::null());
+                let (epilogue, fits, expects) = match activation {
+                    Activation::Silu => (Epilogue { bias: none, activation, times: data }, dims(third) == yd, "a factor shaped as y"),
+                    _ => (Epilogue { bias: data, activation, times: none }, dims(third) == [n], "a bias [N]"),
+                };
+                if third.dtype != XLA_FFI_F32 || !fits {
+                    return error(frame, target, &format!("expects an f32 {expects} for y {yd:?}, got {:?}", dims(third)));
                 }
-                Some(Epilogue { bias: bias.data as *const f32, activation })
+                Some(epilogue)
             }
         };
         let shape = (rows as usize, n as usize, k as usize);

@@ -877,9 +877,10 @@ impl<'a> Builder<'a> {
     }
 
     /// Rows `a` `[.., K]` times a matrix stored `[N, K]` or `[K, N]` through one of our host
-    /// kernels (`tpu_dynamo_runtime::host_kernels`), where the process's plugin has them, with
-    /// `bias` `[N]` where the kernels take one: `None` otherwise or for another layout.
-    fn host_product(&self, kernels: Option<HostProduct>, a: &Val<'a>, b: &Val<'a>, bias: Option<&Val<'a>>, contract: (&[i64], &[i64]), out: DType) -> R<Option<Val<'a>>> {
+    /// kernels (`tpu_dynamo_runtime::host_kernels`), where the process's plugin has them, with a
+    /// `third` operand where the kernels take one (a bias `[N]`, or a factor shaped as the
+    /// result): `None` otherwise or for another layout.
+    fn host_product(&self, kernels: Option<HostProduct>, a: &Val<'a>, b: &Val<'a>, third: Option<&Val<'a>>, contract: (&[i64], &[i64]), out: DType) -> R<Option<Val<'a>>> {
         let (b, _, b_contract) = fold_transpose(b, &[], contract.1);
         let lhs_last = a.rank() as i64 - 1;
         let (Some(kernels), 2, [lhs]) = (kernels, b.rank(), contract.0) else { return Ok(None) };
@@ -888,24 +889,24 @@ impl<'a> Builder<'a> {
             ([0], true) => (kernels.row_per_input, b.shape()[1]),
             _ => return Ok(None),
         };
-        if bias.is_some_and(|bias| bias.shape() != [n] || bias.dtype() != out) {
-            return Ok(None);
-        }
         let mut shape = a.shape()[..a.rank() - 1].to_vec();
         shape.push(n);
-        let operands: Vec<&Val<'a>> = [a, &b].into_iter().chain(bias).collect();
+        if third.is_some_and(|t| (t.shape() != [n] && t.shape() != shape) || t.dtype() != out) {
+            return Ok(None);
+        }
+        let operands: Vec<&Val<'a>> = [a, &b].into_iter().chain(third).collect();
         Ok(Some(self.host_call(target, &operands, vec![TensorType::new(out, shape)])?.remove(0)))
     }
 
-    /// `a @ b + bias` (`a` `[M, K]`, `b` `[K, N]`, `bias` `[N]`), then the activation
-    /// `kernels` apply, as one call of our f32 product kernel, where `dot_general` would give
-    /// this product to it: `None` otherwise.
-    pub fn host_product_then(&self, kernels: Option<HostProduct>, a: &Val<'a>, b: &Val<'a>, bias: &Val<'a>) -> R<Option<Val<'a>>> {
+    /// `a @ b` (`a` `[M, K]`, `b` `[K, N]`) finished as `kernels` finish it with `third` (a bias
+    /// `[N]`, or a factor `[M, N]`), as one call of our f32 product kernel, where `dot_general`
+    /// would give this product to it: `None` otherwise.
+    pub fn host_product_then(&self, kernels: Option<HostProduct>, a: &Val<'a>, b: &Val<'a>, third: &Val<'a>) -> R<Option<Val<'a>>> {
         let contract: (&[i64], &[i64]) = (&[1], &[0]);
         if a.rank() != 2 || !f32_product_for_both_cores(a, b, (&[], &[]), contract, DType::F32) || lowering_target().host_gemm.is_none() {
             return Ok(None);
         }
-        self.host_product(kernels, a, b, Some(bias), contract, DType::F32)
+        self.host_product(kernels, a, b, Some(third), contract, DType::F32)
     }
 
     /// A typed-FFI custom call of one of our host kernels, registered under `target`.
@@ -1249,6 +1250,8 @@ pub struct LoweringTarget {
     /// The same products adding a bias `[N]`, and then the tanh GELU.
     pub host_gemm_bias: Option<HostProduct>,
     pub host_gemm_bias_gelu_tanh: Option<HostProduct>,
+    /// The same products with SiLU applied, times a factor of the result's shape.
+    pub host_gemm_silu_times: Option<HostProduct>,
     /// The custom call targets of a host kernel for f32 attention without a mask and with
     /// the causal one, where the plugin has them registered.
     pub host_attention: Option<(&'static str, &'static str)>,
@@ -1264,6 +1267,7 @@ pub static LOWERING_TARGET: RwLock<LoweringTarget> =
     host_gemm: None,
     host_gemm_bias: None,
     host_gemm_bias_gelu_tanh: None,
+    host_gemm_silu_times: None,
     host_attention: None,
     host_layer_norm: None,
     host_rms_norm: None,

@@ -1,56 +1,77 @@
-//! Products whose bias and tanh GELU our product kernel applies to its rows while they are in
-//! cache, where XLA ran the GELU as a loop of its own over the result read back from memory
-//! (GPT-2's MLP, diffusers' `FeedForward` with `gelu-approximate`).
+//! Products whose rows our product kernel finishes while they are in cache, where XLA ran what
+//! follows as a loop of its own over the result read back from memory:
+//! - an `addmm(bias, x, w)`, viewed or not, then a tanh GELU (GPT-2's MLP, diffusers'
+//!   `FeedForward` with `gelu-approximate`): the GELU arrives as `aten.gelu(v,
+//!   approximate="tanh")` or, from transformers' `gelu_new`, as the ops it is written in;
+//! - an `mm(x, w)`, viewed or not, then SiLU (`v · sigmoid(v)`, or `aten.silu`) times another
+//!   value of its shape (Llama's gated MLP: `silu(gate_proj(x)) * up_proj(x)`).
 //!
-//! The GELU arrives as `aten.gelu(v, approximate="tanh")` or, from transformers' `gelu_new`, as
-//! the ops it is written in; `v` is an `addmm(bias, x, w)`, viewed or not. The node holding
-//! the GELU's result is lowered as the kernel over `x`, `w` and the bias; the ops before it are
-//! left to XLA, which drops those nothing else reads.
+//! The node holding the result is lowered as the kernel over `x`, `w` and the bias or the
+//! factor; the ops before it are left to XLA, which drops those nothing else reads.
 
 use super::builder::{lowering_target, Builder, HostProduct, Val, R};
 use super::patterns::{number, value, Uses};
 use crate::ir::{Arg, DType, Graph, Node, TensorType, ValueId};
 use std::collections::{HashMap, HashSet};
 
-/// An `addmm(bias, x, w)` whose result only a tanh GELU reads.
+/// What the kernel applies after the product.
 #[derive(Clone, Copy, Debug, PartialEq)]
-struct GeluProduct {
-    bias: ValueId,
+enum Finish {
+    /// The bias, then the tanh GELU.
+    BiasGeluTanh,
+    /// SiLU, then times the factor.
+    SiluTimes,
+}
+
+/// A product `x @ w` finished by the kernel, with its third operand: the bias or the factor.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Finished {
     x: ValueId,
     w: ValueId,
+    third: ValueId,
+    finish: Finish,
 }
 
-/// The products of a graph lowered with their GELU, by the node holding each GELU's result.
-pub struct GeluProducts {
-    kernels: Option<HostProduct>,
-    by_node: HashMap<usize, GeluProduct>,
+/// The finished products of a graph, by the node holding each one's result.
+pub struct FinishedProducts {
+    gelu: Option<HostProduct>,
+    silu: Option<HostProduct>,
+    by_node: HashMap<usize, Finished>,
 }
 
-impl GeluProducts {
-    /// `graph`'s GELU products where the plugin has our kernel (none elsewhere).
+impl FinishedProducts {
+    /// `graph`'s finished products where the plugin has our kernels (none elsewhere).
     pub fn of(graph: &Graph) -> Self {
-        let kernels = lowering_target().host_gemm_bias_gelu_tanh;
-        GeluProducts { kernels, by_node: kernels.map(|_| gelu_products(graph)).unwrap_or_default() }
+        let target = lowering_target();
+        let (gelu, silu) = (target.host_gemm_bias_gelu_tanh, target.host_gemm_silu_times);
+        let by_node = if gelu.is_some() && silu.is_some() { finished_products(graph) } else { HashMap::new() };
+        FinishedProducts { gelu, silu, by_node }
     }
 
-    /// Node `i`'s value as our kernel's, where it is a GELU product's result that our kernel
-    /// takes (a product `dot_general` gives it); `values`: those lowered so far.
+    /// Node `i`'s value (of type `out`) as our kernel's, where it is a finished product's result
+    /// and `dot_general` would give the product to our kernel; `values`: those lowered so far.
     pub fn lower<'a>(&self, i: usize, b: &Builder<'a>, values: &[Option<Val<'a>>], out: &TensorType) -> Option<R<Vec<Val<'a>>>> {
         let product = self.by_node.get(&i)?;
         let operand = |v: ValueId| values.get(v as usize).cloned().flatten();
-        let (bias, x, w) = (operand(product.bias)?, operand(product.x)?, operand(product.w)?);
-        match b.host_product_then(self.kernels, &x, &w, &bias) {
-            Ok(Some(y)) => Some(b.reshape(&y, &out.shape).map(|y| vec![y])),
-            Ok(None) => None,
-            Err(e) => Some(Err(e)),
-        }
+        let (x, w, third) = (operand(product.x)?, operand(product.w)?, operand(product.third)?);
+        let lowered = || -> R<Option<Val<'a>>> {
+            let (kernels, third) = match product.finish {
+                Finish::BiasGeluTanh => (self.gelu, third),
+                Finish::SiluTimes => {
+                    let rows = x.shape().first().copied().unwrap_or(1);
+                    (self.silu, b.reshape(&third, &[rows, out.numel() / rows.max(1)])?)
+                }
+            };
+            b.host_product_then(kernels, &x, &w, &third)?.map(|y| b.reshape(&y, &out.shape)).transpose()
+        };
+        lowered().transpose().map(|y| y.map(|y| vec![y]))
     }
 }
 
 /// √(2/π), the GELU's scale inside its tanh.
 const BETA: f64 = 0.797_884_560_802_865_4;
 
-fn gelu_products(graph: &Graph) -> HashMap<usize, GeluProduct> {
+fn finished_products(graph: &Graph) -> HashMap<usize, Finished> {
     let uses = Uses::new(graph);
     let nodes = &graph.nodes;
     // The tensor operand of `op(t, c)` or `op(c, t)` for the number `c`.
@@ -94,19 +115,53 @@ fn gelu_products(graph: &Graph) -> HashMap<usize, GeluProduct> {
         }
         Some((value(node.args.first()?)?, vec![]))
     };
+    // `v`, the factor and the chain's nodes, where node `last` is `silu(v) · factor`.
+    let silu_times = |last: usize| -> Option<(ValueId, ValueId, Vec<usize>)> {
+        let [Arg::Value(p), Arg::Value(q)] = nodes[last].args[..] else { return None };
+        if nodes[last].op != "aten.mul.Tensor" {
+            return None;
+        }
+        [(p, q), (q, p)].into_iter().find_map(|(s, factor)| {
+            if let Some(silu) = defined(s, "aten.silu.default") {
+                return Some((value(nodes[silu].args.first()?)?, factor, vec![silu]));
+            }
+            let times = defined(s, "aten.mul.Tensor")?;
+            let [Arg::Value(a), Arg::Value(c)] = nodes[times].args[..] else { return None };
+            [(a, c), (c, a)].into_iter().find_map(|(v, sig)| {
+                let sigmoid = defined(sig, "aten.sigmoid.default")?;
+                (value(nodes[sigmoid].args.first()?)? == v).then(|| (v, factor, vec![times, sigmoid]))
+            })
+        })
+    };
     let mut found = HashMap::new();
     for last in 0..nodes.len() {
-        let Some((v, mut chain)) = aten_gelu(last).or_else(|| written_out(last)) else { continue };
+        let (v, mut chain, finish, factor) = match aten_gelu(last).or_else(|| written_out(last)) {
+            Some((v, chain)) => (v, chain, Finish::BiasGeluTanh, None),
+            None => match silu_times(last) {
+                Some((v, factor, chain)) => (v, chain, Finish::SiluTimes, Some(factor)),
+                None => continue,
+            },
+        };
         // `v`: the product, or a view of it.
         let view = defined(v, "aten.view.default").or_else(|| defined(v, "aten._unsafe_view.default"));
         let viewed = match view {
             Some(view) => nodes[view].args.first().and_then(value),
             None => Some(v),
         };
-        let Some(product) = viewed.and_then(|p| defined(p, "aten.addmm.default")) else { continue };
-        let addmm = &nodes[product];
-        let plain = addmm.args.len() == 3 && addmm.kwargs.iter().all(|(k, a)| matches!((k.as_str(), number(a)), ("alpha" | "beta", Some(1.0))));
-        let [Some(bias), Some(x), Some(w)] = [0, 1, 2].map(|i| addmm.args.get(i).and_then(value)) else { continue };
+        let product_op = if finish == Finish::SiluTimes { "aten.mm.default" } else { "aten.addmm.default" };
+        let Some(product) = viewed.and_then(|p| defined(p, product_op)) else { continue };
+        let node = &nodes[product];
+        let plain = node.kwargs.iter().all(|(k, a)| matches!((k.as_str(), number(a)), ("alpha" | "beta", Some(1.0))));
+        let operands: Vec<Option<ValueId>> = node.args.iter().map(value).collect();
+        let (x, w, third) = match (finish, &operands[..]) {
+            (Finish::BiasGeluTanh, &[Some(bias), Some(x), Some(w)]) => (x, w, bias),
+            (Finish::SiluTimes, &[Some(x), Some(w)]) => match factor {
+                // The factor as `v` is (the other product, viewed alike).
+                Some(factor) if uses.types[factor as usize] == uses.types[v as usize] => (x, w, factor),
+                _ => continue,
+            },
+            _ => continue,
+        };
         if !plain || uses.types[uses.output(product) as usize].dtype != DType::F32 {
             continue;
         }
@@ -119,7 +174,7 @@ fn gelu_products(graph: &Graph) -> HashMap<usize, GeluProduct> {
             !graph.outputs.contains(&out) && uses.readers(out).iter().all(|r| inside.contains(r))
         });
         if sealed {
-            found.insert(last, GeluProduct { bias, x, w });
+            found.insert(last, Finished { x, w, third, finish });
         }
     }
     found

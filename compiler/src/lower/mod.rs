@@ -506,7 +506,7 @@ fn emit_body<'a>(
         .collect();
     let reg = registry();
     let rms_norms = normalization::RmsNorms::of(graph);
-    let gelu_products = epilogue::GeluProducts::of(graph);
+    let finished_products = epilogue::FinishedProducts::of(graph);
     for (i, node) in graph.nodes.iter().enumerate() {
         let source = sources.get(i).cloned().flatten();
         let resolved = node
@@ -555,7 +555,7 @@ fn emit_body<'a>(
             kwargs,
             outputs: node.outputs.clone(),
         };
-        let composite = rms_norms.lower(i, &n.b, &values).or_else(|| gelu_products.lower(i, &n.b, &values, node.outputs.first()?));
+        let composite = rms_norms.lower(i, &n.b, &values).or_else(|| finished_products.lower(i, &n.b, &values, node.outputs.first()?));
         let produced = match composite {
             Some(lowered) => lowered,
             None => rule(n),

@@ -1,10 +1,10 @@
 //! What an f32 product's kernel does to its rows before leaving them: add the bias, then GPT-2's
-//! and diffusers' tanh-approximated GELU, while the rows are still in cache. XLA:CPU ran them
-//! as a loop of its own over the whole result, read back from memory: on GPT-2's `[128, 256]`
-//! hidden rows 26-36 µs a layer.
+//! and diffusers' tanh-approximated GELU, or Llama's SiLU times the other product of its gated
+//! MLP, while the rows are still in cache. XLA:CPU ran them as a loop of its own over the whole
+//! result, read back from memory: on GPT-2's `[128, 256]` hidden rows 26-36 µs a layer.
 //!
-//! The GELU is computed op by op as eager computes it (each step rounded to f32, no fused
-//! multiply-adds), with a tanh within one ulp of the exact one.
+//! The functions are computed op by op as the graph's ops round them (each step rounded to f32,
+//! no fused multiply-adds), with a tanh and an e^x within about an ulp of the exact ones.
 
 /// The function after the bias.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -12,35 +12,42 @@ pub(super) enum Activation {
     Identity,
     /// `0.5 · v · (1 + tanh(√(2/π) · (v + 0.044715 · v³)))`.
     GeluTanh,
+    /// `v · sigmoid(v)` (SiLU as it reaches a backend: `sigmoid`, then `mul`).
+    Silu,
 }
 
-/// `y[r, j] = activation(y[r, j] + bias[j])` over rows of `n` columns.
+/// `y[r, j] = activation(y[r, j] + bias[j]) · times[r, j]` over rows of `n` columns, without the
+/// bias or the factor where they are null.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Epilogue {
     pub bias: *const f32,
     pub activation: Activation,
+    pub times: *const f32,
 }
 
 const KAPPA: f32 = 0.044715;
 const BETA: f32 = 0.797_884_6; // √(2/π), as f32
 
 impl Epilogue {
-    /// Applies itself to `rows` rows of `y`, each `n` long, in place.
+    /// Applies itself to rows `rows` of `y` (and of `times`), each `n` long, in place.
     ///
     /// # Safety
-    /// `y` must cover `[rows, n]` and `bias` `[n]`.
-    pub unsafe fn apply(&self, y: *mut f32, n: usize, rows: usize) {
+    /// `y` and `times` (where not null) must cover those rows of `[.., n]`, and `bias` `[n]`.
+    pub unsafe fn apply(&self, y: *mut f32, n: usize, rows: std::ops::Range<usize>) {
         #[cfg(target_arch = "x86_64")]
         if super::gemm::available() {
             return x86::apply(self, y, n, rows);
         }
-        let bias = std::slice::from_raw_parts(self.bias, n);
-        for row in std::slice::from_raw_parts_mut(y, rows * n).chunks_exact_mut(n.max(1)) {
-            for (v, &b) in row.iter_mut().zip(bias) {
-                *v = match self.activation {
-                    Activation::Identity => *v + b,
-                    Activation::GeluTanh => gelu_tanh(*v + b),
+        for r in rows {
+            for j in 0..n {
+                let at = r * n + j;
+                let v = if self.bias.is_null() { *y.add(at) } else { *y.add(at) + *self.bias.add(j) };
+                let v = match self.activation {
+                    Activation::Identity => v,
+                    Activation::GeluTanh => gelu_tanh(v),
+                    Activation::Silu => silu(v),
                 };
+                *y.add(at) = if self.times.is_null() { v } else { v * *self.times.add(at) };
             }
         }
     }
@@ -52,26 +59,46 @@ fn gelu_tanh(v: f32) -> f32 {
     v * 0.5 * (inner.tanh() + 1.0)
 }
 
+/// `v · sigmoid(v)`, each rounded, as the graph's two ops round them.
+fn silu(v: f32) -> f32 {
+    v * (1.0 / (1.0 + (-v).exp()))
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::vector_math::tanh;
+    use super::super::vector_math::{exp, tanh};
     use super::{Activation, Epilogue, BETA, KAPPA};
     use std::arch::x86_64::*;
 
     #[target_feature(enable = "avx512f,fma")]
-    pub(super) unsafe fn apply(e: &Epilogue, y: *mut f32, n: usize, rows: usize) {
-        for r in 0..rows {
+    pub(super) unsafe fn apply(e: &Epilogue, y: *mut f32, n: usize, rows: std::ops::Range<usize>) {
+        for r in rows {
             let row = y.add(r * n);
             for j in (0..n).step_by(16) {
                 let mask = ((1u32 << (n - j).min(16)) - 1) as __mmask16;
-                let v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, row.add(j)), _mm512_maskz_loadu_ps(mask, e.bias.add(j)));
-                let v = match e.activation {
+                let mut v = _mm512_maskz_loadu_ps(mask, row.add(j));
+                if !e.bias.is_null() {
+                    v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, e.bias.add(j)));
+                }
+                let mut v = match e.activation {
                     Activation::Identity => v,
                     Activation::GeluTanh => gelu_tanh(v),
+                    Activation::Silu => silu(v),
                 };
+                if !e.times.is_null() {
+                    v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, e.times.add(r * n + j)));
+                }
                 _mm512_mask_storeu_ps(row.add(j), mask, v);
             }
         }
+    }
+
+    /// `super::silu` on 16 lanes (`exp` takes -∞ to 0: SiLU(-∞) is -∞ · 0, NaN, as eager's).
+    #[target_feature(enable = "avx512f,fma")]
+    unsafe fn silu(v: __m512) -> __m512 {
+        let one = _mm512_set1_ps(1.0);
+        let negated = _mm512_sub_ps(_mm512_setzero_ps(), v);
+        _mm512_mul_ps(v, _mm512_div_ps(one, _mm512_add_ps(one, exp(negated))))
     }
 
     /// `super::gelu_tanh` on 16 lanes.
@@ -94,14 +121,23 @@ mod tests {
         let mut next = crate::host_kernels::uniform(7);
         let y0: Vec<f32> = (0..rows * n).map(|_| 8.0 * next()).collect();
         let bias: Vec<f32> = (0..n).map(|_| next()).collect();
-        for activation in [Activation::Identity, Activation::GeluTanh] {
+        let times: Vec<f32> = (0..rows * n).map(|_| next()).collect();
+        for (activation, biased) in [(Activation::Identity, true), (Activation::GeluTanh, true), (Activation::Silu, false)] {
             let mut y = y0.clone();
-            unsafe { Epilogue { bias: bias.as_ptr(), activation }.apply(y.as_mut_ptr(), n, rows) };
-            for (i, (&got, &v)) in y.iter().zip(&y0).enumerate() {
-                let v = v + bias[i % n];
-                let want = if activation == Activation::Identity { v } else { gelu_tanh(v) };
-                // An ulp of tanh next to 1 is an ulp of `0.5 · v` in the result.
-                let ulp = f32::EPSILON * (want.abs() + 0.5 * v.abs());
+            let bias_ptr = if biased { bias.as_ptr() } else { std::ptr::null() };
+            let times_ptr = if biased { std::ptr::null() } else { times.as_ptr() };
+            // Rows 1.. only: row 0 stays as it was.
+            unsafe { Epilogue { bias: bias_ptr, activation, times: times_ptr }.apply(y.as_mut_ptr(), n, 1..rows) };
+            assert_eq!(y[..n], y0[..n]);
+            for (i, (&got, &v)) in y.iter().zip(&y0).enumerate().skip(n) {
+                let v = if biased { v + bias[i % n] } else { v };
+                let want = match activation {
+                    Activation::Identity => v,
+                    Activation::GeluTanh => gelu_tanh(v),
+                    Activation::Silu => silu(v) * times[i],
+                };
+                // An ulp of tanh next to 1 is an ulp of `0.5 · v` in the result (of `v` for SiLU's sigmoid).
+                let ulp = f32::EPSILON * (want.abs() + v.abs() * if biased { 0.5 } else { times[i].abs() });
                 assert!((got - want).abs() <= 2.0 * ulp, "{activation:?} at {i}: {got} against {want}");
             }
         }

@@ -182,7 +182,7 @@ impl Chunked for Gemm {
         let rows = self.rows_per_chunk.min(self.m - first_row);
         self.products(first_row, rows);
         if let Some(epilogue) = &self.epilogue {
-            epilogue.apply(self.y.add(first_row * self.n), self.n, rows);
+            epilogue.apply(self.y, self.n, first_row..first_row + rows);
         }
     }
 }
