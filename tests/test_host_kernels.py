@@ -221,21 +221,37 @@ def kernel_calls(compiled, targets: list[str]) -> int:
     return sum(text.count(target) for text in texts for target in targets)
 
 
+def run_and_texts(fn, *args) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """`fn` compiled anew and eager on `args`, and the StableHLO of every graph it compiled
+    (taken from the compile calls: a test's `compiled` fixture sees one Dynamo graph only)."""
+    calls = []
+    compile_now = _native.compile
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(_native, "compile", lambda graph_json, **kw: calls.append(graph_json) or compile_now(graph_json, **kw))
+        with torch.no_grad():
+            torch._dynamo.reset()
+            got, want = compile_tpu(fn)(*args), fn(*args)
+    return got, want, [compile_now(g, need_stablehlo=True).stablehlo for g in calls]
+
+
+def check_finished_product(module, x, targets, compiled):
+    """`module` on `x` as close to the f64 result as eager is (within twice its error, plus
+    1e-6), its product and what follows it one call of our kernel `targets`."""
+    with torch.no_grad():
+        got, want = compile_tpu(module)(x), module(x)
+        exact = module.double()(x.double())
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert (got.double() - exact).abs().max() <= 2 * (want.double() - exact).abs().max() + 1e-6
+    assert kernel_calls(compiled, targets) == 1
+
+
 @needs_f32_kernels
 @pytest.mark.parametrize("shape, n", [((1, 128, 64), 256), ((8, 128, 64), 256), ((77, 70), 200), ((2, 40, 33), 130)])
 @pytest.mark.parametrize("form", ["gelu_new", "gelu_pytorch_tanh", "diffusers"])
 def test_a_tanh_gelu_after_a_product_runs_in_our_kernel(shape, n, form, compiled):
-    """The product, its bias and the GELU are one call of our kernel, as close to the f64 result
-    as eager is (within twice its error, plus 1e-6)."""
+    """The product, its bias and the GELU are one call of our kernel."""
     torch.manual_seed(sum(shape) + n)
-    mlp = gelu_mlp(form, shape[-1], n)
-    x = 2.0 * torch.randn(shape)
-    with torch.no_grad():
-        got, want = compile_tpu(mlp)(x), mlp(x)
-        exact = mlp.double()(x.double())
-    assert got.shape == want.shape and got.dtype == torch.float32
-    assert (got.double() - exact).abs().max() <= 2 * (want.double() - exact).abs().max() + 1e-6
-    assert kernel_calls(compiled, GELU_KERNELS) == 1
+    check_finished_product(gelu_mlp(form, shape[-1], n), 2.0 * torch.randn(shape), GELU_KERNELS, compiled)
 
 
 @needs_f32_kernels
@@ -248,16 +264,8 @@ def test_a_product_read_besides_its_gelu_keeps_xla_s_gelu():
         h = mlp[0](x)
         return mlp[1](h) + h
 
-    x = torch.randn(128, 64)
-    calls = []
-    compile_now = _native.compile
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(_native, "compile", lambda graph_json, **kw: calls.append(graph_json) or compile_now(graph_json, **kw))
-        with torch.no_grad():
-            torch._dynamo.reset()
-            got, want = compile_tpu(fn)(x), fn(x)
+    got, want, texts = run_and_texts(fn, torch.randn(128, 64))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    texts = [compile_now(g, need_stablehlo=True).stablehlo for g in calls]
     assert any(BIAS_KERNELS[1] in t for t in texts) and not any(target in t for t in texts for target in GELU_KERNELS)
 
 
@@ -301,16 +309,9 @@ def gated_mlp(form: str, k: int, n: int) -> torch.nn.Module:
 @pytest.mark.parametrize("form", ["llama", "up_first"])
 def test_a_gated_mlp_s_silu_and_product_run_in_our_kernel(shape, n, form, compiled):
     """The gate's product, its SiLU and the product with the up projection are one call of our
-    kernel, as close to the f64 result as eager is (within twice its error, plus 1e-6)."""
+    kernel."""
     torch.manual_seed(sum(shape) + n)
-    mlp = gated_mlp(form, shape[-1], n)
-    x = 2.0 * torch.randn(shape)
-    with torch.no_grad():
-        got, want = compile_tpu(mlp)(x), mlp(x)
-        exact = mlp.double()(x.double())
-    assert got.shape == want.shape and got.dtype == torch.float32
-    assert (got.double() - exact).abs().max() <= 2 * (want.double() - exact).abs().max() + 1e-6
-    assert kernel_calls(compiled, SILU_KERNELS) == 1
+    check_finished_product(gated_mlp(form, shape[-1], n), 2.0 * torch.randn(shape), SILU_KERNELS, compiled)
 
 
 @needs_f32_kernels
@@ -327,15 +328,8 @@ def test_a_gate_read_besides_its_silu_and_infinities_go_as_eager_s():
     x_bad = x.clone()
     x_bad[1, 3], x_bad[4, 0], x_bad[6, 2] = float("nan"), float("inf"), float("-inf")
     for fn, arg, fused in ((read_twice, x, False), (mlp, x_bad, True)):
-        calls = []
-        compile_now = _native.compile
-        with pytest.MonkeyPatch.context() as m:
-            m.setattr(_native, "compile", lambda graph_json, **kw: calls.append(graph_json) or compile_now(graph_json, **kw))
-            with torch.no_grad():
-                torch._dynamo.reset()
-                got, want = compile_tpu(fn)(arg), fn(arg)
+        got, want, texts = run_and_texts(fn, arg)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
-        texts = [compile_now(g, need_stablehlo=True).stablehlo for g in calls]
         assert any(target in t for t in texts for target in SILU_KERNELS) == fused
     assert got[[1, 4, 6]].isnan().any(dim=1).all() and torch.isfinite(got[[0, 2, 3, 5]]).all()
 
@@ -663,15 +657,9 @@ def test_an_rms_norm_read_by_elementwise_work_stays_xla_s():
     over_rows = lambda x, cos: x * torch.rsqrt(x.pow(2).mean(0, keepdim=True) + 1e-6) @ cos.T
     x, cos = torch.randn(2, 64, 4, 16), torch.randn(2, 64, 4, 16)
     for fn, args in ((rotated, (x, cos)), (over_rows, (x[0, :, 0], cos[0, :, 0])), (norm, (x,))):
-        calls = []
-        compile_now = _native.compile
-        with pytest.MonkeyPatch.context() as m:
-            m.setattr(_native, "compile", lambda graph_json, **kw: calls.append(graph_json) or compile_now(graph_json, **kw))
-            with torch.no_grad():
-                torch._dynamo.reset()
-                got, want = compile_tpu(fn)(*args), fn(*args)
+        got, want, texts = run_and_texts(fn, *args)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        assert all(RMS_NORM_KERNEL not in compile_now(g, need_stablehlo=True).stablehlo for g in calls)
+        assert all(RMS_NORM_KERNEL not in t for t in texts)
 
 
 @needs_f32_kernels

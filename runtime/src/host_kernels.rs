@@ -333,44 +333,26 @@ unsafe fn executes(frame: &mut FfiCallFrame) -> bool {
     frame.stage == XLA_FFI_STAGE_EXECUTE
 }
 
-unsafe extern "C" fn bf16_matvec(frame: *mut FfiCallFrame) -> *mut c_void {
-    handle(&mut *frame, Layout::RowPerOutput, XLA_FFI_BF16, None)
+/// The product handlers XLA calls, each `handle` for its operands, layout and epilogue.
+macro_rules! product_handlers {
+    ($($name:ident: $layout:ident, $operands:ident, $epilogue:expr;)*) => {
+        $(unsafe extern "C" fn $name(frame: *mut FfiCallFrame) -> *mut c_void {
+            handle(&mut *frame, Layout::$layout, $operands, $epilogue)
+        })*
+    };
 }
 
-unsafe extern "C" fn bf16_vecmat(frame: *mut FfiCallFrame) -> *mut c_void {
-    handle(&mut *frame, Layout::RowPerInput, XLA_FFI_BF16, None)
-}
-
-unsafe extern "C" fn f32_matmul_nt(frame: *mut FfiCallFrame) -> *mut c_void {
-    handle(&mut *frame, Layout::RowPerOutput, XLA_FFI_F32, None)
-}
-
-unsafe extern "C" fn f32_matmul_nn(frame: *mut FfiCallFrame) -> *mut c_void {
-    handle(&mut *frame, Layout::RowPerInput, XLA_FFI_F32, None)
-}
-
-unsafe extern "C" fn f32_matmul_nt_bias(frame: *mut FfiCallFrame) -> *mut c_void {
-    handle(&mut *frame, Layout::RowPerOutput, XLA_FFI_F32, Some(Activation::Identity))
-}
-
-unsafe extern "C" fn f32_matmul_nn_bias(frame: *mut FfiCallFrame) -> *mut c_void {
-    handle(&mut *frame, Layout::RowPerInput, XLA_FFI_F32, Some(Activation::Identity))
-}
-
-unsafe extern "C" fn f32_matmul_nt_bias_gelu_tanh(frame: *mut FfiCallFrame) -> *mut c_void {
-    handle(&mut *frame, Layout::RowPerOutput, XLA_FFI_F32, Some(Activation::GeluTanh))
-}
-
-unsafe extern "C" fn f32_matmul_nn_bias_gelu_tanh(frame: *mut FfiCallFrame) -> *mut c_void {
-    handle(&mut *frame, Layout::RowPerInput, XLA_FFI_F32, Some(Activation::GeluTanh))
-}
-
-unsafe extern "C" fn f32_matmul_nt_silu_times(frame: *mut FfiCallFrame) -> *mut c_void {
-    handle(&mut *frame, Layout::RowPerOutput, XLA_FFI_F32, Some(Activation::Silu))
-}
-
-unsafe extern "C" fn f32_matmul_nn_silu_times(frame: *mut FfiCallFrame) -> *mut c_void {
-    handle(&mut *frame, Layout::RowPerInput, XLA_FFI_F32, Some(Activation::Silu))
+product_handlers! {
+    bf16_matvec: RowPerOutput, XLA_FFI_BF16, None;
+    bf16_vecmat: RowPerInput, XLA_FFI_BF16, None;
+    f32_matmul_nt: RowPerOutput, XLA_FFI_F32, None;
+    f32_matmul_nn: RowPerInput, XLA_FFI_F32, None;
+    f32_matmul_nt_bias: RowPerOutput, XLA_FFI_F32, Some(Activation::Identity);
+    f32_matmul_nn_bias: RowPerInput, XLA_FFI_F32, Some(Activation::Identity);
+    f32_matmul_nt_bias_gelu_tanh: RowPerOutput, XLA_FFI_F32, Some(Activation::GeluTanh);
+    f32_matmul_nn_bias_gelu_tanh: RowPerInput, XLA_FFI_F32, Some(Activation::GeluTanh);
+    f32_matmul_nt_silu_times: RowPerOutput, XLA_FFI_F32, Some(Activation::Silu);
+    f32_matmul_nn_silu_times: RowPerInput, XLA_FFI_F32, Some(Activation::Silu);
 }
 
 /// The target a product handler answers to: by its operands' type, the weight's layout and,
