@@ -356,7 +356,7 @@ product_handlers! {
 }
 
 /// The target a product handler answers to: by its operands' type, the weight's layout and,
-/// for f32, what it applies after a bias (where it takes one).
+/// for f32, what it applies after the product.
 fn product_target(operands: c_int, layout: Layout, epilogue: Option<Activation>) -> &'static str {
     let row_per_output = layout == Layout::RowPerOutput;
     match (operands, epilogue) {
@@ -373,7 +373,8 @@ fn product_target(operands: c_int, layout: Layout, epilogue: Option<Activation>)
 /// The typed-FFI handlers: `y[m, n] = sum_k x[m, k] * w[n, k]` (or `w[k, n]`) for `x` `[.., K]`
 /// into `y` `[.., N]`: bf16 `x` and `w` (leading dims of one or a few rows) into bf16 or f32
 /// `y`, or f32 throughout, then (f32, `epilogue` given) a bias `[N]` added and the activation
-/// applied, or SiLU applied and the result multiplied by a factor. Answers XLA's metadata query at registration; never unwinds into the plugin.
+/// applied, or SiLU applied and the result multiplied by a factor. Answers XLA's metadata query
+/// at registration; never unwinds into the plugin.
 unsafe fn handle(frame: &mut FfiCallFrame, layout: Layout, operands: c_int, epilogue: Option<Activation>) -> *mut c_void {
     let target = product_target(operands, layout, epilogue);
     if !executes(frame) {

@@ -903,7 +903,7 @@ impl<'a> Builder<'a> {
     /// would give this product to it: `None` otherwise.
     pub fn host_product_then(&self, kernels: Option<HostProduct>, a: &Val<'a>, b: &Val<'a>, third: &Val<'a>) -> R<Option<Val<'a>>> {
         let contract: (&[i64], &[i64]) = (&[1], &[0]);
-        if a.rank() != 2 || !f32_product_for_both_cores(a, b, (&[], &[]), contract, DType::F32) || lowering_target().host_gemm.is_none() {
+        if a.rank() != 2 || !f32_product_for_both_cores(a, b, (&[], &[]), contract, DType::F32) {
             return Ok(None);
         }
         self.host_product(kernels, a, b, Some(third), contract, DType::F32)
@@ -1260,8 +1260,7 @@ pub struct LoweringTarget {
     pub host_rms_norm: Option<&'static str>,
 }
 
-pub static LOWERING_TARGET: RwLock<LoweringTarget> =
-    RwLock::new(LoweringTarget {
+pub static LOWERING_TARGET: RwLock<LoweringTarget> = RwLock::new(LoweringTarget {
     cpu: false,
     host_matvec: None,
     host_gemm: None,
