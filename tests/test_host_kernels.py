@@ -216,7 +216,8 @@ def gelu_mlp(form: str, k: int, n: int) -> torch.nn.Module:
 
 
 def kernel_calls(compiled, targets: list[str]) -> int:
-    """Calls of the kernels `targets` in the graphs compiled so far (see `rms_calls`)."""
+    """Calls of the kernels `targets` in the graphs compiled so far (each compiled again for its
+    text, which `compiled` records too: hence the copy)."""
     texts = [_native.compile(graph_json, need_stablehlo=True).stablehlo for graph_json, _ in list(compiled)]
     return sum(text.count(target) for text in texts for target in targets)
 
@@ -623,12 +624,6 @@ def rms_norm(form: str, width: int) -> torch.nn.Module:
     return norm
 
 
-def rms_calls(compiled) -> int:
-    """Our RMSNorm kernel's calls in the graphs compiled so far (each compiled again for its text,
-    which `compiled` records too: hence the copy)."""
-    return sum(_native.compile(graph_json, need_stablehlo=True).stablehlo.count(RMS_NORM_KERNEL) for graph_json, _ in list(compiled))
-
-
 @needs_f32_kernels
 @pytest.mark.parametrize("shape", [(1, 128, 64), (8, 128, 64), (2, 5, 33), (3, 576), (4, 1)])
 @pytest.mark.parametrize("form", ["llama", "diffusers", "unweighted", "torch"])
@@ -645,7 +640,7 @@ def test_an_rms_norm_a_product_reads_runs_our_kernel(shape, form, compiled):
         exact = fn(x.double())
     assert got.shape == want.shape and got.dtype == torch.float32
     assert (got.double() - exact).abs().max() <= 2 * (want.double() - exact).abs().max() + 1e-6
-    assert rms_calls(compiled) == 1
+    assert kernel_calls(compiled, [RMS_NORM_KERNEL]) == 1
 
 
 @needs_f32_kernels
@@ -674,4 +669,4 @@ def test_an_rms_norm_row_with_nan_or_infinity_is_nan_as_in_eager(compiled):
     with torch.no_grad():
         got, want = compile_tpu(fn)(x), fn(x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
-    assert rms_calls(compiled) == 1
+    assert kernel_calls(compiled, [RMS_NORM_KERNEL]) == 1

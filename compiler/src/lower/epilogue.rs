@@ -11,7 +11,7 @@
 
 use super::builder::{lowering_target, Builder, HostProduct, Val, R};
 use super::patterns::{number, value, Uses};
-use crate::ir::{Arg, DType, Graph, Node, TensorType, ValueId};
+use crate::ir::{Arg, DType, Node, TensorType, ValueId};
 use std::collections::{HashMap, HashSet};
 
 /// What the kernel applies after the product.
@@ -40,11 +40,11 @@ pub struct FinishedProducts {
 }
 
 impl FinishedProducts {
-    /// `graph`'s finished products where the plugin has our kernels (none elsewhere).
-    pub fn of(graph: &Graph) -> Self {
+    /// The finished products of `uses`' graph where the plugin has our kernels (none elsewhere).
+    pub fn of(uses: &Uses) -> Self {
         let target = lowering_target();
         let (gelu, silu) = (target.host_gemm_bias_gelu_tanh, target.host_gemm_silu_times);
-        let by_node = if gelu.is_some() && silu.is_some() { finished_products(graph) } else { HashMap::new() };
+        let by_node = if gelu.is_some() && silu.is_some() { finished_products(uses) } else { HashMap::new() };
         FinishedProducts { gelu, silu, by_node }
     }
 
@@ -71,9 +71,8 @@ impl FinishedProducts {
 /// √(2/π), the GELU's scale inside its tanh.
 const BETA: f64 = 0.797_884_560_802_865_4;
 
-fn finished_products(graph: &Graph) -> HashMap<usize, Finished> {
-    let uses = Uses::new(graph);
-    let nodes = &graph.nodes;
+fn finished_products(uses: &Uses) -> HashMap<usize, Finished> {
+    let (graph, nodes) = (uses.graph, &uses.graph.nodes);
     // The tensor operand of `op(t, c)` or `op(c, t)` for the number `c`.
     let with_number = |node: &Node, op: &str, c: f64| -> Option<ValueId> {
         let close = |a: &Arg| number(a).is_some_and(|n| (n - c).abs() <= 1e-12 * c.abs());

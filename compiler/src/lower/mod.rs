@@ -505,8 +505,10 @@ fn emit_body<'a>(
         })
         .collect();
     let reg = registry();
-    let rms_norms = normalization::RmsNorms::of(graph);
-    let finished_products = epilogue::FinishedProducts::of(graph);
+    // Composites found among the graph's ops, lowered as one kernel each.
+    let uses = patterns::Uses::new(graph);
+    let rms_norms = normalization::RmsNorms::of(&uses);
+    let finished_products = epilogue::FinishedProducts::of(&uses);
     for (i, node) in graph.nodes.iter().enumerate() {
         let source = sources.get(i).cloned().flatten();
         let resolved = node

@@ -3,7 +3,7 @@
 //! reaches us as the ops it is written in, found among them (`rms_norms`).
 
 use super::builder::{lowering_target, opmath, Builder, Scalar, Val, R};
-use crate::ir::{Arg, DType, Graph, Node, TensorType, ValueId};
+use crate::ir::{Arg, DType, Node, TensorType, ValueId};
 use std::collections::HashMap;
 use super::patterns::{number, value, Uses};
 use super::reduction::variance;
@@ -174,10 +174,10 @@ pub struct RmsNorms {
 }
 
 impl RmsNorms {
-    /// `graph`'s norms where the plugin runs our kernel (none elsewhere).
-    pub fn of(graph: &Graph) -> Self {
+    /// The norms of `uses`' graph where the plugin runs our kernel (none elsewhere).
+    pub fn of(uses: &Uses) -> Self {
         let target = lowering_target().host_rms_norm;
-        RmsNorms { target, by_node: target.map(|_| rms_norms(graph)).unwrap_or_default() }
+        RmsNorms { target, by_node: target.map(|_| rms_norms(uses)).unwrap_or_default() }
     }
 
     /// Node `i`'s value as our kernel's, where it is a norm's result; `values`: those lowered so far.
@@ -199,9 +199,8 @@ impl RmsNorms {
 /// four (a batch-8 tiny Llama's call 2.82 → 2.61-2.70 ms); a norm read by elementwise work
 /// (diffusers' queries and keys, then rotated) stays XLA's, which fuses it into that work (our
 /// kernel there: a tiny Flux's call 1.20-1.24 → 1.27-1.38 ms).
-fn rms_norms(graph: &Graph) -> HashMap<usize, RmsNorm> {
-    let uses = Uses::new(graph);
-    let (nodes, types) = (&graph.nodes, &uses.types);
+fn rms_norms(uses: &Uses) -> HashMap<usize, RmsNorm> {
+    let (nodes, types) = (&uses.graph.nodes, &uses.types);
     // `x` and `eps` of an `rsqrt(mean(x², -1) + eps)` over an f32 `x`.
     let inverse_rms = |rsqrt: usize| -> Option<(ValueId, f64)> {
         let sum = value(nodes[rsqrt].args.first()?)?;

@@ -128,6 +128,7 @@ pub(super) unsafe fn rows((x, y): (*const f32, *mut f32), (n, k): (usize, usize)
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use super::super::vector_math::lanes;
     use super::{asm, Line, BLOCK_STEP_TILES, COLUMNS, L1_ROWS_BYTES, STEP, TILE, TILE_LINES};
     use std::arch::x86_64::*;
 
@@ -150,7 +151,7 @@ mod x86 {
                 let mut split = [[_mm512_setzero_si512(); 3]; 2];
                 for (half, pieces) in split.iter_mut().enumerate() {
                     let from = kk + 16 * half;
-                    let mask = ((1u32 << k.saturating_sub(from).min(16)) - 1) as __mmask16;
+                    let mask = lanes(k, from);
                     let v = _mm512_maskz_loadu_ps(mask, x.add(r * k + from));
                     let bits = _mm512_castps_si512(v);
                     infinite_or_nan |= _mm512_mask_cmpeq_epi32_mask(mask, _mm512_and_si512(bits, exponent), exponent);

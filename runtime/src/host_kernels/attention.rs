@@ -216,12 +216,12 @@ unsafe fn exponentials(row: *mut f32, visible: usize, len: usize) -> (f32, f32) 
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::vector_math::exp;
+    use super::super::vector_math::{exp, lanes};
     use std::arch::x86_64::*;
 
     #[target_feature(enable = "avx512f,fma")]
     pub(super) unsafe fn exponentials(row: *mut f32, visible: usize, len: usize) -> (f32, f32) {
-        let mask = |at: usize| -> __mmask16 { ((1u32 << (visible - at).min(16)) - 1) as __mmask16 };
+        let mask = |at: usize| lanes(visible, at);
         let mut max = _mm512_set1_ps(f32::NEG_INFINITY);
         let mut nan: __mmask16 = 0;
         for at in (0..visible).step_by(16) {

@@ -66,7 +66,7 @@ fn silu(v: f32) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::vector_math::{exp, tanh};
+    use super::super::vector_math::{exp, lanes, tanh};
     use super::{Activation, Epilogue, BETA, KAPPA};
     use std::arch::x86_64::*;
 
@@ -75,7 +75,7 @@ mod x86 {
         for r in rows {
             let row = y.add(r * n);
             for j in (0..n).step_by(16) {
-                let mask = ((1u32 << (n - j).min(16)) - 1) as __mmask16;
+                let mask = lanes(n, j);
                 let mut v = _mm512_maskz_loadu_ps(mask, row.add(j));
                 if !e.bias.is_null() {
                     v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, e.bias.add(j)));

@@ -103,6 +103,7 @@ impl<T: Rows> Chunked for RowRuns<T> {
 }
 
 mod x86 {
+    use super::super::vector_math::lanes;
     use std::arch::x86_64::*;
 
     /// One row: its mean and rstd, and `y` normalized. The lanes are summed as a tree (one by one,
@@ -112,7 +113,7 @@ mod x86 {
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn row(x: &[f32], weight: &[f32], bias: &[f32], y: &mut [f32], eps: f32) -> (f32, f32) {
         let n = x.len();
-        let mask = |at: usize| ((1u32 << (n - at).min(16)) - 1) as __mmask16;
+        let mask = |at: usize| lanes(n, at);
         let load = |p: &[f32], at: usize| _mm512_maskz_loadu_ps(mask(at), p.as_ptr().add(at));
         let shift = _mm512_set1_ps(x.first().copied().unwrap_or(0.0));
         let mut sum = _mm512_setzero_ps();
@@ -140,7 +141,7 @@ mod x86 {
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn rms_row(x: &[f32], weight: &[f32], y: &mut [f32], eps: f32) {
         let n = x.len();
-        let mask = |at: usize| ((1u32 << (n - at).min(16)) - 1) as __mmask16;
+        let mask = |at: usize| lanes(n, at);
         let load = |p: &[f32], at: usize| _mm512_maskz_loadu_ps(mask(at), p.as_ptr().add(at));
         let mut sums = [_mm512_setzero_ps(); 4];
         for (i, at) in (0..n).step_by(16).enumerate() {

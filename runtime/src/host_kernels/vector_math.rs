@@ -1,7 +1,14 @@
 //! Elementwise functions on sixteen f32 lanes (AVX-512) that our kernels share: e^x and ln x
-//! (attention's softmax and its log-sum-exp), tanh x (the GELU after a product).
+//! (attention's softmax and its log-sum-exp), tanh x (the GELU after a product), and the mask
+//! of a row's last, partial vector.
 
 use std::arch::x86_64::*;
+
+/// The lanes of a 16-wide step at `at` that lie before `len`: a row's last, partial vector is
+/// loaded and stored under it.
+pub(super) fn lanes(len: usize, at: usize) -> __mmask16 {
+    ((1u32 << len.saturating_sub(at).min(16)) - 1) as __mmask16
+}
 
 /// `ln(x)` to about 1 ulp for positive `x` (NaN stays NaN): `x = m 2^e` with `m` in `[√½,
 /// √2)`, `ln(m)` by Cephes' `logf` polynomial in `m - 1`.
