@@ -166,6 +166,60 @@ def test_other_f32_products_stay_xla_dots(rows, k, n, compiled):
     assert not any(target in stablehlo for target in F32_KERNELS)
 
 
+class KeptConv1D(torch.nn.Module):
+    """GPT-2's `Conv1D`: `addmm(bias, x, W)` with a resident W stored `[K, N]`."""
+
+    def __init__(self, k: int, n: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(k, n) / k**0.5)
+        self.bias = torch.nn.Parameter(torch.randn(n))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.view(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
+
+
+# (rows, K, N, module): GPT-2 small's attention and MLP projections, SmolLM-135M's, a wide
+# weight the threads take a share of columns of each, and sizes off the tiles' blocks (rows not
+# a multiple of 32, K of 32, N of 32).
+LONG_CONTRACTIONS = [
+    (128, 768, 2304, "conv1d"), (128, 3072, 768, "conv1d"), (128, 576, 1536, "linear"), (128, 1536, 576, "linear_bias"),
+    (64, 768, 2000, "linear_bias"), (100, 300, 97, "linear_bias"), (70, 1000, 64, "conv1d"),
+]
+
+
+@needs_f32_kernels
+@pytest.mark.parametrize("rows, k, n, module", LONG_CONTRACTIONS)
+def test_a_kept_weight_s_long_contraction_runs_on_the_tiles(rows, k, n, module, compiled):
+    """Past K = 256 our kernel takes a product only where it runs on AMX tiles from a resident
+    weight's pieces (1.6× XLA's speed on GPT-2 small's shapes); elsewhere XLA keeps it. Either
+    way the result is within f32 summation's rounding of the exact product, on each call."""
+    torch.manual_seed(rows + k + n)
+    layer = KeptConv1D(k, n) if module == "conv1d" else torch.nn.Linear(k, n, bias=module == "linear_bias")
+    x = torch.randn(rows, k)
+    f = compile_tpu(layer)
+    weight = layer.weight.double() if module == "conv1d" else layer.weight.double().T
+    bias = 0.0 if layer.bias is None else layer.bias.double()
+    exact, magnitudes = x.double() @ weight + bias, x.double().abs() @ weight.abs() + abs(bias)
+    with torch.no_grad():
+        for _ in range(2):
+            got = f(x)
+            assert ((got.double() - exact).abs() <= k * 2.0**-24 * magnitudes).all()
+    assert kernel_calls(compiled, F32_KERNELS if layer.bias is None else BIAS_KERNELS) == int(tpu_dynamo.device_info()["amx"])
+
+
+@needs_f32_kernels
+def test_an_infinite_input_row_of_a_long_contraction_gives_eager_s_infinities():
+    """A row that is not all finite has no bf16 pieces: the vector kernel computes it."""
+    torch.manual_seed(3)
+    layer = torch.nn.Linear(768, 96)
+    x = torch.randn(128, 768)
+    x[5, 7] = float("inf")
+    with torch.no_grad():
+        got, want = compile_tpu(layer)(x), layer(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, equal_nan=True)
+    assert torch.isinf(got[5]).sum() >= 95
+
+
 @needs_f32_kernels
 def test_f32_nan_and_infinity_reach_the_outputs_they_touch():
     """A NaN or an infinite weight makes its output column NaN or infinite in every row, as in
@@ -235,15 +289,15 @@ def run_and_texts(fn, *args) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     return got, want, [compile_now(g, need_stablehlo=True).stablehlo for g in calls]
 
 
-def check_finished_product(module, x, targets, compiled):
+def check_finished_product(module, x, targets, compiled, calls=1):
     """`module` on `x` as close to the f64 result as eager is (within twice its error, plus
-    1e-6), its product and what follows it one call of our kernel `targets`."""
+    1e-6), its product and what follows it `calls` calls of our kernel `targets`."""
     with torch.no_grad():
         got, want = compile_tpu(module)(x), module(x)
         exact = module.double()(x.double())
     assert got.shape == want.shape and got.dtype == torch.float32
     assert (got.double() - exact).abs().max() <= 2 * (want.double() - exact).abs().max() + 1e-6
-    assert kernel_calls(compiled, targets) == 1
+    assert kernel_calls(compiled, targets) == calls
 
 
 @needs_f32_kernels
@@ -313,6 +367,19 @@ def test_a_gated_mlp_s_silu_and_product_run_in_our_kernel(shape, n, form, compil
     kernel."""
     torch.manual_seed(sum(shape) + n)
     check_finished_product(gated_mlp(form, shape[-1], n), 2.0 * torch.randn(shape), SILU_KERNELS, compiled)
+
+
+@needs_f32_kernels
+@pytest.mark.parametrize("form", ["gelu_new", "llama"])
+def test_a_long_contraction_s_gelu_or_gated_silu_runs_on_the_tiles(form, compiled):
+    """At GPT-2 small's and SmolLM-135M's widths (the weight's pieces past L2's share, the
+    threads taking a share of its columns each) the kernel finishes the rows too, where AMX
+    takes long contractions."""
+    torch.manual_seed(9)
+    k, n = (768, 3072) if form == "gelu_new" else (576, 1536)
+    module = gelu_mlp(form, k, n) if form == "gelu_new" else gated_mlp(form, k, n)
+    targets = GELU_KERNELS if form == "gelu_new" else SILU_KERNELS
+    check_finished_product(module, torch.randn(1, 64, k), targets, compiled, calls=int(tpu_dynamo.device_info()["amx"]))
 
 
 @needs_f32_kernels

@@ -239,6 +239,7 @@ fn cache_key(canonical: &[u8], target: &Target, plugin: Option<&PluginIdentity>)
         .field(format!("{:?}", CompileOptions::default()).as_bytes())
         .field(target.compiler_env.as_bytes())
         .field(target.host_kernels.join(",").as_bytes())
+        .field(format!("{:?}", tpu_dynamo_compiler::lower::lowering_target().host_gemm_tiles_budget).as_bytes())
         .field(CACHE_VERSION.as_bytes())
         .finish()
 }

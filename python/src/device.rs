@@ -239,6 +239,8 @@ pub fn target() -> Result<Arc<Target>, Error> {
         host_attention: both(host_kernels::F32_ATTENTION_TARGET, host_kernels::F32_CAUSAL_ATTENTION_TARGET),
         host_layer_norm: one(host_kernels::F32_LAYER_NORM_TARGET),
         host_rms_norm: one(host_kernels::F32_RMS_NORM_TARGET),
+        host_gemm_tiles_budget: (host_kernels.contains(&host_kernels::F32_MATMUL_NT_TARGET) && host_kernels::products_on_tiles())
+            .then(|| host_kernels::unchanging::budget() as u64),
     };
     let t = Arc::new(Target { client, device, host_memory, compiler_env: compiler_env(), host_kernels, identity: OnceLock::new() });
     *slot = Some(t.clone());

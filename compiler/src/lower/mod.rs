@@ -6,7 +6,7 @@
 
 mod attention;
 mod builder;
-pub use builder::{HostProduct, LoweringTarget, LOWERING_TARGET};
+pub use builder::{lowering_target, HostProduct, LoweringTarget, LOWERING_TARGET};
 mod compare;
 mod convert;
 mod convolution;
@@ -389,6 +389,7 @@ fn resolve<'a>(arg: &Arg, values: &[Option<Val<'a>>]) -> R<A<'a>> {
 /// Lowers `graph` to a module whose `@main` takes the graph inputs and returns its outputs.
 /// `sources[i]` is node i's user source line, used only in error messages.
 pub fn lower(graph: &Graph, sources: &[Option<String>]) -> Result<Lowered, LowerError> {
+    let kept_on_tiles = builder::weights_kept_on_tiles(&graph.inputs, lowering_target().host_gemm_tiles_budget);
     let ctx = Context::new();
     ctx.set_allow_unregistered_dialects(true);
     DialectHandle::func().register_dialect(&ctx);
@@ -424,7 +425,7 @@ pub fn lower(graph: &Graph, sources: &[Option<String>]) -> Result<Lowered, Lower
     };
     let (in_types, out_types) = (sig(&inputs)?, sig(&outputs)?);
     let block = Block::new(&in_types.iter().map(|&t| (t, loc)).collect::<Vec<_>>());
-    emit_body(&ctx, &block, loc, graph, sources)?;
+    emit_body(&ctx, &block, loc, graph, sources, &kept_on_tiles)?;
 
     let fn_type = FunctionType::new(&ctx, &in_types, &out_types);
     let region = Region::new();
@@ -489,6 +490,7 @@ fn emit_body<'a>(
     loc: Location<'a>,
     graph: &Graph,
     sources: &[Option<String>],
+    kept_on_tiles: &'a [bool],
 ) -> Result<(), LowerError> {
     let mut values: Vec<Option<Val<'a>>> = graph
         .inputs
@@ -549,6 +551,7 @@ fn emit_body<'a>(
             source
                 .as_deref()
                 .map_or(loc, |s| Location::name(ctx, s, loc)),
+            kept_on_tiles,
         );
         let n = NodeCtx {
             b,

@@ -17,6 +17,8 @@ use super::Layout;
 use std::arch::asm;
 #[cfg(target_arch = "x86_64")]
 use std::cell::RefCell;
+#[cfg(target_arch = "x86_64")]
+use std::ops::Range;
 use std::sync::OnceLock;
 
 /// Rows (and result columns) of a tile, and the bf16 values of K a tile row holds.
@@ -28,6 +30,8 @@ const TILE_LINES: usize = 16;
 const BLOCK_STEP_TILES: usize = 6;
 /// Bytes of `x`'s pieces a group of rows may take (half of L1's 48 KiB).
 const L1_ROWS_BYTES: usize = 24 << 10;
+/// Bytes of pieces (half of L2's 2 MiB) that stay in L2 while the other operand's pass by.
+pub(super) const L2_SHARE_BYTES: usize = 1 << 20;
 
 /// Whether products run on the tiles here: the CPU has AMX-BF16 and Linux granted this process
 /// the tile registers' state (it must ask; `TPU_DYNAMO_AMX=0` keeps the vector kernel).
@@ -103,14 +107,15 @@ thread_local! {
     static SCRATCH: RefCell<(Lines, Lines)> = const { RefCell::new((Lines::new(), Lines::new())) };
 }
 
-/// Rows `first_row..first_row + rows` of `y = x @ w` on the tiles, from the weight's `pieces`;
-/// false, with nothing written, where those rows of `x` are not all finite.
+/// Rows `first_row..first_row + rows` of `y = x @ w`, in column blocks `blocks` (32 columns
+/// each), on the tiles, from the weight's `pieces`; false, with nothing written, where those rows
+/// of `x` are not all finite.
 ///
 /// # Safety
 /// `x` `[m, k]` and `y` `[m, n]` must cover these rows, `pieces` be `pack`'s result for `w`, and
 /// `available()` be true.
 #[cfg(target_arch = "x86_64")]
-pub(super) unsafe fn rows((x, y): (*const f32, *mut f32), (n, k): (usize, usize), pieces: &[Line], first_row: usize, rows: usize) -> bool {
+pub(super) unsafe fn rows((x, y): (*const f32, *mut f32), (n, k): (usize, usize), pieces: &[Line], first_row: usize, rows: usize, blocks: Range<usize>) -> bool {
     SCRATCH.with(|scratch| {
         let (split, partial) = &mut *scratch.borrow_mut();
         let steps = k.div_ceil(STEP);
@@ -121,7 +126,7 @@ pub(super) unsafe fn rows((x, y): (*const f32, *mut f32), (n, k): (usize, usize)
             return false;
         }
         let partial = partial.floats(2 * TILE * COLUMNS);
-        x86::products(a.as_ptr(), (tall, lda, steps), pieces.as_ptr(), (y.add(first_row * n), n, rows), partial);
+        x86::products(a.as_ptr(), (tall, lda, steps), pieces.as_ptr(), (y.add(first_row * n), n, rows), blocks, partial);
         true
     })
 }
@@ -129,7 +134,7 @@ pub(super) unsafe fn rows((x, y): (*const f32, *mut f32), (n, k): (usize, usize)
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::vector_math::lanes;
-    use super::{asm, Line, BLOCK_STEP_TILES, COLUMNS, L1_ROWS_BYTES, STEP, TILE, TILE_LINES};
+    use super::{asm, Line, Range, BLOCK_STEP_TILES, COLUMNS, L1_ROWS_BYTES, L2_SHARE_BYTES, STEP, TILE, TILE_LINES};
     use std::arch::x86_64::*;
 
     /// Rows of `x` (`k` long) as their three pieces, at `a[piece * piece_len + r * lda + kk]`,
@@ -173,9 +178,9 @@ mod x86 {
         infinite_or_nan == 0
     }
 
-    /// Every pair of tile rows of `a` (`tall` rows, a multiple of 32) times every column block
-    /// of the weight's `pieces`, into `y` (`rows` rows, `n` columns), a partial tile through
-    /// `partial` (`[32, 32]`).
+    /// Every pair of tile rows of `a` (`tall` rows, a multiple of 32) times the weight's
+    /// `pieces` in column blocks `blocks`, into `y` (`rows` rows, `n` columns), a partial tile
+    /// through `partial` (`[32, 32]`).
     ///
     /// Four sums (tmm0-3: rows 0-15 and 16-31 by columns 0-15 and 16-31) take turns, so that no
     /// product waits for the one before it; tmm4-5 hold x's pieces of both row tiles, tmm6-7
@@ -189,6 +194,7 @@ mod x86 {
         (tall, lda, steps): (usize, usize, usize),
         pieces: *const Line,
         (y, n, rows): (*mut f32, usize, usize),
+        blocks: Range<usize>,
         partial: &mut [f32],
     ) {
         // Palette 1, all eight tiles 16 rows of 64 bytes.
@@ -206,10 +212,14 @@ mod x86 {
         // Rows in groups whose pieces stay in L1 (24 KiB) while every column block passes over
         // them: streamed from L2 instead, a tile product's operands arrive slower than it runs
         // (a tiny Llama at batch 8, `[512, 64]` rows a thread: 2.8 ms against the vector
-        // kernel's 2.2).
-        let group = (L1_ROWS_BYTES / (2 * TILE * 3 * a_stride)).max(1) * 2 * TILE;
+        // kernel's 2.2). A weight whose blocks do not stay in L2 meanwhile is read once per group
+        // of rows whose pieces stay in L2 instead (`[512, 768] x [768, 3072]`: 5.8-6.0 ms in one group
+        // a thread, 4.4-4.9 in groups).
+        let weight_bytes = blocks.len() * steps * BLOCK_STEP_TILES * TILE_LINES * 64;
+        let group_bytes = if weight_bytes > L2_SHARE_BYTES { L2_SHARE_BYTES } else { L1_ROWS_BYTES };
+        let group = (group_bytes / (2 * TILE * 3 * a_stride)).max(1) * 2 * TILE;
         for group_first in (0..rows).step_by(group) {
-            for block in 0..n.div_ceil(COLUMNS) {
+            for block in blocks.clone() {
                 let cols = (n - block * COLUMNS).min(COLUMNS);
                 for first in (group_first..rows.min(group_first + group)).step_by(2 * TILE) {
                     let out = y.add(first * n + block * COLUMNS);
@@ -325,25 +335,27 @@ mod tests {
         }
     }
 
-    /// Every shape class (row and column tails, K past and short of a step, both layouts)
-    /// within f32 summation's rounding of a sum in f64, and non-finite operands refused.
+    /// Every shape class (row and column tails, K past and short of a step, both layouts, a
+    /// weight past L2's share read once for all rows) within f32 summation's rounding of a sum
+    /// in f64, and non-finite operands refused.
     #[test]
     fn agrees_with_f64_sums_and_refuses_non_finite_operands() {
         if !available() {
             return;
         }
         let mut next = super::super::uniform(11);
-        for (m, n, k) in [(16, 32, 32), (128, 1000, 64), (13, 45, 70), (37, 200, 33), (25, 31, 1), (64, 64, 256), (300, 40, 64)] {
+        for (m, n, k) in [(16, 32, 32), (128, 1000, 64), (13, 45, 70), (37, 200, 33), (25, 31, 1), (64, 64, 256), (300, 40, 64), (70, 300, 600)] {
             let x: Vec<f32> = (0..m * k).map(|_| next() * 3.0).collect();
             let w: Vec<f32> = (0..n * k).map(|_| next()).collect();
             for layout in [Layout::RowPerOutput, Layout::RowPerInput] {
                 let at = |j: usize, kk: usize| if layout == Layout::RowPerOutput { w[j * k + kk] } else { w[kk * n + j] };
                 let pieces = unsafe { pack(w.as_ptr(), (n, k), layout) }.unwrap();
                 let mut y = vec![f32::NAN; m * n];
-                // Two runs of rows, as two threads would take them.
-                let half = (m.div_ceil(32) * 16).min(m);
-                for (first, rows) in [(0, half), (half, m - half)] {
-                    assert!(unsafe { super::rows((x.as_ptr(), y.as_mut_ptr()), (n, k), &pieces, first, rows) });
+                // Two runs of rows, as two threads would take them, the first in two runs of
+                // column blocks.
+                let (half, blocks) = ((m.div_ceil(32) * 16).min(m), n.div_ceil(COLUMNS));
+                for (first, rows, blocks) in [(0, half, 0..blocks / 2), (0, half, blocks / 2..blocks), (half, m - half, 0..blocks)] {
+                    assert!(unsafe { super::rows((x.as_ptr(), y.as_mut_ptr()), (n, k), &pieces, first, rows, blocks) });
                 }
                 for i in 0..m {
                     for j in 0..n {
@@ -354,7 +366,7 @@ mod tests {
                 }
                 let mut bad_x = x.clone();
                 bad_x[m * k - 1] = f32::INFINITY;
-                assert!(!unsafe { super::rows((bad_x.as_ptr(), y.as_mut_ptr()), (n, k), &pieces, 0, m) });
+                assert!(!unsafe { super::rows((bad_x.as_ptr(), y.as_mut_ptr()), (n, k), &pieces, 0, m, 0..n.div_ceil(COLUMNS)) });
             }
             let mut bad_w = w.clone();
             bad_w[0] = f32::NAN;

@@ -6,6 +6,8 @@
 //! The functions are computed op by op as the graph's ops round them (each step rounded to f32,
 //! no fused multiply-adds), with a tanh and an e^x within about an ulp of the exact ones.
 
+use std::ops::Range;
+
 /// The function after the bias.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(super) enum Activation {
@@ -29,17 +31,18 @@ const KAPPA: f32 = 0.044715;
 const BETA: f32 = 0.797_884_6; // √(2/π), as f32
 
 impl Epilogue {
-    /// Applies itself to rows `rows` of `y` (and of `times`), each `n` long, in place.
+    /// Applies itself to columns `cols` of rows `rows` of `y` (and of `times`), each `n` long,
+    /// in place.
     ///
     /// # Safety
     /// `y` and `times` (where not null) must cover those rows of `[.., n]`, and `bias` `[n]`.
-    pub unsafe fn apply(&self, y: *mut f32, n: usize, rows: std::ops::Range<usize>) {
+    pub unsafe fn apply(&self, y: *mut f32, n: usize, rows: Range<usize>, cols: Range<usize>) {
         #[cfg(target_arch = "x86_64")]
         if super::gemm::available() {
-            return x86::apply(self, y, n, rows);
+            return x86::apply(self, y, n, rows, cols);
         }
         for r in rows {
-            for j in 0..n {
+            for j in cols.clone() {
                 let at = r * n + j;
                 let v = if self.bias.is_null() { *y.add(at) } else { *y.add(at) + *self.bias.add(j) };
                 let v = match self.activation {
@@ -67,15 +70,15 @@ fn silu(v: f32) -> f32 {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::vector_math::{exp, lanes, tanh};
-    use super::{Activation, Epilogue, BETA, KAPPA};
+    use super::{Activation, Epilogue, Range, BETA, KAPPA};
     use std::arch::x86_64::*;
 
     #[target_feature(enable = "avx512f,fma")]
-    pub(super) unsafe fn apply(e: &Epilogue, y: *mut f32, n: usize, rows: std::ops::Range<usize>) {
+    pub(super) unsafe fn apply(e: &Epilogue, y: *mut f32, n: usize, rows: Range<usize>, cols: Range<usize>) {
         for r in rows {
             let row = y.add(r * n);
-            for j in (0..n).step_by(16) {
-                let mask = lanes(n, j);
+            for j in cols.clone().step_by(16) {
+                let mask = lanes(cols.end, j);
                 let mut v = _mm512_maskz_loadu_ps(mask, row.add(j));
                 if !e.bias.is_null() {
                     v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, e.bias.add(j)));
@@ -126,8 +129,11 @@ mod tests {
             let mut y = y0.clone();
             let bias_ptr = if biased { bias.as_ptr() } else { std::ptr::null() };
             let times_ptr = if biased { std::ptr::null() } else { times.as_ptr() };
-            // Rows 1.. only: row 0 stays as it was.
-            unsafe { Epilogue { bias: bias_ptr, activation, times: times_ptr }.apply(y.as_mut_ptr(), n, 1..rows) };
+            // Rows 1.. only (row 0 stays as it was), in two runs of columns.
+            let epilogue = Epilogue { bias: bias_ptr, activation, times: times_ptr };
+            unsafe { epilogue.apply(y.as_mut_ptr(), n, 1..rows, 5..n) };
+            assert_eq!(y[n..n + 5], y0[n..n + 5]);
+            unsafe { epilogue.apply(y.as_mut_ptr(), n, 1..rows, 0..5) };
             assert_eq!(y[..n], y0[..n]);
             for (i, (&got, &v)) in y.iter().zip(&y0).enumerate().skip(n) {
                 let v = if biased { v + bias[i % n] } else { v };

@@ -10,13 +10,27 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard, OnceLock};
 
 use super::gemm::Line;
 
-/// At most this many bytes of panels are kept; past it the products pack as before. Only
-/// products with K ≤ 256 take panels (the compiler's bound), i.e. small models' weights.
-const MAX_KEPT_BYTES: usize = 256 << 20;
+/// The bytes of panels kept at most: an eighth of the host's memory (256 MiB where it cannot be
+/// read). Past it the products pack on every call. The panels of a small model's weights (K ≤
+/// 256) take their f32 bytes; a weight the compiler gives the product kernel for a longer
+/// contraction takes 1.5 times its bytes as AMX pieces, within this budget (its check:
+/// `weights_kept_on_tiles`): GPT-2 small's ~0.8 GB, SmolLM-135M's ~0.8 GB.
+pub fn budget() -> usize {
+    static BUDGET: OnceLock<usize> = OnceLock::new();
+    *BUDGET.get_or_init(|| {
+        // SAFETY: sysconf only reads system constants.
+        let (pages, page_size) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
+        if pages > 0 && page_size > 0 {
+            (pages as usize).saturating_mul(page_size as usize) / 8
+        } else {
+            256 << 20
+        }
+    })
+}
 
 /// A product's panels of one weight: its address, `n`, `k`, whether it is stored `[N, K]`, and
 /// whether they are its AMX pieces (`amx::pack`) rather than f32 panels.
@@ -118,7 +132,7 @@ pub(super) fn panels(key: PanelKey, (read, packed): (usize, usize), pack: impl F
         return Some(panels.clone());
     }
     let size = packed * size_of::<f32>();
-    if kept_bytes + size > MAX_KEPT_BYTES {
+    if kept_bytes + size > budget() {
         return None;
     }
     // Packed under the lock: once per weight, and no declaration may change meanwhile.
