@@ -10,6 +10,38 @@ pub(super) fn lanes(len: usize, at: usize) -> __mmask16 {
     ((1u32 << len.saturating_sub(at).min(16)) - 1) as __mmask16
 }
 
+/// The 16 × 16 transpose of `r` (row `i` of the result is lane `i` of every input).
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn transpose(r: [__m512; 16]) -> [__m512; 16] {
+    // Pairs of rows interleaved, then quads: `u[4i + j]`'s 128-bit lane `l` holds column
+    // `4l + j` of rows `4i..4i + 4`.
+    let mut t = [_mm512_setzero_ps(); 16];
+    for i in 0..8 {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    let mut u = [_mm512_setzero_ps(); 16];
+    for i in 0..4 {
+        u[4 * i] = _mm512_shuffle_ps::<0x44>(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_shuffle_ps::<0xEE>(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_shuffle_ps::<0x44>(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_shuffle_ps::<0xEE>(t[4 * i + 1], t[4 * i + 3]);
+    }
+    // Then the four lanes of column `4l + j` gathered from `u[j]`, `u[4 + j]`, `u[8 + j]`, `u[12 + j]`.
+    let mut out = [_mm512_setzero_ps(); 16];
+    for j in 0..4 {
+        let v0 = _mm512_shuffle_f32x4::<0x88>(u[j], u[4 + j]);
+        let v1 = _mm512_shuffle_f32x4::<0xDD>(u[j], u[4 + j]);
+        let v2 = _mm512_shuffle_f32x4::<0x88>(u[8 + j], u[12 + j]);
+        let v3 = _mm512_shuffle_f32x4::<0xDD>(u[8 + j], u[12 + j]);
+        out[j] = _mm512_shuffle_f32x4::<0x88>(v0, v2);
+        out[8 + j] = _mm512_shuffle_f32x4::<0xDD>(v0, v2);
+        out[4 + j] = _mm512_shuffle_f32x4::<0x88>(v1, v3);
+        out[12 + j] = _mm512_shuffle_f32x4::<0xDD>(v1, v3);
+    }
+    out
+}
+
 /// `ln(x)` to about 1 ulp for positive `x` (NaN stays NaN): `x = m 2^e` with `m` in `[√½,
 /// √2)`, `ln(m)` by Cephes' `logf` polynomial in `m - 1`.
 #[target_feature(enable = "avx512f,fma")]
