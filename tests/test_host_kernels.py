@@ -30,6 +30,7 @@ def host_kernels() -> list[str]:
 
 
 F32_KERNELS = ["tpu_dynamo.f32_matmul_nt", "tpu_dynamo.f32_matmul_nn"]
+BF16_TILE_KERNELS = ["tpu_dynamo.bf16_matmul_nt", "tpu_dynamo.bf16_matmul_nn"]
 BIAS_KERNELS = ["tpu_dynamo.f32_matmul_nt_bias", "tpu_dynamo.f32_matmul_nn_bias"]
 GELU_KERNELS = ["tpu_dynamo.f32_matmul_nt_bias_gelu_tanh", "tpu_dynamo.f32_matmul_nn_bias_gelu_tanh"]
 SILU_KERNELS = ["tpu_dynamo.f32_matmul_nt_silu_times", "tpu_dynamo.f32_matmul_nn_silu_times"]
@@ -42,9 +43,10 @@ AMX = {"amx_bf16", "amx_tile"} <= set(Path("/proc/cpuinfo").read_text().split())
 
 def test_the_embedded_plugin_runs_our_kernels():
     """On x86-64 with AVX2 (this CI's machines) the embedded plugin registers the bf16 ones,
-    and with AVX-512 the f32 ones too."""
-    assert host_kernels() == ["tpu_dynamo.bf16_matvec", "tpu_dynamo.bf16_vecmat"] + (
-        F32_KERNELS + BIAS_KERNELS + GELU_KERNELS + SILU_KERNELS + ATTENTION_KERNELS + [LAYER_NORM_KERNEL, RMS_NORM_KERNEL] if AVX512 else []
+    with AVX-512 the f32 ones too, and with AMX bf16 products on its tiles."""
+    f32_kernels = F32_KERNELS + BIAS_KERNELS + GELU_KERNELS + SILU_KERNELS + ATTENTION_KERNELS + [LAYER_NORM_KERNEL, RMS_NORM_KERNEL]
+    assert host_kernels() == ["tpu_dynamo.bf16_matvec", "tpu_dynamo.bf16_vecmat"] + (f32_kernels if AVX512 else []) + (
+        BF16_TILE_KERNELS if tpu_dynamo.device_info()["amx"] else []
     )
 
 
@@ -205,6 +207,26 @@ def test_a_kept_weight_s_long_contraction_runs_on_the_tiles(rows, k, n, module, 
             got = f(x)
             assert ((got.double() - exact).abs() <= k * 2.0**-24 * magnitudes).all()
     assert kernel_calls(compiled, F32_KERNELS if layer.bias is None else BIAS_KERNELS) == int(tpu_dynamo.device_info()["amx"])
+
+
+@needs_f32_kernels
+@pytest.mark.parametrize("rows, k, n, module", LONG_CONTRACTIONS + [(64, 64, 256, "linear"), (1024, 64, 172, "conv1d")])
+def test_a_kept_bf16_weight_s_product_runs_on_the_tiles(rows, k, n, module, compiled):
+    """bf16 rows times a resident bf16 weight run on AMX tiles as they are, the sums in f32
+    rounded once to bf16 as eager's: within one bf16 step of the exact product plus f32
+    summation's rounding, and equal to eager's but for rare ties summed in another order."""
+    torch.manual_seed(rows * k + n)
+    layer = (KeptConv1D(k, n) if module == "conv1d" else torch.nn.Linear(k, n, bias=module == "linear_bias")).to(torch.bfloat16)
+    x = torch.randn(rows, k, dtype=torch.bfloat16)
+    weight = layer.weight.double() if module == "conv1d" else layer.weight.double().T
+    exact = x.double() @ weight + (0.0 if layer.bias is None else layer.bias.double())
+    magnitudes = x.double().abs() @ weight.abs() + (0.0 if layer.bias is None else layer.bias.double().abs())
+    with torch.no_grad():
+        got, want = compile_tpu(layer)(x), layer(x)
+    step = 2.0 ** (torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7)
+    assert got.dtype == torch.bfloat16 and ((got.double() - exact).abs() <= step + k * 2.0**-24 * magnitudes).all()
+    assert (got != want).sum() <= max(2, got.numel() // 500)
+    assert kernel_calls(compiled, BF16_TILE_KERNELS) == int(tpu_dynamo.device_info()["amx"])
 
 
 @needs_f32_kernels

@@ -31,6 +31,9 @@ use std::ffi::{c_char, c_int, c_void};
 /// the compiler names them in StableHLO.
 pub const BF16_MATVEC_TARGET: &str = "tpu_dynamo.bf16_matvec";
 pub const BF16_VECMAT_TARGET: &str = "tpu_dynamo.bf16_vecmat";
+/// The custom call targets of bf16 rows times a weight so stored, on AMX tiles.
+pub const BF16_MATMUL_NT_TARGET: &str = "tpu_dynamo.bf16_matmul_nt";
+pub const BF16_MATMUL_NN_TARGET: &str = "tpu_dynamo.bf16_matmul_nn";
 /// The custom call targets of an f32 product with a matrix stored `[N, K]` and `[K, N]`.
 pub const F32_MATMUL_NT_TARGET: &str = "tpu_dynamo.f32_matmul_nt";
 pub const F32_MATMUL_NN_TARGET: &str = "tpu_dynamo.f32_matmul_nn";
@@ -160,6 +163,9 @@ pub fn register(plugin: &Plugin) -> Vec<&'static str> {
         handlers.extend([(F32_ATTENTION_TARGET, f32_attention as *const c_void), (F32_CAUSAL_ATTENTION_TARGET, f32_causal_attention as *const c_void)]);
         #[cfg(target_arch = "x86_64")]
         handlers.extend([(F32_LAYER_NORM_TARGET, f32_layer_norm as *const c_void), (F32_RMS_NORM_TARGET, f32_rms_norm as *const c_void)]);
+        if amx::available() {
+            handlers.extend([(BF16_MATMUL_NT_TARGET, bf16_matmul_nt as *const c_void), (BF16_MATMUL_NN_TARGET, bf16_matmul_nn as *const c_void)]);
+        }
     }
     // The argument layout below is the one of PJRT API 0.115; later headers differ.
     if handlers.is_empty() || plugin.api_version().1 > 115 {
@@ -333,41 +339,28 @@ unsafe fn executes(frame: &mut FfiCallFrame) -> bool {
     frame.stage == XLA_FFI_STAGE_EXECUTE
 }
 
-/// The product handlers XLA calls, each `handle` for its operands, layout and epilogue.
+/// The product handlers XLA calls, each `handle` for its target, layout, operands and epilogue.
 macro_rules! product_handlers {
-    ($($name:ident: $layout:ident, $operands:ident, $epilogue:expr;)*) => {
+    ($($name:ident: $target:ident, $layout:ident, $operands:ident, $epilogue:expr;)*) => {
         $(unsafe extern "C" fn $name(frame: *mut FfiCallFrame) -> *mut c_void {
-            handle(&mut *frame, Layout::$layout, $operands, $epilogue)
+            handle(&mut *frame, $target, Layout::$layout, $operands, $epilogue)
         })*
     };
 }
 
 product_handlers! {
-    bf16_matvec: RowPerOutput, XLA_FFI_BF16, None;
-    bf16_vecmat: RowPerInput, XLA_FFI_BF16, None;
-    f32_matmul_nt: RowPerOutput, XLA_FFI_F32, None;
-    f32_matmul_nn: RowPerInput, XLA_FFI_F32, None;
-    f32_matmul_nt_bias: RowPerOutput, XLA_FFI_F32, Some(Activation::Identity);
-    f32_matmul_nn_bias: RowPerInput, XLA_FFI_F32, Some(Activation::Identity);
-    f32_matmul_nt_bias_gelu_tanh: RowPerOutput, XLA_FFI_F32, Some(Activation::GeluTanh);
-    f32_matmul_nn_bias_gelu_tanh: RowPerInput, XLA_FFI_F32, Some(Activation::GeluTanh);
-    f32_matmul_nt_silu_times: RowPerOutput, XLA_FFI_F32, Some(Activation::Silu);
-    f32_matmul_nn_silu_times: RowPerInput, XLA_FFI_F32, Some(Activation::Silu);
-}
-
-/// The target a product handler answers to: by its operands' type, the weight's layout and,
-/// for f32, what it applies after the product.
-fn product_target(operands: c_int, layout: Layout, epilogue: Option<Activation>) -> &'static str {
-    let row_per_output = layout == Layout::RowPerOutput;
-    match (operands, epilogue) {
-        (XLA_FFI_F32, None) => if row_per_output { F32_MATMUL_NT_TARGET } else { F32_MATMUL_NN_TARGET },
-        (XLA_FFI_F32, Some(Activation::Identity)) => if row_per_output { F32_MATMUL_NT_BIAS_TARGET } else { F32_MATMUL_NN_BIAS_TARGET },
-        (XLA_FFI_F32, Some(Activation::GeluTanh)) => {
-            if row_per_output { F32_MATMUL_NT_BIAS_GELU_TANH_TARGET } else { F32_MATMUL_NN_BIAS_GELU_TANH_TARGET }
-        }
-        (XLA_FFI_F32, Some(Activation::Silu)) => if row_per_output { F32_MATMUL_NT_SILU_TIMES_TARGET } else { F32_MATMUL_NN_SILU_TIMES_TARGET },
-        _ => if row_per_output { BF16_MATVEC_TARGET } else { BF16_VECMAT_TARGET },
-    }
+    bf16_matvec: BF16_MATVEC_TARGET, RowPerOutput, XLA_FFI_BF16, None;
+    bf16_vecmat: BF16_VECMAT_TARGET, RowPerInput, XLA_FFI_BF16, None;
+    bf16_matmul_nt: BF16_MATMUL_NT_TARGET, RowPerOutput, XLA_FFI_BF16, None;
+    bf16_matmul_nn: BF16_MATMUL_NN_TARGET, RowPerInput, XLA_FFI_BF16, None;
+    f32_matmul_nt: F32_MATMUL_NT_TARGET, RowPerOutput, XLA_FFI_F32, None;
+    f32_matmul_nn: F32_MATMUL_NN_TARGET, RowPerInput, XLA_FFI_F32, None;
+    f32_matmul_nt_bias: F32_MATMUL_NT_BIAS_TARGET, RowPerOutput, XLA_FFI_F32, Some(Activation::Identity);
+    f32_matmul_nn_bias: F32_MATMUL_NN_BIAS_TARGET, RowPerInput, XLA_FFI_F32, Some(Activation::Identity);
+    f32_matmul_nt_bias_gelu_tanh: F32_MATMUL_NT_BIAS_GELU_TANH_TARGET, RowPerOutput, XLA_FFI_F32, Some(Activation::GeluTanh);
+    f32_matmul_nn_bias_gelu_tanh: F32_MATMUL_NN_BIAS_GELU_TANH_TARGET, RowPerInput, XLA_FFI_F32, Some(Activation::GeluTanh);
+    f32_matmul_nt_silu_times: F32_MATMUL_NT_SILU_TIMES_TARGET, RowPerOutput, XLA_FFI_F32, Some(Activation::Silu);
+    f32_matmul_nn_silu_times: F32_MATMUL_NN_SILU_TIMES_TARGET, RowPerInput, XLA_FFI_F32, Some(Activation::Silu);
 }
 
 /// The typed-FFI handlers: `y[m, n] = sum_k x[m, k] * w[n, k]` (or `w[k, n]`) for `x` `[.., K]`
@@ -375,8 +368,7 @@ fn product_target(operands: c_int, layout: Layout, epilogue: Option<Activation>)
 /// `y`, or f32 throughout, then (f32, `epilogue` given) a bias `[N]` added and the activation
 /// applied, or SiLU applied and the result multiplied by a factor. Answers XLA's metadata query
 /// at registration; never unwinds into the plugin.
-unsafe fn handle(frame: &mut FfiCallFrame, layout: Layout, operands: c_int, epilogue: Option<Activation>) -> *mut c_void {
-    let target = product_target(operands, layout, epilogue);
+unsafe fn handle(frame: &mut FfiCallFrame, target: &'static str, layout: Layout, operands: c_int, epilogue: Option<Activation>) -> *mut c_void {
     if !executes(frame) {
         return std::ptr::null_mut();
     }
@@ -416,7 +408,8 @@ unsafe fn handle(frame: &mut FfiCallFrame, layout: Layout, operands: c_int, epil
         let xla = XlaPool::of(frame);
         let threads = xla.map_or_else(pool::threads, |xla| xla.threads);
         std::panic::catch_unwind(|| {
-            let (product, chunks) = gemm::Gemm::new(x.data as *const f32, w.data as *const f32, y.data as *mut f32, shape, layout, threads, epilogue);
+            let operands = (x.data as *const u8, w.data as *const u8, Out::F32(y.data as *mut f32));
+            let (product, chunks) = gemm::Gemm::new(operands, amx::Values::F32, shape, layout, threads, epilogue);
             run_units(xla, product, chunks, threads);
         })
     } else {
@@ -429,6 +422,16 @@ unsafe fn handle(frame: &mut FfiCallFrame, layout: Layout, operands: c_int, epil
             return error(frame, target, &format!("expects bf16 x [.., K], w and y [.., N], got {xd:?}, {wd:?}, {yd:?}"));
         }
         let (k, n, rows) = (k as usize, n as usize, rows as usize);
+        if [BF16_MATMUL_NT_TARGET, BF16_MATMUL_NN_TARGET].contains(&target) && amx::available() {
+            let xla = XlaPool::of(frame);
+            let threads = xla.map_or_else(pool::threads, |xla| xla.threads);
+            let ran = std::panic::catch_unwind(|| {
+                let (product, chunks) = gemm::Gemm::new((x.data as *const u8, w.data as *const u8, out), amx::Values::Bf16, (rows, n, k), layout, threads, None);
+                run_units(xla, product, chunks, threads);
+            });
+            return answer(frame, target, ran);
+        }
+        // A few rows, or (where the tiles are not) any number of them.
         std::panic::catch_unwind(|| {
             let xb = std::slice::from_raw_parts(x.data as *const u16, rows * k).to_vec();
             let xf = xb.iter().map(|&v| bf16_to_f32(v)).collect();
@@ -617,9 +620,32 @@ unsafe fn run_norm<T: layer_norm::Rows + std::panic::UnwindSafe + 'static>(frame
 /// `[K, N]` weight's 64 columns are 128 bytes of each row, two cache lines.
 const OUTPUTS_PER_CHUNK: usize = 64;
 
+/// A product's result: f32, or bf16 rounded from its f32 sums.
+#[derive(Clone, Copy)]
 enum Out {
     F32(*mut f32),
     Bf16(*mut u16),
+}
+
+impl Out {
+    /// The result from element `offset` on.
+    ///
+    /// # Safety
+    /// As `pointer::add`.
+    unsafe fn add(self, offset: usize) -> Out {
+        match self {
+            Out::F32(y) => Out::F32(y.add(offset)),
+            Out::Bf16(y) => Out::Bf16(y.add(offset)),
+        }
+    }
+
+    /// The address of element `offset`, for a prefetch.
+    fn address(self, offset: usize) -> *const i8 {
+        match self {
+            Out::F32(y) => y.wrapping_add(offset) as *const i8,
+            Out::Bf16(y) => y.wrapping_add(offset) as *const i8,
+        }
+    }
 }
 
 /// One product: `w` `[n, k]` or `[k, n]`, `x` `[rows, k]` (and widened to f32), `out` `[rows, n]`.

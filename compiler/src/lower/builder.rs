@@ -1039,6 +1039,12 @@ impl<'a> Builder<'a> {
                 return Ok(product);
             }
         }
+        let on_tiles = || self.kept_on_tiles(&fold_transpose(b, batch.1, contract.1).0);
+        if rows.is_some_and(|rows| rows >= HOST_GEMM_MIN_ROWS && rows * b.ty.numel() >= *HOST_GEMM_FLOPS.start() / 2) && on_tiles() {
+            if let Some(product) = self.host_product(lowering_target().host_bf16_gemm, a, b, None, contract, out)? {
+                return Ok(product);
+            }
+        }
         self.xla_dot_general(a, b, batch, contract, out)
     }
 
@@ -1252,6 +1258,8 @@ pub struct LoweringTarget {
     pub host_matvec: Option<HostProduct>,
     /// The same for f32 products of a few MFLOP, split over the host's cores.
     pub host_gemm: Option<HostProduct>,
+    /// The same for bf16 rows times a weight kept on AMX tiles (`weights_kept_on_tiles`).
+    pub host_bf16_gemm: Option<HostProduct>,
     /// The same products adding a bias `[N]`, and then the tanh GELU.
     pub host_gemm_bias: Option<HostProduct>,
     pub host_gemm_bias_gelu_tanh: Option<HostProduct>,
@@ -1272,6 +1280,7 @@ pub static LOWERING_TARGET: RwLock<LoweringTarget> = RwLock::new(LoweringTarget 
     cpu: false,
     host_matvec: None,
     host_gemm: None,
+    host_bf16_gemm: None,
     host_gemm_bias: None,
     host_gemm_bias_gelu_tanh: None,
     host_gemm_silu_times: None,
@@ -1328,9 +1337,9 @@ const TILES_MIN_COLUMNS: i64 = 64;
 /// none is: a product routed here whose pieces found the budget spent would run on the vector
 /// kernel, slower than XLA's at these K.
 pub fn weights_kept_on_tiles(inputs: &[Input], budget: Option<u64>) -> Vec<bool> {
-    let matrix = |i: &Input| i.kind != InputKind::User && i.ty.dtype == DType::F32 && i.ty.rank() == 2;
-    // Three bf16 pieces per value.
-    let pieces_bytes: i64 = inputs.iter().filter(|i| matrix(i)).map(|i| 6 * i.ty.numel()).sum();
+    let matrix = |i: &Input| i.kind != InputKind::User && matches!(i.ty.dtype, DType::F32 | DType::Bf16) && i.ty.rank() == 2;
+    // Three bf16 pieces per f32 value, a bf16 value its own.
+    let pieces_bytes: i64 = inputs.iter().filter(|i| matrix(i)).map(|i| if i.ty.dtype == DType::F32 { 6 } else { 2 } * i.ty.numel()).sum();
     let fits = budget.is_some_and(|budget| pieces_bytes as u64 <= budget);
     inputs.iter().map(|i| fits && matrix(i)).collect()
 }
@@ -1435,7 +1444,8 @@ mod tests {
     use super::*;
     use DType::*;
 
-    /// Only resident f32 matrices, and none where their pieces (6 bytes a value) pass the budget.
+    /// Only resident f32 and bf16 matrices, and none where their pieces (6 and 2 bytes a value)
+    /// pass the budget.
     #[test]
     fn weights_kept_on_tiles_are_resident_f32_matrices_within_the_budget() {
         let input = |dtype, shape: Vec<i64>, kind| Input { ty: TensorType::new(dtype, shape), kind };
@@ -1446,8 +1456,8 @@ mod tests {
             input(Bf16, vec![768, 768], InputKind::Parameter),
             input(F32, vec![64, 64], InputKind::Buffer),
         ];
-        let pieces = 6 * (768 * 3072 + 64 * 64);
-        assert_eq!(weights_kept_on_tiles(&inputs, Some(pieces)), [false, true, false, false, true]);
+        let pieces = 6 * (768 * 3072 + 64 * 64) + 2 * 768 * 768;
+        assert_eq!(weights_kept_on_tiles(&inputs, Some(pieces)), [false, true, false, true, true]);
         assert_eq!(weights_kept_on_tiles(&inputs, Some(pieces - 1)), [false; 5]);
         assert_eq!(weights_kept_on_tiles(&inputs, None), [false; 5]);
     }

@@ -12,7 +12,7 @@
 //! moves results only for operands below ~1e-33.
 
 use super::gemm::{Line, Lines, COLUMNS};
-use super::Layout;
+use super::{Layout, Out};
 #[cfg(target_arch = "x86_64")]
 use std::arch::asm;
 #[cfg(target_arch = "x86_64")]
@@ -24,10 +24,8 @@ use std::sync::OnceLock;
 /// Rows (and result columns) of a tile, and the bf16 values of K a tile row holds.
 const TILE: usize = 16;
 const STEP: usize = 32;
-/// Lines in one tile (16 rows of 64 bytes), and tiles per column block and step of K: two
-/// halves of 16 columns, three pieces each.
+/// Lines in one tile (16 rows of 64 bytes).
 const TILE_LINES: usize = 16;
-const BLOCK_STEP_TILES: usize = 6;
 /// Bytes of `x`'s pieces a group of rows may take (half of L1's 48 KiB).
 const L1_ROWS_BYTES: usize = 24 << 10;
 /// Bytes of pieces (half of L2's 2 MiB) that stay in L2 while the other operand's pass by.
@@ -55,25 +53,54 @@ pub(super) fn available() -> bool {
     })
 }
 
-/// Lines of `pack`'s result for a `[n, k]` weight.
-pub(super) fn packed_lines(n: usize, k: usize) -> usize {
-    n.div_ceil(COLUMNS) * k.div_ceil(STEP) * BLOCK_STEP_TILES * TILE_LINES
+/// What an operand holds: f32 values, each the sum of three bf16 pieces, or bf16 values, one
+/// piece each (a bf16 model's products, which the tiles run as they are).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) enum Values {
+    F32,
+    Bf16,
+}
+
+impl Values {
+    pub(super) const fn pieces(self) -> usize {
+        match self {
+            Values::F32 => 3,
+            Values::Bf16 => 1,
+        }
+    }
+
+    pub(super) const fn bytes(self) -> usize {
+        match self {
+            Values::F32 => 4,
+            Values::Bf16 => 2,
+        }
+    }
+
+    /// Tiles per column block and step of K: two halves of 16 columns, each in every piece.
+    const fn block_step_tiles(self) -> usize {
+        2 * self.pieces()
+    }
+}
+
+/// Lines of `pack`'s result for a `[n, k]` weight of `values`.
+pub(super) fn packed_lines(n: usize, k: usize, values: Values) -> usize {
+    n.div_ceil(COLUMNS) * k.div_ceil(STEP) * values.block_step_tiles() * TILE_LINES
 }
 
 /// The weight's pieces as tiles, `[n / 32, k / 32, half, piece]` (each tile 16 rows of 16
 /// column pairs: row `r` holds K `2r` and `2r + 1` of each column, as the tile product reads
-/// them), zero past `n` and `k`; `None` where the weight is not all finite (or off x86-64,
+/// them), zero past `n` and `k`; `None` where an f32 weight is not all finite (or off x86-64,
 /// where the tiles never run).
 ///
 /// # Safety
-/// `w` must cover `[n, k]` (`RowPerOutput`) or `[k, n]` (`RowPerInput`), and `available()` be
-/// true.
-pub(super) unsafe fn pack(w: *const f32, (n, k): (usize, usize), layout: Layout) -> Option<Vec<Line>> {
+/// `w` must cover `[n, k]` (`RowPerOutput`) or `[k, n]` (`RowPerInput`) of `values`, and
+/// `available()` be true.
+pub(super) unsafe fn pack(w: *const u8, (n, k): (usize, usize), layout: Layout, values: Values) -> Option<Vec<Line>> {
     #[cfg(target_arch = "x86_64")]
     {
         let mut packed = Lines::new();
-        let out = packed.u16s(packed_lines(n, k) * 2 * TILE);
-        x86::pack(w, (n, k), layout, out).then_some(packed.0)
+        let out = packed.u16s(packed_lines(n, k, values) * 2 * TILE);
+        x86::pack(w, values, (n, k), layout, out).then_some(packed.0)
     }
     #[cfg(not(target_arch = "x86_64"))]
     None
@@ -87,25 +114,25 @@ thread_local! {
 }
 
 /// Rows `first_row..first_row + rows` of `y = x @ w`, in column blocks `blocks` (32 columns
-/// each), on the tiles, from the weight's `pieces`; false, with nothing written, where those rows
-/// of `x` are not all finite.
+/// each), on the tiles, from the weight's `pieces` (both operands of `values`); false, with
+/// nothing written, where those rows of an f32 `x` are not all finite.
 ///
 /// # Safety
 /// `x` `[m, k]` and `y` `[m, n]` must cover these rows, `pieces` be `pack`'s result for `w`, and
 /// `available()` be true.
 #[cfg(target_arch = "x86_64")]
-pub(super) unsafe fn rows((x, y): (*const f32, *mut f32), (n, k): (usize, usize), pieces: &[Line], first_row: usize, rows: usize, blocks: Range<usize>) -> bool {
+pub(super) unsafe fn rows((x, y): (*const u8, Out), values: Values, (n, k): (usize, usize), pieces: &[Line], first_row: usize, rows: usize, blocks: Range<usize>) -> bool {
     SCRATCH.with(|scratch| {
         let (split, partial) = &mut *scratch.borrow_mut();
         let steps = k.div_ceil(STEP);
         let lda = steps * STEP;
         let tall = rows.div_ceil(2 * TILE) * 2 * TILE;
-        let a = split.u16s(3 * tall * lda);
-        if !x86::split(x.add(first_row * k), k, rows, a, tall * lda, lda) {
+        let a = split.u16s(values.pieces() * tall * lda);
+        if !x86::split(x.add(first_row * k * values.bytes()), values, k, rows, a, tall * lda, lda) {
             return false;
         }
         let partial = partial.floats(2 * TILE * COLUMNS);
-        x86::products(a.as_ptr(), (tall, lda, steps), pieces.as_ptr(), (y.add(first_row * n), n, rows), blocks, partial);
+        x86::products(a.as_ptr(), (tall, lda, steps), values, pieces.as_ptr(), (y.add(first_row * n), n, rows), blocks, partial);
         true
     })
 }
@@ -113,28 +140,28 @@ pub(super) unsafe fn rows((x, y): (*const f32, *mut f32), (n, k): (usize, usize)
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::vector_math::{lanes, transpose};
-    use super::{asm, Layout, Line, Range, BLOCK_STEP_TILES, COLUMNS, L1_ROWS_BYTES, L2_SHARE_BYTES, STEP, TILE, TILE_LINES};
+    use super::super::Out;
+    use super::{asm, Layout, Line, Range, Values, COLUMNS, L1_ROWS_BYTES, L2_SHARE_BYTES, STEP, TILE, TILE_LINES};
     use std::arch::x86_64::*;
 
-    /// Rows of `x` (`k` long) as their three pieces, at `a[piece * piece_len + r * lda + kk]`,
-    /// zero past `rows` (to `piece_len / lda`) and `k` (to `lda`); false where a value is not
-    /// finite.
+    /// Rows of `x` (`k` long) as their pieces, at `a[piece * piece_len + r * lda + kk]`, zero
+    /// past `rows` (to `piece_len / lda`) and `k` (to `lda`); false where an f32 is not finite.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn split(x: *const f32, k: usize, rows: usize, a: &mut [u16], piece_len: usize, lda: usize) -> bool {
+    pub(super) unsafe fn split(x: *const u8, values: Values, k: usize, rows: usize, a: &mut [u16], piece_len: usize, lda: usize) -> bool {
         let mut infinite_or_nan: __mmask16 = 0;
         let out = a.as_mut_ptr();
         let tops = halves_index(|slot| 2 * slot + 1);
         for r in 0..rows {
             // 32 lanes at a time to `lda` (a multiple of 32): lanes past `k` load and store zeros.
             for kk in (0..lda).step_by(32) {
-                let split = [0, 1].map(|half| load_pieces(x.wrapping_add(r * k + kk + 16 * half), lanes(k, kk + 16 * half), &mut infinite_or_nan));
-                for (piece, (&low, &high)) in split[0].iter().zip(&split[1]).enumerate() {
+                let split = [0, 1].map(|half| load_pieces(x, values, r * k + kk + 16 * half, lanes(k, kk + 16 * half), &mut infinite_or_nan));
+                for (piece, (&low, &high)) in split[0].iter().zip(&split[1]).enumerate().take(values.pieces()) {
                     let halves = _mm512_permutex2var_epi16(low, tops, high);
                     _mm512_storeu_si512(out.add(piece * piece_len + r * lda + kk) as *mut __m512i, halves);
                 }
             }
         }
-        for piece in 0..3 {
+        for piece in 0..values.pieces() {
             a[piece * piece_len + rows * lda..(piece + 1) * piece_len].fill(0);
         }
         infinite_or_nan == 0
@@ -151,11 +178,14 @@ mod x86 {
     /// 16 in the order x1w1, x2w1, x3w1, x2w2, x1w2, x1w3: the LM head's `[1024, 64] x [64,
     /// 1000]` 222-224 → 210-212 µs); each load comes right after the last product reading the
     /// tile it replaces, and each round's products start with the operands loaded earliest.
+    /// For bf16 operands (one piece each) a step is the four products of the two row tiles by
+    /// the two column halves.
     pub(super) unsafe fn products(
         a: *const u16,
         (tall, lda, steps): (usize, usize, usize),
+        values: Values,
         pieces: *const Line,
-        (y, n, rows): (*mut f32, usize, usize),
+        (y, n, rows): (Out, usize, usize),
         blocks: Range<usize>,
         partial: &mut [f32],
     ) {
@@ -168,7 +198,7 @@ mod x86 {
             *bytes.add(48 + t) = TILE as u8;
         }
         asm!("ldtilecfg [{0}]", in(reg) bytes, options(nostack, readonly, preserves_flags));
-        let (a_stride, y_stride) = (2 * lda, 4 * n);
+        let a_stride = 2 * lda;
         let piece_bytes = 2 * tall * lda;
         let tile_rows_bytes = TILE * a_stride;
         // Rows in groups whose pieces stay in L1 (24 KiB) while every column block passes over
@@ -177,9 +207,10 @@ mod x86 {
         // kernel's 2.2). A weight whose blocks do not stay in L2 meanwhile is read once per group
         // of rows whose pieces stay in L2 instead (`[512, 768] x [768, 3072]`: 5.8-6.0 ms in one group
         // a thread, 4.4-4.9 in groups).
-        let weight_bytes = blocks.len() * steps * BLOCK_STEP_TILES * TILE_LINES * 64;
+        let block_step_lines = values.block_step_tiles() * TILE_LINES;
+        let weight_bytes = blocks.len() * steps * block_step_lines * 64;
         let group_bytes = if weight_bytes > L2_SHARE_BYTES { L2_SHARE_BYTES } else { L1_ROWS_BYTES };
-        let group = (group_bytes / (2 * TILE * 3 * a_stride)).max(1) * 2 * TILE;
+        let group = (group_bytes / (2 * TILE * values.pieces() * a_stride)).max(1) * 2 * TILE;
         for group_first in (0..rows).step_by(group) {
             for block in blocks.clone() {
                 let cols = (n - block * COLUMNS).min(COLUMNS);
@@ -189,15 +220,34 @@ mod x86 {
                     // The results' lines fetched for writing while the products run: a large `y`
                     // (a batch's logits) is not in cache, and the tiles' stores waited for it.
                     for r in 0..valid {
-                        _mm_prefetch::<_MM_HINT_ET0>(out.add(r * n) as *const i8);
-                        _mm_prefetch::<_MM_HINT_ET0>(out.add(r * n + cols - 1) as *const i8);
+                        _mm_prefetch::<_MM_HINT_ET0>(out.address(r * n));
+                        _mm_prefetch::<_MM_HINT_ET0>(out.address(r * n + cols - 1));
                     }
                     asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem, preserves_flags));
                     for step in 0..steps {
                         let x1 = (a as *const u8).add(2 * (first * lda + step * STEP));
                         // The weight's tiles for this block and step: half 0's three pieces, then half 1's,
                         // 1 KiB each.
-                        let w = pieces.add((block * steps + step) * BLOCK_STEP_TILES * TILE_LINES);
+                        let w = pieces.add((block * steps + step) * block_step_lines);
+                        if values == Values::Bf16 {
+                            asm!(
+                                "tileloadd tmm4, [{x} + {sa}*1]",
+                                "tileloadd tmm6, [{w} + {sw}*1]",
+                                "tileloadd tmm7, [{w} + {sw}*1 + 1024]",
+                                "tileloadd tmm5, [{xb} + {sa}*1]",
+                                "tdpbf16ps tmm0, tmm4, tmm6",
+                                "tdpbf16ps tmm1, tmm4, tmm7",
+                                "tdpbf16ps tmm2, tmm5, tmm6",
+                                "tdpbf16ps tmm3, tmm5, tmm7",
+                                x = in(reg) x1,
+                                xb = in(reg) x1.add(tile_rows_bytes),
+                                sa = in(reg) a_stride,
+                                w = in(reg) w,
+                                sw = in(reg) 64usize,
+                                options(nostack, readonly, preserves_flags),
+                            );
+                            continue;
+                        }
                         asm!(
                             "tileloadd tmm4, [{x1} + {sa}*1]",
                             "tileloadd tmm6, [{w} + {sw}*1 + 2048]",
@@ -249,12 +299,13 @@ mod x86 {
                             options(nostack, readonly, preserves_flags),
                         );
                     }
-                    if valid == 2 * TILE && cols == COLUMNS {
-                        store(out, y_stride, TILE * n);
-                    } else {
-                        store(partial.as_mut_ptr(), 4 * COLUMNS, TILE * COLUMNS);
-                        for r in 0..valid {
-                            std::ptr::copy_nonoverlapping(partial.as_ptr().add(r * COLUMNS), out.add(r * n), cols);
+                    match out {
+                        Out::F32(out) if valid == 2 * TILE && cols == COLUMNS => store(out, 4 * n, TILE * n),
+                        _ => {
+                            store(partial.as_mut_ptr(), 4 * COLUMNS, TILE * COLUMNS);
+                            for r in 0..valid {
+                                write_row(out.add(r * n), partial.as_ptr().add(r * COLUMNS), cols);
+                            }
                         }
                     }
                 }
@@ -271,13 +322,17 @@ mod x86 {
         _mm512_loadu_si512(index.as_ptr() as *const __m512i)
     }
 
-    /// The 16 f32s under `mask` at `at` as three f32s each whose top halves are its bf16
-    /// pieces (`pieces` on 16 lanes; zero outside `mask`), adding the lanes that are infinite or
-    /// NaN to `not_finite`.
-    #[target_feature(enable = "avx512f")]
-    unsafe fn load_pieces(at: *const f32, mask: __mmask16, not_finite: &mut __mmask16) -> [__m512i; 3] {
+    /// The 16 values of `values` under `mask` from element `at` of `x` as f32s whose top halves
+    /// are their bf16 pieces (`pieces` on 16 lanes; a bf16 value is its only piece; zero outside
+    /// `mask`), adding the f32 lanes that are infinite or NaN to `not_finite`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn load_pieces(x: *const u8, values: Values, at: usize, mask: __mmask16, not_finite: &mut __mmask16) -> [__m512i; 3] {
+        if values == Values::Bf16 {
+            let halves = _mm256_maskz_loadu_epi16(mask, x.wrapping_add(2 * at) as *const i16);
+            return [_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(halves)), _mm512_setzero_si512(), _mm512_setzero_si512()];
+        }
         let (top, exponent) = (_mm512_set1_epi32(0xffff_0000u32 as i32), _mm512_set1_epi32(0x7f80_0000));
-        let v = _mm512_maskz_loadu_ps(mask, at);
+        let v = _mm512_maskz_loadu_ps(mask, x.wrapping_add(4 * at) as *const f32);
         let bits = _mm512_castps_si512(v);
         *not_finite |= _mm512_mask_cmpeq_epi32_mask(mask, _mm512_and_si512(bits, exponent), exponent);
         let first = _mm512_and_si512(bits, top);
@@ -291,8 +346,8 @@ mod x86 {
     /// 16 pairs, then the pairs transposed to the tile's rows (`[n, k]`), or each pair of K's
     /// rows interleaved into a tile row (`[k, n]`); false where a value is not finite. (The
     /// scalar loop took ~11 ns a value: 1.4 s for GPT-2 small's first call.)
-    #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn pack(w: *const f32, (n, k): (usize, usize), layout: Layout, out: &mut [u16]) -> bool {
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn pack(w: *const u8, values: Values, (n, k): (usize, usize), layout: Layout, out: &mut [u16]) -> bool {
         let steps = k.div_ceil(STEP);
         let mut not_finite: __mmask16 = 0;
         // A column's K `2r` and `2r + 1` in u32 `r`; a row's column `c` and the next row's in
@@ -308,13 +363,13 @@ mod x86 {
                     match layout {
                         Layout::RowPerOutput => {
                             for c in 0..n.saturating_sub(first_col).min(TILE) {
-                                let at = w.add((first_col + c) * k + k0);
-                                let values = [0, 1].map(|h| load_pieces(at.wrapping_add(16 * h), lanes(k, k0 + 16 * h), &mut not_finite));
+                                let at = (first_col + c) * k + k0;
+                                let halves = [0, 1].map(|h| load_pieces(w, values, at + 16 * h, lanes(k, k0 + 16 * h), &mut not_finite));
                                 for (piece, row) in rows.iter_mut().enumerate() {
-                                    row[c] = _mm512_permutex2var_epi16(values[0][piece], tops, values[1][piece]);
+                                    row[c] = _mm512_permutex2var_epi16(halves[0][piece], tops, halves[1][piece]);
                                 }
                             }
-                            for row in &mut rows {
+                            for row in rows.iter_mut().take(values.pieces()) {
                                 *row = transpose(row.map(|r| _mm512_castsi512_ps(r))).map(|r| _mm512_castps_si512(r));
                             }
                         }
@@ -322,16 +377,16 @@ mod x86 {
                             let mask = lanes(n, first_col);
                             for r in 0..TILE.min(k.saturating_sub(k0).div_ceil(2)) {
                                 let kk = k0 + 2 * r;
-                                let even = load_pieces(w.wrapping_add(kk * n + first_col), mask, &mut not_finite);
-                                let odd = if kk + 1 < k { load_pieces(w.wrapping_add((kk + 1) * n + first_col), mask, &mut not_finite) } else { [_mm512_setzero_si512(); 3] };
+                                let even = load_pieces(w, values, kk * n + first_col, mask, &mut not_finite);
+                                let odd = if kk + 1 < k { load_pieces(w, values, (kk + 1) * n + first_col, mask, &mut not_finite) } else { [_mm512_setzero_si512(); 3] };
                                 for (piece, row) in rows.iter_mut().enumerate() {
                                     row[r] = _mm512_permutex2var_epi16(even[piece], pairs, odd[piece]);
                                 }
                             }
                         }
                     }
-                    let tiles = out.as_mut_ptr().add(((block * steps + step) * 2 + half) * 3 * tile_u16s);
-                    for (piece, row) in rows.iter().enumerate() {
+                    let tiles = out.as_mut_ptr().add(((block * steps + step) * 2 + half) * values.pieces() * tile_u16s);
+                    for (piece, row) in rows.iter().enumerate().take(values.pieces()) {
                         for (r, &v) in row.iter().enumerate() {
                             _mm512_storeu_si512(tiles.add(piece * tile_u16s + r * 2 * TILE) as *mut __m512i, v);
                         }
@@ -340,6 +395,27 @@ mod x86 {
             }
         }
         not_finite == 0
+    }
+
+    /// `cols` f32 sums from `sums` into `out`, rounded to the nearest even bf16 for a bf16
+    /// result (NaN kept NaN, as `f32_to_bf16`).
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn write_row(out: Out, sums: *const f32, cols: usize) {
+        let y = match out {
+            Out::F32(y) => return std::ptr::copy_nonoverlapping(sums, y, cols),
+            Out::Bf16(y) => y,
+        };
+        let (one, half_ulp, quiet) = (_mm512_set1_epi32(1), _mm512_set1_epi32(0x7fff), _mm512_set1_epi32(0x0040_0000));
+        for j in (0..cols).step_by(16) {
+            let mask = lanes(cols, j);
+            let v = _mm512_maskz_loadu_ps(mask, sums.add(j));
+            let bits = _mm512_castps_si512(v);
+            let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), one);
+            let rounded = _mm512_add_epi32(bits, _mm512_add_epi32(half_ulp, odd));
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+            let bits = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, quiet));
+            _mm512_mask_cvtepi32_storeu_epi16(y.add(j) as *mut i16, mask, _mm512_srli_epi32::<16>(bits));
+        }
     }
 
     /// The four sums (tmm0-3) as 32 rows of 32 f32s from `out`, rows `stride` bytes apart,
@@ -377,7 +453,7 @@ mod tests {
     /// `pack` value by value, as a reference.
     fn pack_reference(w: &[f32], (n, k): (usize, usize), layout: Layout) -> Vec<u16> {
         let steps = k.div_ceil(STEP);
-        let mut out = vec![0u16; packed_lines(n, k) * 2 * TILE];
+        let mut out = vec![0u16; packed_lines(n, k, Values::F32) * 2 * TILE];
         for col in 0..n {
             let (block, half, lane) = (col / COLUMNS, col % COLUMNS / TILE, col % TILE);
             for kk in 0..k {
@@ -392,6 +468,39 @@ mod tests {
         out
     }
 
+    /// bf16 operands on the tiles, with f32 sums as the exact (f64) sums of the bf16 values
+    /// allow, and rounded once to bf16 for a bf16 result, on shapes off the tiles and a weight
+    /// past L2's share.
+    #[test]
+    fn bf16_products_sum_in_f32_and_round_once() {
+        if !available() {
+            return;
+        }
+        let mut next = super::super::uniform(13);
+        let bf16 = |v: f32| super::super::f32_to_bf16(v);
+        let value = |b: u16| f64::from(f32::from_bits(u32::from(b) << 16));
+        for (m, n, k) in [(16, 32, 32), (37, 200, 33), (70, 300, 600), (5, 45, 1)] {
+            let x: Vec<u16> = (0..m * k).map(|_| bf16(next() * 3.0)).collect();
+            let w: Vec<u16> = (0..n * k).map(|_| bf16(next())).collect();
+            for layout in [Layout::RowPerOutput, Layout::RowPerInput] {
+                let at = |j: usize, kk: usize| if layout == Layout::RowPerOutput { w[j * k + kk] } else { w[kk * n + j] };
+                let pieces = unsafe { pack(w.as_ptr() as *const u8, (n, k), layout, Values::Bf16) }.unwrap();
+                let (mut y32, mut y16) = (vec![f32::NAN; m * n], vec![0u16; m * n]);
+                for out in [Out::F32(y32.as_mut_ptr()), Out::Bf16(y16.as_mut_ptr())] {
+                    assert!(unsafe { super::rows((x.as_ptr() as *const u8, out), Values::Bf16, (n, k), &pieces, 0, m, 0..n.div_ceil(COLUMNS)) });
+                }
+                for i in 0..m {
+                    for j in 0..n {
+                        let want: f64 = (0..k).map(|kk| value(x[i * k + kk]) * value(at(j, kk))).sum();
+                        let got = f64::from(y32[i * n + j]);
+                        assert!((got - want).abs() <= 1e-6 * (k as f64).sqrt() * 3.0, "{m}x{n}x{k} at {i},{j}: {got} vs {want}");
+                        assert_eq!(y16[i * n + j], bf16(y32[i * n + j]), "{m}x{n}x{k} at {i},{j}");
+                    }
+                }
+            }
+        }
+    }
+
     /// The vector packing, bit for bit the reference's, for K and N on and off the tiles.
     #[test]
     fn pack_places_every_piece_as_the_reference_does() {
@@ -402,7 +511,7 @@ mod tests {
         for (n, k) in [(32, 32), (45, 70), (200, 33), (31, 1), (64, 256), (17, 95)] {
             let w: Vec<f32> = (0..n * k).map(|_| next() * 100.0).collect();
             for layout in [Layout::RowPerOutput, Layout::RowPerInput] {
-                let packed = unsafe { pack(w.as_ptr(), (n, k), layout) }.unwrap();
+                let packed = unsafe { pack(w.as_ptr() as *const u8, (n, k), layout, Values::F32) }.unwrap();
                 let bits = unsafe { std::slice::from_raw_parts(packed.as_ptr() as *const u16, packed.len() * 32) };
                 assert!(bits == pack_reference(&w, (n, k), layout), "{n}x{k} {}", layout == Layout::RowPerOutput);
             }
@@ -435,13 +544,13 @@ mod tests {
             let w: Vec<f32> = (0..n * k).map(|_| next()).collect();
             for layout in [Layout::RowPerOutput, Layout::RowPerInput] {
                 let at = |j: usize, kk: usize| if layout == Layout::RowPerOutput { w[j * k + kk] } else { w[kk * n + j] };
-                let pieces = unsafe { pack(w.as_ptr(), (n, k), layout) }.unwrap();
+                let pieces = unsafe { pack(w.as_ptr() as *const u8, (n, k), layout, Values::F32) }.unwrap();
                 let mut y = vec![f32::NAN; m * n];
                 // Two runs of rows, as two threads would take them, the first in two runs of
                 // column blocks.
                 let (half, blocks) = ((m.div_ceil(32) * 16).min(m), n.div_ceil(COLUMNS));
                 for (first, rows, blocks) in [(0, half, 0..blocks / 2), (0, half, blocks / 2..blocks), (half, m - half, 0..blocks)] {
-                    assert!(unsafe { super::rows((x.as_ptr(), y.as_mut_ptr()), (n, k), &pieces, first, rows, blocks) });
+                    assert!(unsafe { super::rows((x.as_ptr() as *const u8, Out::F32(y.as_mut_ptr())), Values::F32, (n, k), &pieces, first, rows, blocks) });
                 }
                 for i in 0..m {
                     for j in 0..n {
@@ -452,11 +561,11 @@ mod tests {
                 }
                 let mut bad_x = x.clone();
                 bad_x[m * k - 1] = f32::INFINITY;
-                assert!(!unsafe { super::rows((bad_x.as_ptr(), y.as_mut_ptr()), (n, k), &pieces, 0, m, 0..n.div_ceil(COLUMNS)) });
+                assert!(!unsafe { super::rows((bad_x.as_ptr() as *const u8, Out::F32(y.as_mut_ptr())), Values::F32, (n, k), &pieces, 0, m, 0..n.div_ceil(COLUMNS)) });
             }
             let mut bad_w = w.clone();
             bad_w[0] = f32::NAN;
-            assert!(unsafe { pack(bad_w.as_ptr(), (n, k), Layout::RowPerInput) }.is_none());
+            assert!(unsafe { pack(bad_w.as_ptr() as *const u8, (n, k), Layout::RowPerInput, Values::F32) }.is_none());
         }
     }
 }

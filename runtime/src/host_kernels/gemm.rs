@@ -8,10 +8,10 @@
 //! A weight in memory declared unchanging (`unchanging`) is packed into panels once. Where the
 //! CPU has AMX, the products run on its tiles instead (`amx`), at the same accuracy.
 
-use super::amx;
+use super::amx::{self, Values};
 use super::epilogue::Epilogue;
 use super::pool::Chunked;
-use super::{unchanging, Layout};
+use super::{unchanging, Layout, Out};
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -23,11 +23,13 @@ pub(super) const COLUMNS: usize = 32;
 pub(super) const ROWS: usize = 12;
 
 /// One product: `x` `[m, k]`, `w` `[n, k]` (`RowPerOutput`) or `[k, n]` (`RowPerInput`), `y`
-/// `[m, n]`, all row-major f32.
+/// `[m, n]`, all row-major: f32 throughout, or bf16 `x` and `w` (on AMX tiles only) into an
+/// f32 or bf16 `y`.
 pub(super) struct Gemm {
-    x: *const f32,
-    w: *const f32,
-    y: *mut f32,
+    x: *const u8,
+    w: *const u8,
+    y: Out,
+    values: Values,
     m: usize,
     n: usize,
     k: usize,
@@ -82,17 +84,32 @@ impl Gemm {
     /// other way (blocks of columns, or four parts for two threads) the loop after it read
     /// lines another core had written: a product, bias and GELU on `[1024, 64] x [64, 256]`
     /// took 335-382 µs against XLA's 327-341, in two runs of rows 272.
-    pub fn new(x: *const f32, w: *const f32, y: *mut f32, (m, n, k): (usize, usize, usize), layout: Layout, parts: usize, epilogue: Option<Epilogue>) -> (Self, usize) {
+    ///
+    /// A bf16 product runs on the tiles from its weight's pieces, kept or else packed for this
+    /// call (bf16 values are their own pieces), so `amx::available()` must hold for one.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        (x, w, y): (*const u8, *const u8, Out),
+        values: Values,
+        (m, n, k): (usize, usize, usize),
+        layout: Layout,
+        parts: usize,
+        epilogue: Option<Epilogue>,
+    ) -> (Self, usize) {
         let key = |pieces| (w as usize, n, k, layout == Layout::RowPerOutput, pieces);
         let floats = n.div_ceil(COLUMNS) * k * COLUMNS;
+        let read = n * k * values.bytes();
         // SAFETY: `w` covers `[n, k]` (the caller's contract) for the packing to read.
-        let panels = || unchanging::panels(key(false), (n * k, floats), || unsafe { pack_all(w, (n, k), layout, floats) });
+        let panels = || unchanging::panels(key(None), (read, floats), || unsafe { pack_all(w as *const f32, (n, k), layout, floats) });
+        let pieces = || unsafe { amx::pack(w, (n, k), layout, values) }.unwrap_or_default();
+        let kept_pieces = || unchanging::panels(key(Some(values)), (read, amx::packed_lines(n, k, values) * 16), pieces);
         let kept = if floats == 0 {
             None
+        } else if values == Values::Bf16 {
+            Some(Kept::Pieces(kept_pieces().unwrap_or_else(|| pieces().into())))
         } else if tiles_suit(n, k) {
-            // SAFETY: as above. An empty result: the weight is not all finite.
-            let pieces = || unsafe { amx::pack(w, (n, k), layout) }.unwrap_or_default();
-            match unchanging::panels(key(true), (n * k, amx::packed_lines(n, k) * 16), pieces) {
+            // An empty result: the weight is not all finite.
+            match kept_pieces() {
                 Some(pieces) if pieces.is_empty() => panels().map(Kept::Panels),
                 pieces => pieces.map(Kept::Pieces),
             }
@@ -115,7 +132,7 @@ impl Gemm {
         };
         let id = PRODUCTS.fetch_add(1, Ordering::Relaxed);
         let units = m.div_ceil(rows_per_chunk) * blocks.div_ceil(blocks_per_chunk);
-        (Gemm { x, w, y, m, n, k, layout, rows_per_chunk, blocks_per_chunk, id, kept, epilogue }, units)
+        (Gemm { x, w, y, values, m, n, k, layout, rows_per_chunk, blocks_per_chunk, id, kept, epilogue }, units)
     }
 
     /// Rows `first_row..first_row + rows` of column block `block`, whose panel is `panel`.
@@ -124,8 +141,8 @@ impl Gemm {
         let tile = Tile { b: panel, ldb: COLUMNS, k: self.k, ldx: self.k, ldy: self.n, cols: COLUMNS.min(self.n - first_col) };
         let mut r = 0;
         while r < rows {
-            let x = self.x.add((first_row + r) * self.k);
-            let y = self.y.add((first_row + r) * self.n + first_col);
+            let x = (self.x as *const f32).add((first_row + r) * self.k);
+            let y = self.y_f32().add((first_row + r) * self.n + first_col);
             r += tile.run(x, y, rows - r);
         }
     }
@@ -195,17 +212,25 @@ impl Chunked for Gemm {
         let blocks = first_block..(first_block + self.blocks_per_chunk).min(self.n.div_ceil(COLUMNS));
         self.products(first_row, rows, blocks.clone());
         if let Some(epilogue) = &self.epilogue {
-            epilogue.apply(self.y, self.n, first_row..first_row + rows, blocks.start * COLUMNS..(blocks.end * COLUMNS).min(self.n));
+            epilogue.apply(self.y_f32(), self.n, first_row..first_row + rows, blocks.start * COLUMNS..(blocks.end * COLUMNS).min(self.n));
         }
     }
 }
 
 impl Gemm {
+    /// The f32 result, which every product but a bf16 one has (that runs on the tiles alone).
+    fn y_f32(&self) -> *mut f32 {
+        match self.y {
+            Out::F32(y) => y,
+            Out::Bf16(y) => y as *mut f32,
+        }
+    }
+
     /// Rows `first_row..first_row + rows` of the product, in column blocks `blocks`.
     unsafe fn products(&self, first_row: usize, rows: usize, blocks: std::ops::Range<usize>) {
         #[cfg(target_arch = "x86_64")]
         if let Kept::Pieces(pieces) = &self.kept {
-            if amx::rows((self.x, self.y), (self.n, self.k), pieces, first_row, rows, blocks.clone()) {
+            if amx::rows((self.x, self.y), self.values, (self.n, self.k), pieces, first_row, rows, blocks.clone()) {
                 return;
             }
         }
@@ -219,7 +244,7 @@ impl Gemm {
             let (holds, panel) = &mut *panel.borrow_mut();
             for block in blocks {
                 if *holds != (self.id, block) {
-                    pack_block(self.w, (self.n, self.k), self.layout, block, panel.floats(self.k * COLUMNS));
+                    pack_block(self.w as *const f32, (self.n, self.k), self.layout, block, panel.floats(self.k * COLUMNS));
                     *holds = (self.id, block);
                 }
                 self.block(panel.floats(self.k * COLUMNS).as_ptr(), block, first_row, rows);
@@ -384,7 +409,8 @@ mod tests {
             let w: Vec<f32> = (0..n * k).map(|_| next()).collect();
             for layout in [Layout::RowPerOutput, Layout::RowPerInput] {
                 let mut y = vec![f32::NAN; m * n];
-                let (gemm, chunks) = Gemm::new(x.as_ptr(), w.as_ptr(), y.as_mut_ptr(), (m, n, k), layout, 3, None);
+                let operands = (x.as_ptr() as *const u8, w.as_ptr() as *const u8, Out::F32(y.as_mut_ptr()));
+                let (gemm, chunks) = Gemm::new(operands, Values::F32, (m, n, k), layout, 3, None);
                 (0..chunks).for_each(|c| unsafe { gemm.chunk(c) });
                 for i in 0..m {
                     for j in 0..n {

@@ -12,6 +12,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard, OnceLock};
 
+use super::amx::Values;
 use super::gemm::Line;
 
 /// The bytes of panels kept at most: an eighth of the host's memory (256 MiB where it cannot be
@@ -33,8 +34,8 @@ pub fn budget() -> usize {
 }
 
 /// A product's panels of one weight: its address, `n`, `k`, whether it is stored `[N, K]`, and
-/// whether they are its AMX pieces (`amx::pack`) rather than f32 panels.
-pub(super) type PanelKey = (usize, usize, usize, bool, bool);
+/// the values whose AMX pieces they are (`amx::pack`), `None` for f32 panels.
+pub(super) type PanelKey = (usize, usize, usize, bool, Option<Values>);
 
 struct Range {
     end: usize,
@@ -121,13 +122,13 @@ pub fn kept_bytes() -> usize {
     registry().kept_bytes
 }
 
-/// The panels `key` names, made by `pack` the first time, where the weight's `read` f32s at
-/// `key`'s address lie in a declared range and the budget allows `packed` more; `None`
+/// The panels `key` names, made by `pack` the first time, where the weight's `read` bytes at
+/// `key`'s address lie in a declared range and the budget allows `packed` more f32s; `None`
 /// otherwise (pack per call).
 pub(super) fn panels(key: PanelKey, (read, packed): (usize, usize), pack: impl FnOnce() -> Vec<Line>) -> Option<Arc<[Line]>> {
     let mut registry = registry();
     let kept_bytes = registry.kept_bytes;
-    let range = registry.holding(key.0, key.0 + read * size_of::<f32>())?;
+    let range = registry.holding(key.0, key.0 + read)?;
     if let Some((_, panels)) = range.panels.iter().find(|(k, _)| *k == key) {
         return Some(panels.clone());
     }
@@ -152,7 +153,7 @@ mod tests {
     }
 
     fn kept(start: usize) -> bool {
-        panels((start, 32, 1, true, false), (32, 32), || vec![Line([0.0; 16]); 2]).is_some()
+        panels((start, 32, 1, true, None), (128, 32), || vec![Line([0.0; 16]); 2]).is_some()
     }
 
     #[test]
@@ -162,7 +163,7 @@ mod tests {
         let declared = declare(b, 4096);
         let mut packs = 0;
         for _ in 0..3 {
-            panels((b + 1024, 32, 1, true, false), (32, 32), || {
+            panels((b + 1024, 32, 1, true, None), (128, 32), || {
                 packs += 1;
                 vec![Line([1.0; 16]); 2]
             })
@@ -188,9 +189,9 @@ mod tests {
     fn a_newer_declaration_displaces_and_survives_the_older_one() {
         let b = base(3);
         let old = declare(b, 4096);
-        let first = panels((b, 32, 1, true, false), (32, 32), || vec![Line([1.0; 16]); 2]).unwrap();
+        let first = panels((b, 32, 1, true, None), (128, 32), || vec![Line([1.0; 16]); 2]).unwrap();
         let new = declare(b, 4096);
-        let second = panels((b, 32, 1, true, false), (32, 32), || vec![Line([2.0; 16]); 2]).unwrap();
+        let second = panels((b, 32, 1, true, None), (128, 32), || vec![Line([2.0; 16]); 2]).unwrap();
         assert_eq!((first[0].0[0], second[0].0[0]), (1.0, 2.0), "the new value is packed anew");
         drop(old);
         assert!(kept(b), "dropping the displaced declaration leaves the newer one");
