@@ -127,7 +127,7 @@ impl Gemm {
             // Split by columns where the weight's pieces are past L2's share and all the rows'
             // within it: each thread then reads its share of the weight once, where by rows each
             // would read all of it (GPT-2 small's LM head, `[128, 768] x [768, 50257]`: 36 ms → 24-27).
-            Kept::Pieces(pieces) if n > m && size_of_val(&**pieces) > amx::L2_SHARE_BYTES && 6 * m * k <= amx::L2_SHARE_BYTES => (m.max(1), blocks.div_ceil(parts.max(1))),
+            Kept::Pieces(pieces) if n > m && size_of_val(&**pieces) > amx::L2_SHARE_BYTES && 2 * values.pieces() * m * k <= amx::L2_SHARE_BYTES => (m.max(1), blocks.div_ceil(parts.max(1))),
             _ => (m.div_ceil(unit).div_ceil(parts.max(1)) * unit, blocks),
         };
         let id = PRODUCTS.fetch_add(1, Ordering::Relaxed);
