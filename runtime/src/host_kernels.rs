@@ -4,7 +4,8 @@
 //! f32 attention as one kernel (`attention`), f32 LayerNorm and RMSNorm as one each
 //! (`layer_norm`), and two products, each with the matrix stored `[N, K]` (`nn.Linear`'s
 //! weight) or `[K, N]` (GPT-2's `Conv1D`): f32 products of short contractions split over XLA's
-//! threads (`gemm`, on AMX tiles where the CPU has them: `amx`), and here a bf16 vector times a bf16 matrix,
+//! threads (`gemm`, on AMX tiles where the CPU has them: `amx`, which also take bf16 rows times a
+//! resident bf16 matrix), and here a bf16 vector times a bf16 matrix,
 //! the products of every decode step of a bf16 model. XLA:CPU's own ways run at half the rate
 //! of its f32 products (YNNPACK packs the whole weight on every call; its own dot emitter has
 //! no bf16 kernel), so a bf16 decode step was slower than an f32 one although it reads half
@@ -364,8 +365,8 @@ product_handlers! {
 }
 
 /// The typed-FFI handlers: `y[m, n] = sum_k x[m, k] * w[n, k]` (or `w[k, n]`) for `x` `[.., K]`
-/// into `y` `[.., N]`: bf16 `x` and `w` (leading dims of one or a few rows) into bf16 or f32
-/// `y`, or f32 throughout, then (f32, `epilogue` given) a bias `[N]` added and the activation
+/// into `y` `[.., N]`: bf16 `x` and `w` (leading dims of one or a few rows, or for the tiles'
+/// targets many) into bf16 or f32 `y`, or f32 throughout, then (f32, `epilogue` given) a bias `[N]` added and the activation
 /// applied, or SiLU applied and the result multiplied by a factor. Answers XLA's metadata query
 /// at registration; never unwinds into the plugin.
 unsafe fn handle(frame: &mut FfiCallFrame, target: &'static str, layout: Layout, operands: c_int, epilogue: Option<Activation>) -> *mut c_void {
@@ -384,6 +385,8 @@ unsafe fn handle(frame: &mut FfiCallFrame, target: &'static str, layout: Layout,
     let (n, kw) = if layout == Layout::RowPerOutput { (rows_w, cols_w) } else { (cols_w, rows_w) };
     let rows: i64 = lead.iter().product();
     let shapes_agree = kw == k && yd.iter().product::<i64>() == rows * n;
+    let xla = XlaPool::of(frame);
+    let threads = xla.map_or_else(pool::threads, |xla| xla.threads);
     let ran = if operands == XLA_FFI_F32 {
         if [x.dtype, w.dtype, y.dtype] != [XLA_FFI_F32; 3] || !shapes_agree {
             return error(frame, target, &format!("expects f32 x [.., K], w and y [.., N], got {xd:?}, {wd:?}, {yd:?}"));
@@ -405,8 +408,6 @@ unsafe fn handle(frame: &mut FfiCallFrame, target: &'static str, layout: Layout,
             }
         };
         let shape = (rows as usize, n as usize, k as usize);
-        let xla = XlaPool::of(frame);
-        let threads = xla.map_or_else(pool::threads, |xla| xla.threads);
         std::panic::catch_unwind(|| {
             let operands = (x.data as *const u8, w.data as *const u8, Out::F32(y.data as *mut f32));
             let (product, chunks) = gemm::Gemm::new(operands, amx::Values::F32, shape, layout, threads, epilogue);
@@ -423,8 +424,6 @@ unsafe fn handle(frame: &mut FfiCallFrame, target: &'static str, layout: Layout,
         }
         let (k, n, rows) = (k as usize, n as usize, rows as usize);
         if [BF16_MATMUL_NT_TARGET, BF16_MATMUL_NN_TARGET].contains(&target) && amx::available() {
-            let xla = XlaPool::of(frame);
-            let threads = xla.map_or_else(pool::threads, |xla| xla.threads);
             let ran = std::panic::catch_unwind(|| {
                 let (product, chunks) = gemm::Gemm::new((x.data as *const u8, w.data as *const u8, out), amx::Values::Bf16, (rows, n, k), layout, threads, None);
                 run_units(xla, product, chunks, threads);

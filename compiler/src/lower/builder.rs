@@ -1039,8 +1039,9 @@ impl<'a> Builder<'a> {
                 return Ok(product);
             }
         }
+        // bf16 rows times a matrix on AMX tiles, as f32 ones from as few rows and flops.
         let on_tiles = || self.kept_on_tiles(&fold_transpose(b, batch.1, contract.1).0);
-        if rows.is_some_and(|rows| rows >= HOST_GEMM_MIN_ROWS && rows * b.ty.numel() >= *HOST_GEMM_FLOPS.start() / 2) && on_tiles() {
+        if rows.is_some_and(|rows| rows >= HOST_GEMM_MIN_ROWS && 2 * rows * b.ty.numel() >= *HOST_GEMM_FLOPS.start()) && on_tiles() {
             if let Some(product) = self.host_product(lowering_target().host_bf16_gemm, a, b, None, contract, out)? {
                 return Ok(product);
             }
@@ -1271,8 +1272,8 @@ pub struct LoweringTarget {
     /// The custom call targets of host kernels for f32 LayerNorm and RMSNorm over the last dim.
     pub host_layer_norm: Option<&'static str>,
     pub host_rms_norm: Option<&'static str>,
-    /// Where the f32 product kernels run on AMX tiles: the bytes of weights' pieces the runtime
-    /// keeps for them (`weights_kept_on_tiles`).
+    /// Where the product kernels run on AMX tiles: the bytes of weights' pieces the runtime keeps
+    /// for them (`weights_kept_on_tiles`).
     pub host_gemm_tiles_budget: Option<u64>,
 }
 
@@ -1326,16 +1327,18 @@ const HOST_GEMM_MIN_ROWS: i64 = 64;
 /// one block of 32 columns is the runtime's vector kernel, whose panel no longer fits L1.
 const TILES_MIN_COLUMNS: i64 = 64;
 
-/// Per graph input, whether our product kernel may take a long contraction with it as the
-/// weight. It runs those on AMX tiles from the weight's bf16 pieces, kept between calls, which
-/// only a resident f32 matrix (a parameter, buffer or constant) can be, 1.4-2 times as fast as
-/// XLA's (bare executes, ms: `[128, 768] x [768, 3072]` 2.41-2.46 → 1.21-1.26, `[128, 3072] x
-/// [3072, 768]` 2.52 → 1.52-1.69, `[1024, 576] x [576, 576]` 2.79-2.88 → 1.36-1.46, GPT-2
-/// small's LM head `[128, 768] x [768, 50257]` 41.3-41.6 → 27.1-27.6; GPT-2 small's forward
-/// 157-160 → 112-116). Where the pieces of all the graph's
-/// resident matrices would not fit the runtime's budget for them (`host_gemm_tiles_budget`),
-/// none is: a product routed here whose pieces found the budget spent would run on the vector
-/// kernel, slower than XLA's at these K.
+/// Per graph input, whether our product kernels may take a product with it as the weight that
+/// only AMX's tiles run faster than XLA: an f32 one of a long contraction, or a bf16 one. They
+/// run those from the weight's bf16 pieces, kept between calls, which only a resident matrix (a
+/// parameter, buffer or constant) can be. f32 products ran 1.4-2 times as fast as XLA's (bare
+/// executes, ms: `[128, 768] x [768, 3072]` 2.41-2.46 → 1.21-1.26, `[128, 3072] x [3072, 768]`
+/// 2.52 → 1.52-1.69, `[1024, 576] x [576, 576]` 2.79-2.88 → 1.36-1.46, GPT-2 small's LM head
+/// `[128, 768] x [768, 50257]` 41.3-41.6 → 27.1-27.6; GPT-2 small's forward 157-160 → 112-116),
+/// bf16 ones ~1.3 times (`[1024, 1536] x [1536, 6144]` 14.3 → 10.7). Where the pieces of all the
+/// graph's resident matrices would not fit the runtime's budget for them
+/// (`host_gemm_tiles_budget`), none is: an f32 product routed here whose pieces found the budget
+/// spent would run on the vector kernel, slower than XLA's at these K, a bf16 one would pack its
+/// pieces on every call.
 pub fn weights_kept_on_tiles(inputs: &[Input], budget: Option<u64>) -> Vec<bool> {
     let matrix = |i: &Input| i.kind != InputKind::User && matches!(i.ty.dtype, DType::F32 | DType::Bf16) && i.ty.rank() == 2;
     // Three bf16 pieces per f32 value, a bf16 value its own.
@@ -1447,7 +1450,7 @@ mod tests {
     /// Only resident f32 and bf16 matrices, and none where their pieces (6 and 2 bytes a value)
     /// pass the budget.
     #[test]
-    fn weights_kept_on_tiles_are_resident_f32_matrices_within_the_budget() {
+    fn weights_kept_on_tiles_are_resident_matrices_within_the_budget() {
         let input = |dtype, shape: Vec<i64>, kind| Input { ty: TensorType::new(dtype, shape), kind };
         let inputs = [
             input(F32, vec![128, 768], InputKind::User),

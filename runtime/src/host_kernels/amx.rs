@@ -226,7 +226,7 @@ mod x86 {
                     asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem, preserves_flags));
                     for step in 0..steps {
                         let x1 = (a as *const u8).add(2 * (first * lda + step * STEP));
-                        // The weight's tiles for this block and step: half 0's three pieces, then half 1's,
+                        // The weight's tiles for this block and step: half 0's pieces, then half 1's,
                         // 1 KiB each.
                         let w = pieces.add((block * steps + step) * block_step_lines);
                         if values == Values::Bf16 {

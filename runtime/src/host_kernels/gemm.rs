@@ -87,7 +87,6 @@ impl Gemm {
     ///
     /// A bf16 product runs on the tiles from its weight's pieces, kept or else packed for this
     /// call (bf16 values are their own pieces), so `amx::available()` must hold for one.
-    #[allow(clippy::too_many_arguments)]
     pub fn new(
         (x, w, y): (*const u8, *const u8, Out),
         values: Values,
