@@ -230,6 +230,23 @@ def test_a_kept_bf16_weight_s_product_runs_on_the_tiles(rows, k, n, module, comp
 
 
 @needs_f32_kernels
+def test_bf16_nan_and_infinity_on_the_tiles_go_as_eager_s():
+    """bf16 values are their own pieces: an infinity or NaN enters the tiles' products as it
+    is, and an infinity times a zero weight makes NaN, as in eager."""
+    torch.manual_seed(4)
+    layer = torch.nn.Linear(768, 256, bias=False).to(torch.bfloat16)
+    x = torch.randn(128, 768, dtype=torch.bfloat16)
+    x[5, 7], x[9, 3], x[11] = float("inf"), float("nan"), 0.0
+    x[11, 0] = float("-inf")
+    with torch.no_grad():
+        layer.weight[3, 0] = 0.0
+        got, want = compile_tpu(layer)(x), layer(x)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+    assert got[11, 3].isnan() and got[5].isinf().all() and got[9].isnan().all()
+    assert (got != want)[torch.isfinite(want)].sum() <= max(2, got.numel() // 500)
+
+
+@needs_f32_kernels
 def test_an_infinite_input_row_of_a_long_contraction_gives_eager_s_infinities():
     """A row that is not all finite has no bf16 pieces: the vector kernel computes it."""
     torch.manual_seed(3)
