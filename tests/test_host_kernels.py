@@ -230,6 +230,20 @@ def test_a_kept_bf16_weight_s_product_runs_on_the_tiles(rows, k, n, module, comp
 
 
 @needs_f32_kernels
+def test_autocast_s_bf16_copy_of_a_weight_stays_xla_s(compiled):
+    """Under autocast the bf16 copy of an f32 weight is computed from weights alone (hoist.py)
+    and read as it is: on the tiles it would be packed on every call (SmolLM-135M's forward 72 →
+    263 ms), so only a parameter's own matrix goes there."""
+    torch.manual_seed(6)
+    layer, x = torch.nn.Linear(768, 1536), torch.randn(128, 768)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = compile_tpu(layer)(x), layer(x)
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert (got != want).sum() <= max(2, got.numel() // 500)
+    assert kernel_calls(compiled, BF16_TILE_KERNELS + F32_KERNELS) == 0
+
+
+@needs_f32_kernels
 def test_bf16_nan_and_infinity_on_the_tiles_go_as_eager_s():
     """bf16 values are their own pieces: an infinity or NaN enters the tiles' products as it
     is, and an infinity times a zero weight makes NaN, as in eager."""

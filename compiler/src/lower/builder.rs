@@ -1329,8 +1329,10 @@ const TILES_MIN_COLUMNS: i64 = 64;
 
 /// Per graph input, whether our product kernels may take a product with it as the weight that
 /// only AMX's tiles run faster than XLA: an f32 one of a long contraction, or a bf16 one. They
-/// run those from the weight's bf16 pieces, kept between calls, which only a resident matrix (a
-/// parameter, buffer or constant) can be. f32 products ran 1.4-2 times as fast as XLA's (bare
+/// run those from the weight's bf16 pieces, kept between calls, which only a parameter's
+/// matrix is sure to be: a buffer may be one a compiled step updates in place, and a constant
+/// may be a value computed from weights (`hoist.py`), both read as they are, not kept (under
+/// autocast, SmolLM-135M's bf16 copies of its weights packed on every call: 72 → 263 ms). f32 products ran 1.4-2 times as fast as XLA's (bare
 /// executes, ms: `[128, 768] x [768, 3072]` 2.41-2.46 → 1.21-1.26, `[128, 3072] x [3072, 768]`
 /// 2.52 → 1.52-1.69, `[1024, 576] x [576, 576]` 2.79-2.88 → 1.36-1.46, GPT-2 small's LM head
 /// `[128, 768] x [768, 50257]` 41.3-41.6 → 27.1-27.6; GPT-2 small's forward 157-160 → 112-116),
@@ -1340,7 +1342,7 @@ const TILES_MIN_COLUMNS: i64 = 64;
 /// spent would run on the vector kernel, slower than XLA's at these K, a bf16 one would pack its
 /// pieces on every call.
 pub fn weights_kept_on_tiles(inputs: &[Input], budget: Option<u64>) -> Vec<bool> {
-    let matrix = |i: &Input| i.kind != InputKind::User && matches!(i.ty.dtype, DType::F32 | DType::Bf16) && i.ty.rank() == 2;
+    let matrix = |i: &Input| i.kind == InputKind::Parameter && matches!(i.ty.dtype, DType::F32 | DType::Bf16) && i.ty.rank() == 2;
     // Three bf16 pieces per f32 value, a bf16 value its own.
     let pieces_bytes: i64 = inputs.iter().filter(|i| matrix(i)).map(|i| if i.ty.dtype == DType::F32 { 6 } else { 2 } * i.ty.numel()).sum();
     let fits = budget.is_some_and(|budget| pieces_bytes as u64 <= budget);
@@ -1447,10 +1449,10 @@ mod tests {
     use super::*;
     use DType::*;
 
-    /// Only resident f32 and bf16 matrices, and none where their pieces (6 and 2 bytes a value)
-    /// pass the budget.
+    /// Only parameters' f32 and bf16 matrices, and none where their pieces (6 and 2 bytes a
+    /// value) pass the budget.
     #[test]
-    fn weights_kept_on_tiles_are_resident_matrices_within_the_budget() {
+    fn weights_kept_on_tiles_are_parameters_matrices_within_the_budget() {
         let input = |dtype, shape: Vec<i64>, kind| Input { ty: TensorType::new(dtype, shape), kind };
         let inputs = [
             input(F32, vec![128, 768], InputKind::User),
@@ -1458,11 +1460,12 @@ mod tests {
             input(F32, vec![3072], InputKind::Parameter),
             input(Bf16, vec![768, 768], InputKind::Parameter),
             input(F32, vec![64, 64], InputKind::Buffer),
+            input(Bf16, vec![64, 64], InputKind::Constant),
         ];
-        let pieces = 6 * (768 * 3072 + 64 * 64) + 2 * 768 * 768;
-        assert_eq!(weights_kept_on_tiles(&inputs, Some(pieces)), [false, true, false, true, true]);
-        assert_eq!(weights_kept_on_tiles(&inputs, Some(pieces - 1)), [false; 5]);
-        assert_eq!(weights_kept_on_tiles(&inputs, None), [false; 5]);
+        let pieces = 6 * 768 * 3072 + 2 * 768 * 768;
+        assert_eq!(weights_kept_on_tiles(&inputs, Some(pieces)), [false, true, false, true, false, false]);
+        assert_eq!(weights_kept_on_tiles(&inputs, Some(pieces - 1)), [false; 6]);
+        assert_eq!(weights_kept_on_tiles(&inputs, None), [false; 6]);
     }
 
     #[test]
