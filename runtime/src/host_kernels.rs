@@ -290,6 +290,12 @@ impl XlaPool {
         (ok && threads > 0).then_some(XlaPool { api, schedule, ctx: frame.ctx, threads: threads as usize })
     }
 
+    /// `of(frame)`, and the threads the work may take: the pool's, or ours where it has none.
+    unsafe fn with_threads(frame: &FfiCallFrame) -> (Option<Self>, usize) {
+        let xla = Self::of(frame);
+        (xla, xla.map_or_else(pool::threads, |xla| xla.threads))
+    }
+
     /// Hands `task(data)` to a worker; false where the pool refused it (the caller then runs
     /// the work itself, so the error is dropped unread).
     fn schedule(&self, task: unsafe extern "C" fn(*mut c_void), data: *mut c_void) -> bool {
@@ -385,8 +391,6 @@ unsafe fn handle(frame: &mut FfiCallFrame, target: &'static str, layout: Layout,
     let (n, kw) = if layout == Layout::RowPerOutput { (rows_w, cols_w) } else { (cols_w, rows_w) };
     let rows: i64 = lead.iter().product();
     let shapes_agree = kw == k && yd.iter().product::<i64>() == rows * n;
-    let xla = XlaPool::of(frame);
-    let threads = xla.map_or_else(pool::threads, |xla| xla.threads);
     let ran = if operands == XLA_FFI_F32 {
         if [x.dtype, w.dtype, y.dtype] != [XLA_FFI_F32; 3] || !shapes_agree {
             return error(frame, target, &format!("expects f32 x [.., K], w and y [.., N], got {xd:?}, {wd:?}, {yd:?}"));
@@ -408,6 +412,7 @@ unsafe fn handle(frame: &mut FfiCallFrame, target: &'static str, layout: Layout,
             }
         };
         let shape = (rows as usize, n as usize, k as usize);
+        let (xla, threads) = XlaPool::with_threads(frame);
         std::panic::catch_unwind(|| {
             let operands = (x.data as *const u8, w.data as *const u8, Out::F32(y.data as *mut f32));
             let (product, chunks) = gemm::Gemm::new(operands, amx::Values::F32, shape, layout, threads, epilogue);
@@ -424,6 +429,7 @@ unsafe fn handle(frame: &mut FfiCallFrame, target: &'static str, layout: Layout,
         }
         let (k, n, rows) = (k as usize, n as usize, rows as usize);
         if [BF16_MATMUL_NT_TARGET, BF16_MATMUL_NN_TARGET].contains(&target) && amx::available() {
+            let (xla, threads) = XlaPool::with_threads(frame);
             let ran = std::panic::catch_unwind(|| {
                 let (product, chunks) = gemm::Gemm::new((x.data as *const u8, w.data as *const u8, out), amx::Values::Bf16, (rows, n, k), layout, threads, None);
                 run_units(xla, product, chunks, threads);
@@ -518,8 +524,7 @@ unsafe fn attend(frame: &mut FfiCallFrame, causal: bool) -> *mut c_void {
     if frame.args.size as usize != 3 + usize::from(bias.is_some()) + usize::from(count.is_some()) {
         return error(frame, target, "expects at most one mask bias and one key count");
     }
-    let xla = XlaPool::of(frame);
-    let threads = xla.map_or_else(pool::threads, |xla| xla.threads);
+    let (xla, threads) = XlaPool::with_threads(frame);
     let inputs = (q.data as *const f32, k.data as *const f32, v.data as *const f32);
     let (job, units, parts) = attention::Attention::new(inputs, (bias, valid), (out.data as *mut f32, lse.data as *mut f32), shape, causal, threads);
     answer(frame, target, std::panic::catch_unwind(|| run_units(xla, job, units, parts - 1)))
@@ -610,8 +615,8 @@ unsafe fn shapes_error(frame: &FfiCallFrame, target: &str, expects: &str, buffer
 /// A norm's rows split over XLA's threads.
 #[cfg(target_arch = "x86_64")]
 unsafe fn run_norm<T: layer_norm::Rows + std::panic::UnwindSafe + 'static>(frame: &mut FfiCallFrame, target: &str, norm: T) -> *mut c_void {
-    let xla = XlaPool::of(frame);
-    let units = norm.units(xla.map_or_else(pool::threads, |xla| xla.threads));
+    let (xla, threads) = XlaPool::with_threads(frame);
+    let units = norm.units(threads);
     answer(frame, target, std::panic::catch_unwind(|| run_units(xla, layer_norm::RowRuns(norm, units), units, units - 1)))
 }
 

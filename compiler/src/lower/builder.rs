@@ -1040,8 +1040,7 @@ impl<'a> Builder<'a> {
             }
         }
         // bf16 rows times a matrix on AMX tiles, as f32 ones from as few rows and flops.
-        let on_tiles = || self.kept_on_tiles(&fold_transpose(b, batch.1, contract.1).0);
-        if rows.is_some_and(|rows| rows >= HOST_GEMM_MIN_ROWS && 2 * rows * b.ty.numel() >= *HOST_GEMM_FLOPS.start()) && on_tiles() {
+        if rows.is_some_and(|rows| rows >= HOST_GEMM_MIN_ROWS && 2 * rows * b.ty.numel() >= *HOST_GEMM_FLOPS.start()) && self.kept_on_tiles(b, batch.1, contract.1) {
             if let Some(product) = self.host_product(lowering_target().host_bf16_gemm, a, b, None, contract, out)? {
                 return Ok(product);
             }
@@ -1362,12 +1361,15 @@ impl<'a> Builder<'a> {
         let n: i64 = free_sizes(b, batch.1, contract.1).iter().product();
         let flops = 2 * a.ty.numel() * n;
         let sized = k <= HOST_GEMM_MAX_K && HOST_GEMM_FLOPS.contains(&flops);
-        let on_tiles = || flops >= *HOST_GEMM_FLOPS.start() && n >= TILES_MIN_COLUMNS && self.kept_on_tiles(&fold_transpose(b, batch.1, contract.1).0);
+        let on_tiles = || flops >= *HOST_GEMM_FLOPS.start() && n >= TILES_MIN_COLUMNS && self.kept_on_tiles(b, batch.1, contract.1);
         rows >= HOST_GEMM_MIN_ROWS && (sized || on_tiles())
     }
 
-    /// Whether `w` is an argument of this builder's block that our product kernel keeps on tiles.
-    fn kept_on_tiles(&self, w: &Val<'a>) -> bool {
+    /// Whether the product weight `b` (with its batch and contracting dims), or the value it is
+    /// a transpose of, is an argument of this builder's block that our product kernel keeps on
+    /// tiles.
+    fn kept_on_tiles(&self, b: &Val<'a>, batch: &[i64], contract: &[i64]) -> bool {
+        let (w, _, _) = fold_transpose(b, batch, contract);
         BlockArgument::try_from(w.v).is_ok_and(|arg| {
             arg.owner().to_raw().ptr == self.block.to_raw().ptr && self.kept_on_tiles.get(arg.argument_number()).copied().unwrap_or(false)
         })

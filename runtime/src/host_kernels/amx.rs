@@ -144,6 +144,19 @@ mod x86 {
     use super::{asm, Layout, Line, Range, Values, COLUMNS, L1_ROWS_BYTES, L2_SHARE_BYTES, STEP, TILE, TILE_LINES};
     use std::arch::x86_64::*;
 
+    /// The four tile products of a round: x's row tiles (tmm4, tmm5) by the weight's column
+    /// halves (tmm6, tmm7), into the four sums.
+    macro_rules! both_row_tiles_by_both_halves {
+        () => {
+            concat!(
+                "tdpbf16ps tmm0, tmm4, tmm6\n",
+                "tdpbf16ps tmm1, tmm4, tmm7\n",
+                "tdpbf16ps tmm2, tmm5, tmm6\n",
+                "tdpbf16ps tmm3, tmm5, tmm7"
+            )
+        };
+    }
+
     /// Rows of `x` (`k` long) as their pieces, at `a[piece * piece_len + r * lda + kk]`, zero
     /// past `rows` (to `piece_len / lda`) and `k` (to `lda`); false where an f32 is not finite.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
@@ -235,10 +248,7 @@ mod x86 {
                                 "tileloadd tmm6, [{w} + {sw}*1]",
                                 "tileloadd tmm7, [{w} + {sw}*1 + 1024]",
                                 "tileloadd tmm5, [{xb} + {sa}*1]",
-                                "tdpbf16ps tmm0, tmm4, tmm6",
-                                "tdpbf16ps tmm1, tmm4, tmm7",
-                                "tdpbf16ps tmm2, tmm5, tmm6",
-                                "tdpbf16ps tmm3, tmm5, tmm7",
+                                both_row_tiles_by_both_halves!(),
                                 x = in(reg) x1,
                                 xb = in(reg) x1.add(tile_rows_bytes),
                                 sa = in(reg) a_stride,
@@ -283,10 +293,7 @@ mod x86 {
                             "tdpbf16ps tmm2, tmm5, tmm6",
                             "tdpbf16ps tmm3, tmm5, tmm7",
                             "tileloadd tmm5, [{x3b} + {sa}*1]",
-                            "tdpbf16ps tmm0, tmm4, tmm6",
-                            "tdpbf16ps tmm1, tmm4, tmm7",
-                            "tdpbf16ps tmm2, tmm5, tmm6",
-                            "tdpbf16ps tmm3, tmm5, tmm7",
+                            both_row_tiles_by_both_halves!(),
                             x1 = in(reg) x1,
                             x2 = in(reg) x1.add(piece_bytes),
                             x3 = in(reg) x1.add(2 * piece_bytes),
@@ -365,7 +372,7 @@ mod x86 {
                             for c in 0..n.saturating_sub(first_col).min(TILE) {
                                 let at = (first_col + c) * k + k0;
                                 let halves = [0, 1].map(|h| load_pieces(w, values, at + 16 * h, lanes(k, k0 + 16 * h), &mut not_finite));
-                                for (piece, row) in rows.iter_mut().enumerate() {
+                                for (piece, row) in rows.iter_mut().enumerate().take(values.pieces()) {
                                     row[c] = _mm512_permutex2var_epi16(halves[0][piece], tops, halves[1][piece]);
                                 }
                             }
@@ -379,7 +386,7 @@ mod x86 {
                                 let kk = k0 + 2 * r;
                                 let even = load_pieces(w, values, kk * n + first_col, mask, &mut not_finite);
                                 let odd = if kk + 1 < k { load_pieces(w, values, (kk + 1) * n + first_col, mask, &mut not_finite) } else { [_mm512_setzero_si512(); 3] };
-                                for (piece, row) in rows.iter_mut().enumerate() {
+                                for (piece, row) in rows.iter_mut().enumerate().take(values.pieces()) {
                                     row[r] = _mm512_permutex2var_epi16(even[piece], pairs, odd[piece]);
                                 }
                             }

@@ -80,9 +80,9 @@ fn tiles_suit(n: usize, k: usize) -> bool {
 
 impl Gemm {
     /// The product and how many units of work it splits into: `parts` runs of whole rows, as
-    /// XLA:CPU splits the loops that read the result (one up to `ALONE_MAX_FLOPS`). Cut any
-    /// other way (blocks of columns, or four parts for two threads) the loop after it read
-    /// lines another core had written: a product, bias and GELU on `[1024, 64] x [64, 256]`
+    /// XLA:CPU splits the loops that read the result (one up to `ALONE_MAX_FLOPS`), but for a
+    /// wide weight on the tiles (below). Cut any other way (blocks of columns, or four parts for
+    /// two threads) the loop after it read lines another core had written: a product, bias and GELU on `[1024, 64] x [64, 256]`
     /// took 335-382 µs against XLA's 327-341, in two runs of rows 272.
     ///
     /// A bf16 product runs on the tiles from its weight's pieces, kept or else packed for this
@@ -122,13 +122,13 @@ impl Gemm {
         let parts = if flops <= ALONE_MAX_FLOPS || few_rows_on_tiles { 1 } else { parts };
         let unit = if tiles { 32 } else { ROWS }; // two rows of AMX tiles
         let blocks = n.div_ceil(COLUMNS).max(1);
-        let (rows_per_chunk, blocks_per_chunk) = match &kept {
-            // Split by columns where the weight's pieces are past L2's share and all the rows'
-            // within it: each thread then reads its share of the weight once, where by rows each
-            // would read all of it (GPT-2 small's LM head, `[128, 768] x [768, 50257]`: 36 ms → 24-27).
-            Kept::Pieces(pieces) if n > m && size_of_val(&**pieces) > amx::L2_SHARE_BYTES && 2 * values.pieces() * m * k <= amx::L2_SHARE_BYTES => (m.max(1), blocks.div_ceil(parts.max(1))),
-            _ => (m.div_ceil(unit).div_ceil(parts.max(1)) * unit, blocks),
-        };
+        // Split by columns where the weight's pieces are past L2's share and all the rows' within
+        // it: each thread then reads its share of the weight once, where by rows each would read
+        // all of it (GPT-2 small's LM head, `[128, 768] x [768, 50257]`: 36 ms → 24-27).
+        let rows_fit_l2 = 2 * values.pieces() * m * k <= amx::L2_SHARE_BYTES;
+        let by_columns = matches!(&kept, Kept::Pieces(pieces) if n > m && size_of_val(&**pieces) > amx::L2_SHARE_BYTES && rows_fit_l2);
+        let (rows_per_chunk, blocks_per_chunk) =
+            if by_columns { (m.max(1), blocks.div_ceil(parts.max(1))) } else { (m.div_ceil(unit).div_ceil(parts.max(1)) * unit, blocks) };
         let id = PRODUCTS.fetch_add(1, Ordering::Relaxed);
         let units = m.div_ceil(rows_per_chunk) * blocks.div_ceil(blocks_per_chunk);
         (Gemm { x, w, y, values, m, n, k, layout, rows_per_chunk, blocks_per_chunk, id, kept, epilogue }, units)
@@ -221,7 +221,7 @@ impl Gemm {
     fn y_f32(&self) -> *mut f32 {
         match self.y {
             Out::F32(y) => y,
-            Out::Bf16(y) => y as *mut f32,
+            Out::Bf16(_) => unreachable!("a bf16 product runs on the tiles"),
         }
     }
 
