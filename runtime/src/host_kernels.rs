@@ -19,6 +19,8 @@ mod gemm;
 #[cfg(target_arch = "x86_64")]
 mod layer_norm;
 mod pool;
+#[cfg(target_arch = "x86_64")]
+mod tile_attention;
 pub mod unchanging;
 #[cfg(target_arch = "x86_64")]
 mod vector_math;
@@ -50,6 +52,9 @@ pub const F32_MATMUL_NN_SILU_TIMES_TARGET: &str = "tpu_dynamo.f32_matmul_nn_silu
 /// The custom call targets of f32 attention without a mask and with the causal one.
 pub const F32_ATTENTION_TARGET: &str = "tpu_dynamo.f32_attention";
 pub const F32_CAUSAL_ATTENTION_TARGET: &str = "tpu_dynamo.f32_causal_attention";
+/// The same for bf16 attention on AMX tiles, `q` unscaled and the scale given.
+pub const BF16_ATTENTION_TARGET: &str = "tpu_dynamo.bf16_attention";
+pub const BF16_CAUSAL_ATTENTION_TARGET: &str = "tpu_dynamo.bf16_causal_attention";
 /// The custom call target of f32 LayerNorm over the last dim.
 pub const F32_LAYER_NORM_TARGET: &str = "tpu_dynamo.f32_layer_norm";
 /// The custom call target of f32 RMSNorm over the last dim.
@@ -166,6 +171,8 @@ pub fn register(plugin: &Plugin) -> Vec<&'static str> {
         handlers.extend([(F32_LAYER_NORM_TARGET, f32_layer_norm as *const c_void), (F32_RMS_NORM_TARGET, f32_rms_norm as *const c_void)]);
         if amx::available() {
             handlers.extend([(BF16_MATMUL_NT_TARGET, bf16_matmul_nt as *const c_void), (BF16_MATMUL_NN_TARGET, bf16_matmul_nn as *const c_void)]);
+            #[cfg(target_arch = "x86_64")]
+            handlers.extend([(BF16_ATTENTION_TARGET, bf16_attention as *const c_void), (BF16_CAUSAL_ATTENTION_TARGET, bf16_causal_attention as *const c_void)]);
         }
     }
     // The argument layout below is the one of PJRT API 0.115; later headers differ.
@@ -469,30 +476,40 @@ unsafe fn answer(frame: &mut FfiCallFrame, target: &str, ran: std::thread::Resul
 }
 
 unsafe extern "C" fn f32_attention(frame: *mut FfiCallFrame) -> *mut c_void {
-    attend(&mut *frame, false)
+    attend(&mut *frame, F32_ATTENTION_TARGET, false)
 }
 
 unsafe extern "C" fn f32_causal_attention(frame: *mut FfiCallFrame) -> *mut c_void {
-    attend(&mut *frame, true)
+    attend(&mut *frame, F32_CAUSAL_ATTENTION_TARGET, true)
 }
 
-/// The attention handlers: f32 `q` `[B, H, L, E]` (already scaled), `k` and `v` `[B, Hkv, S,
-/// E]` and, where given, what a mask adds to the scores (f32 `[B or 1, H or 1, L, S]`) and the
-/// count of keys that are not padding (a 0-d i64), into `out` `[B, H, L, E]` and its logsumexp
-/// `[B, H, L]`, on XLA's threads.
-unsafe fn attend(frame: &mut FfiCallFrame, causal: bool) -> *mut c_void {
-    let target = if causal { F32_CAUSAL_ATTENTION_TARGET } else { F32_ATTENTION_TARGET };
+#[cfg(target_arch = "x86_64")]
+unsafe extern "C" fn bf16_attention(frame: *mut FfiCallFrame) -> *mut c_void {
+    attend(&mut *frame, BF16_ATTENTION_TARGET, false)
+}
+
+#[cfg(target_arch = "x86_64")]
+unsafe extern "C" fn bf16_causal_attention(frame: *mut FfiCallFrame) -> *mut c_void {
+    attend(&mut *frame, BF16_CAUSAL_ATTENTION_TARGET, true)
+}
+
+/// The attention handlers: `q` `[B, H, L, E]`, `k` and `v` `[B, Hkv, S, E]` and, where given,
+/// what a mask adds to the scores (f32 `[B or 1, H or 1, L, S]`) and the count of keys that are
+/// not padding (a 0-d i64), into `out` `[B, H, L, E]` and its f32 logsumexp `[B, H, L]`, on
+/// XLA's threads. f32 (`q` already scaled), or bf16 on AMX tiles with the scale a 0-d f32.
+unsafe fn attend(frame: &mut FfiCallFrame, target: &'static str, causal: bool) -> *mut c_void {
+    let bf16 = target == BF16_ATTENTION_TARGET || target == BF16_CAUSAL_ATTENTION_TARGET;
     if !executes(frame) {
         return std::ptr::null_mut();
     }
-    if !(3..=5).contains(&frame.args.size) || frame.rets.size != 2 {
-        return error(frame, target, "expects q, k, v, a mask's bias and a key count or not, and two results");
+    if !(3..=6).contains(&frame.args.size) || frame.rets.size != 2 {
+        return error(frame, target, "expects q, k, v, a mask's bias, a key count and (bf16) the scale, the last three where given, and two results");
     }
     let buffer = |list: &FfiList, i: usize| &**list.items.add(i);
     let [q, k, v] = [0, 1, 2].map(|i| buffer(&frame.args, i));
-    // After them, a mask's bias (4-d) and a key count (0-d), each where given.
-    let extra = |count: bool| (3..frame.args.size as usize).map(|i| buffer(&frame.args, i)).find(|b| (b.rank == 0) == count);
-    let (bias, count) = (extra(false), extra(true));
+    // After them, a mask's bias (4-d), a key count (0-d i64) and a scale (0-d f32), each where given.
+    let extra = |rank: i64, dtype: Option<c_int>| (3..frame.args.size as usize).map(|i| buffer(&frame.args, i)).find(|b| b.rank == rank && dtype.is_none_or(|d| b.dtype == d));
+    let (bias, count, scale) = (extra(4, None), extra(0, Some(XLA_FFI_S64)), extra(0, Some(XLA_FFI_F32)));
     let [out, lse] = [0, 1].map(|i| buffer(&frame.rets, i));
     let (qd, kd, vd, od, ld) = (dims(q), dims(k), dims(v), dims(out), dims(lse));
     let agree = match (qd, kd) {
@@ -503,8 +520,10 @@ unsafe fn attend(frame: &mut FfiCallFrame, causal: bool) -> *mut c_void {
         }
         _ => None,
     };
-    let (Some(shape), true) = (agree, [q, k, v, out, lse].iter().all(|b| b.dtype == XLA_FFI_F32)) else {
-        return error(frame, target, &format!("expects f32 q [B, H, L, E], k and v [B, Hkv, S, E], out [B, H, L, E] and lse [B, H, L], got {qd:?}, {kd:?}, {vd:?}, {od:?}, {ld:?}"));
+    let values = if bf16 { XLA_FFI_BF16 } else { XLA_FFI_F32 };
+    let (Some(shape), true) = (agree, [q, k, v, out].iter().all(|b| b.dtype == values) && lse.dtype == XLA_FFI_F32) else {
+        let name = if bf16 { "bf16" } else { "f32" };
+        return error(frame, target, &format!("expects {name} q [B, H, L, E], k and v [B, Hkv, S, E], out [B, H, L, E] and f32 lse [B, H, L], got {qd:?}, {kd:?}, {vd:?}, {od:?}, {ld:?}"));
     };
     let bias = match bias.map(|b| (b, dims(b))) {
         None => None,
@@ -516,17 +535,20 @@ unsafe fn attend(frame: &mut FfiCallFrame, causal: bool) -> *mut c_void {
             _ => return error(frame, target, &format!("expects an f32 mask bias [B or 1, H or 1, L, S] for q {qd:?} and k {kd:?}, got {bd:?}")),
         },
     };
-    let valid = match count {
-        None => shape.len_kv,
-        Some(c) if c.dtype == XLA_FFI_S64 => (*(c.data as *const i64)).max(0) as usize,
-        Some(c) => return error(frame, target, &format!("expects the key count as a 0-d i64, got XLA type {}", c.dtype)),
-    };
-    if frame.args.size as usize != 3 + usize::from(bias.is_some()) + usize::from(count.is_some()) {
-        return error(frame, target, "expects at most one mask bias and one key count");
+    let valid = count.map_or(shape.len_kv, |c| (*(c.data as *const i64)).max(0) as usize);
+    if bf16 != scale.is_some() || frame.args.size as usize != 3 + usize::from(bias.is_some()) + usize::from(count.is_some()) + usize::from(scale.is_some()) {
+        return error(frame, target, "expects at most one mask bias and one key count (0-d i64), and a scale (0-d f32) for bf16 only");
     }
     let (xla, threads) = XlaPool::with_threads(frame);
+    let results = (out.data, lse.data as *mut f32);
+    #[cfg(target_arch = "x86_64")]
+    if let Some(scale) = scale {
+        let inputs = (q.data as *const u16, k.data as *const u16, v.data as *const u16, *(scale.data as *const f32));
+        let (job, units, parts) = tile_attention::TileAttention::new(inputs, (bias, valid), (results.0 as *mut u16, results.1), shape, causal, threads);
+        return answer(frame, target, std::panic::catch_unwind(|| run_units(xla, job, units, parts - 1)));
+    }
     let inputs = (q.data as *const f32, k.data as *const f32, v.data as *const f32);
-    let (job, units, parts) = attention::Attention::new(inputs, (bias, valid), (out.data as *mut f32, lse.data as *mut f32), shape, causal, threads);
+    let (job, units, parts) = attention::Attention::new(inputs, (bias, valid), (results.0 as *mut f32, results.1), shape, causal, threads);
     answer(frame, target, std::panic::catch_unwind(|| run_units(xla, job, units, parts - 1)))
 }
 

@@ -8,8 +8,8 @@
 //! 3.2 M scores per attention). Scores, softmax and products run in f32 for half inputs, as the
 //! CPU flash kernel accumulates.
 //!
-//! Where the process's plugin has our attention kernel (XLA:CPU on a CPU with AVX-512) and no
-//! mask but the causal one applies, the whole op is one call of it instead (`host_attention`).
+//! Where the process's plugin has our attention kernel (XLA:CPU on a CPU with AVX-512; for bf16
+//! on AMX tiles, one with AMX), the whole op is one call of it instead (`host_attention`).
 
 use super::builder::{broadcast_shapes, lowering_target, opmath, Builder, Combiner, Scalar, Val, R};
 use super::reduction::{exponentials, zero_rows};
@@ -67,14 +67,23 @@ fn flash_attention_for_cpu(n: NodeCtx<'_>) -> Res<'_> {
     };
     let b = &n.b;
     let f = opmath(q.dtype());
+    let mask = mask.map(|m| b.convert(&m, f)).transpose()?;
+    let count = keys_count(&n)?;
+    let host = lowering_target();
+    if let (Some(targets), true) = (host.host_bf16_attention, [&q, &k, &v].iter().all(|t| t.dtype() == DType::Bf16)) {
+        let scale = b.scalar(Scalar::Float(scale), DType::F32)?;
+        if let Some((out, lse)) = host_attention(b, targets, &q, (&k, &v), causal, (mask.as_ref(), count.as_ref(), Some(&scale)))? {
+            return Ok(vec![out, b.convert(&lse, n.out(1)?.dtype)?]);
+        }
+    }
     // Scaled before the product: fewer multiplies than on the scores, and none that XLA:CPU
     // would feed to the product's fusion as a materialized [L, S] broadcast of the scale.
     let q = b.mul_scalar(&b.convert(&q, f)?, scale)?;
     let (k, mut v) = (b.convert(&k, f)?, b.convert(&v, f)?);
-    let mask = mask.map(|m| b.convert(&m, f)).transpose()?;
-    let count = keys_count(&n)?;
-    if let Some((out, lse)) = host_attention(b, &q, (&k, &v), causal, (mask.as_ref(), count.as_ref()))? {
-        return Ok(vec![b.convert(&out, n.out(0)?.dtype)?, b.convert(&lse, n.out(1)?.dtype)?]);
+    if let (Some(targets), DType::F32) = (host.host_attention, q.dtype()) {
+        if let Some((out, lse)) = host_attention(b, targets, &q, (&k, &v), causal, (mask.as_ref(), count.as_ref(), None))? {
+            return Ok(vec![b.convert(&out, n.out(0)?.dtype)?, b.convert(&lse, n.out(1)?.dtype)?]);
+        }
     }
     let visible = count.map(|count| keys_below(b, &count, len_kv)).transpose()?;
     if let Some(visible) = &visible {
@@ -102,23 +111,25 @@ fn flash_attention_for_cpu(n: NodeCtx<'_>) -> Res<'_> {
     ])
 }
 
-/// `(output, logsumexp)` of queries `q` (scaled, and widened to f32 for half inputs) over `k`,
-/// `v`, by our host kernel (`tpu_dynamo_runtime::host_kernels`) where the plugin has it and a
-/// head's keys fit its scratch: one kernel where XLA:CPU runs two products and a softmax, each
-/// writing all the scores out. A float mask (in f32) reaches it as a bias `[B or 1, H or 1, L,
-/// S]` added to the scores; a padded graph's true key count as a 0-d i64, past which it reads
-/// neither keys, values nor mask (padding may hold anything).
+/// `(output, logsumexp)` of queries `q` over `k`, `v`, by our host kernel
+/// (`tpu_dynamo_runtime::host_kernels`, `targets` without a mask and with the causal one)
+/// where a head's keys fit its scratch: one kernel where XLA:CPU runs two products and a
+/// softmax, each writing all the scores out. f32 `q` comes scaled (half inputs widened); bf16
+/// `q`, `k` and `v` go as they are, with the f32 `scale`, to AMX tiles. A float mask (in f32)
+/// reaches it as a bias `[B or 1, H or 1, L, S]` added to the scores; a padded graph's true key
+/// count as a 0-d i64, past which it reads neither keys, values nor mask (padding may hold
+/// anything).
 fn host_attention<'a>(
     b: &Builder<'a>,
+    (plain, causal_target): (&'static str, &'static str),
     q: &Val<'a>,
     (k, v): (&Val<'a>, &Val<'a>),
     causal: bool,
-    (mask, count): (Option<&Val<'a>>, Option<&Val<'a>>),
+    (mask, count, scale): (Option<&Val<'a>>, Option<&Val<'a>>, Option<&Val<'a>>),
 ) -> R<Option<(Val<'a>, Val<'a>)>> {
-    let Some((plain, causal_target)) = lowering_target().host_attention else { return Ok(None) };
     let [batch, heads, len_q, dim] = [0, 1, 2, 3].map(|i| q.shape()[i]);
     let len_kv = k.shape()[2];
-    if q.dtype() != DType::F32 || len_kv == 0 || len_kv > HOST_MAX_KEYS || dim > HOST_MAX_DIM || dim * len_kv > HOST_MAX_KEY_ELEMENTS {
+    if len_kv == 0 || len_kv > HOST_MAX_KEYS || dim > HOST_MAX_DIM || dim * len_kv > HOST_MAX_KEY_ELEMENTS {
         return Ok(None);
     }
     let mut operands = vec![q, k, v];
@@ -134,6 +145,7 @@ fn host_attention<'a>(
     let count = count.map(|c| b.convert(&b.reshape(c, &[])?, DType::I64)).transpose()?;
     operands.extend(bias.as_ref());
     operands.extend(count.as_ref());
+    operands.extend(scale);
     let results = vec![q.ty.clone(), TensorType::new(DType::F32, vec![batch, heads, len_q])];
     let mut out = b.host_call(if causal { causal_target } else { plain }, &operands, results)?;
     let lse = out.remove(1);

@@ -1268,6 +1268,8 @@ pub struct LoweringTarget {
     /// The custom call targets of a host kernel for f32 attention without a mask and with
     /// the causal one, where the plugin has them registered.
     pub host_attention: Option<(&'static str, &'static str)>,
+    /// The same for bf16 attention on AMX tiles.
+    pub host_bf16_attention: Option<(&'static str, &'static str)>,
     /// The custom call targets of host kernels for f32 LayerNorm and RMSNorm over the last dim.
     pub host_layer_norm: Option<&'static str>,
     pub host_rms_norm: Option<&'static str>,
@@ -1285,6 +1287,7 @@ pub static LOWERING_TARGET: RwLock<LoweringTarget> = RwLock::new(LoweringTarget 
     host_gemm_bias_gelu_tanh: None,
     host_gemm_silu_times: None,
     host_attention: None,
+    host_bf16_attention: None,
     host_layer_norm: None,
     host_rms_norm: None,
     host_gemm_tiles_budget: None,

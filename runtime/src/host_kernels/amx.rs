@@ -23,7 +23,7 @@ use std::sync::OnceLock;
 
 /// Rows (and result columns) of a tile, and the bf16 values of K a tile row holds.
 const TILE: usize = 16;
-const STEP: usize = 32;
+pub(super) const STEP: usize = 32;
 /// Lines in one tile (16 rows of 64 bytes).
 const TILE_LINES: usize = 16;
 /// Bytes of `x`'s pieces a group of rows may take (half of L1's 48 KiB).
@@ -132,13 +132,13 @@ pub(super) unsafe fn rows((x, y): (*const u8, Out), values: Values, (n, k): (usi
             return false;
         }
         let partial = partial.floats(2 * TILE * COLUMNS);
-        x86::products(a.as_ptr(), (tall, lda, steps), values, pieces.as_ptr(), (y.add(first_row * n), n, rows), blocks, partial);
+        x86::products(a.as_ptr(), (tall, lda, steps), values, (pieces.as_ptr(), steps), (y.add(first_row * n), n, rows), blocks, partial);
         true
     })
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(super) mod x86 {
     use super::super::vector_math::{lanes, transpose};
     use super::super::Out;
     use super::{asm, Layout, Line, Range, Values, COLUMNS, L1_ROWS_BYTES, L2_SHARE_BYTES, STEP, TILE, TILE_LINES};
@@ -160,7 +160,7 @@ mod x86 {
     /// Rows of `x` (`k` long) as their pieces, at `a[piece * piece_len + r * lda + kk]`, zero
     /// past `rows` (to `piece_len / lda`) and `k` (to `lda`); false where an f32 is not finite.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn split(x: *const u8, values: Values, k: usize, rows: usize, a: &mut [u16], piece_len: usize, lda: usize) -> bool {
+    pub(in crate::host_kernels) unsafe fn split(x: *const u8, values: Values, k: usize, rows: usize, a: &mut [u16], piece_len: usize, lda: usize) -> bool {
         let mut infinite_or_nan: __mmask16 = 0;
         let out = a.as_mut_ptr();
         let tops = halves_index(|slot| 2 * slot + 1);
@@ -170,19 +170,50 @@ mod x86 {
                 let split = [0, 1].map(|half| load_pieces(x, values, r * k + kk + 16 * half, lanes(k, kk + 16 * half), &mut infinite_or_nan));
                 for (piece, (&low, &high)) in split[0].iter().zip(&split[1]).enumerate().take(values.pieces()) {
                     let halves = _mm512_permutex2var_epi16(low, tops, high);
-                    _mm512_storeu_si512(out.add(piece * piece_len + r * lda + kk) as *mut __m512i, halves);
+                    _mm512_storeu_si512(out.add(piece * piece_len + tiled(r, kk, lda)) as *mut __m512i, halves);
                 }
             }
         }
         for piece in 0..values.pieces() {
-            a[piece * piece_len + rows * lda..(piece + 1) * piece_len].fill(0);
+            for r in rows..piece_len / lda {
+                for kk in (0..lda).step_by(STEP) {
+                    _mm512_storeu_si512(out.add(piece * piece_len + tiled(r, kk, lda)) as *mut __m512i, _mm512_setzero_si512());
+                }
+            }
         }
         infinite_or_nan == 0
     }
 
+    /// Where row `r`'s values `kk..kk + STEP` of K go in a piece of `x` (`lda` long rows): each
+    /// tile (16 rows by a step of K) is 1 KiB of its own, a row tile's steps one after another,
+    /// so that a tile load reads consecutive lines rather than 16 rows `2 · lda` bytes apart,
+    /// which land in a few of L1's sets.
+    fn tiled(r: usize, kk: usize, lda: usize) -> usize {
+        (r / TILE) * TILE * lda + (kk / STEP) * TILE * STEP + (r % TILE) * STEP
+    }
+
+    /// f32 rows `stride` apart, `k` long, rounded to the nearest even bf16 (NaN kept NaN) and
+    /// laid out as `split` lays out bf16 ones: a bf16 attention's exponentials, the first
+    /// operand of their product by the values.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(in crate::host_kernels) unsafe fn split_rounded(x: *const f32, stride: usize, k: usize, rows: usize, a: &mut [u16], lda: usize) {
+        let out = a.as_mut_ptr();
+        for r in 0..a.len() / lda {
+            for kk in (0..lda).step_by(STEP) {
+                let halves = [0, 1].map(|half| {
+                    let at = kk + 16 * half;
+                    let v = if r < rows { _mm512_maskz_loadu_ps(lanes(k, at), x.add(r * stride + at)) } else { _mm512_setzero_ps() };
+                    _mm512_cvtepi32_epi16(rounded_bf16(v))
+                });
+                let both = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(halves[0]), halves[1]);
+                _mm512_storeu_si512(out.add(tiled(r, kk, lda)) as *mut __m512i, both);
+            }
+        }
+    }
+
     /// Every pair of tile rows of `a` (`tall` rows, a multiple of 32) times the weight's
-    /// `pieces` in column blocks `blocks`, into `y` (`rows` rows, `n` columns), a partial tile
-    /// through `partial` (`[32, 32]`).
+    /// `pieces` (`pieces_steps` steps of K to a column block) in column blocks `blocks`, into
+    /// `y` (`rows` rows, `n` columns), a partial tile through `partial` (`[32, 32]`).
     ///
     /// Four sums (tmm0-3: rows 0-15 and 16-31 by columns 0-15 and 16-31) take turns, so that no
     /// product waits for the one before it; tmm4-5 hold x's pieces of both row tiles, tmm6-7
@@ -193,11 +224,11 @@ mod x86 {
     /// tile it replaces, and each round's products start with the operands loaded earliest.
     /// For bf16 operands (one piece each) a step is the four products of the two row tiles by
     /// the two column halves.
-    pub(super) unsafe fn products(
+    pub(in crate::host_kernels) unsafe fn products(
         a: *const u16,
         (tall, lda, steps): (usize, usize, usize),
         values: Values,
-        pieces: *const Line,
+        (pieces, pieces_steps): (*const Line, usize),
         (y, n, rows): (Out, usize, usize),
         blocks: Range<usize>,
         partial: &mut [f32],
@@ -238,10 +269,10 @@ mod x86 {
                     }
                     asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem, preserves_flags));
                     for step in 0..steps {
-                        let x1 = (a as *const u8).add(2 * (first * lda + step * STEP));
+                        let x1 = (a as *const u8).add(2 * tiled(first, step * STEP, lda));
                         // The weight's tiles for this block and step: half 0's pieces, then half 1's,
                         // 1 KiB each.
-                        let w = pieces.add((block * steps + step) * block_step_lines);
+                        let w = pieces.add((block * pieces_steps + step) * block_step_lines);
                         if values == Values::Bf16 {
                             asm!(
                                 "tileloadd tmm4, [{x} + {sa}*1]",
@@ -251,7 +282,7 @@ mod x86 {
                                 both_row_tiles_by_both_halves!(),
                                 x = in(reg) x1,
                                 xb = in(reg) x1.add(tile_rows_bytes),
-                                sa = in(reg) a_stride,
+                                sa = in(reg) 64usize,
                                 w = in(reg) w,
                                 sw = in(reg) 64usize,
                                 options(nostack, readonly, preserves_flags),
@@ -300,7 +331,7 @@ mod x86 {
                             x1b = in(reg) x1.add(tile_rows_bytes),
                             x2b = in(reg) x1.add(piece_bytes + tile_rows_bytes),
                             x3b = in(reg) x1.add(2 * piece_bytes + tile_rows_bytes),
-                            sa = in(reg) a_stride,
+                            sa = in(reg) 64usize,
                             w = in(reg) w,
                             sw = in(reg) 64usize,
                             options(nostack, readonly, preserves_flags),
@@ -354,7 +385,7 @@ mod x86 {
     /// rows interleaved into a tile row (`[k, n]`); false where a value is not finite. (The
     /// scalar loop took ~11 ns a value: 1.4 s for GPT-2 small's first call.)
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn pack(w: *const u8, values: Values, (n, k): (usize, usize), layout: Layout, out: &mut [u16]) -> bool {
+    pub(in crate::host_kernels) unsafe fn pack(w: *const u8, values: Values, (n, k): (usize, usize), layout: Layout, out: &mut [u16]) -> bool {
         let steps = k.div_ceil(STEP);
         let mut not_finite: __mmask16 = 0;
         // A column's K `2r` and `2r + 1` in u32 `r`; a row's column `c` and the next row's in
@@ -407,22 +438,27 @@ mod x86 {
     /// `cols` f32 sums from `sums` into `out`, rounded to the nearest even bf16 for a bf16
     /// result (NaN kept NaN, as `f32_to_bf16`).
     #[target_feature(enable = "avx512f,avx512bw")]
-    unsafe fn write_row(out: Out, sums: *const f32, cols: usize) {
+    pub(in crate::host_kernels) unsafe fn write_row(out: Out, sums: *const f32, cols: usize) {
         let y = match out {
             Out::F32(y) => return std::ptr::copy_nonoverlapping(sums, y, cols),
             Out::Bf16(y) => y,
         };
-        let (one, half_ulp, quiet) = (_mm512_set1_epi32(1), _mm512_set1_epi32(0x7fff), _mm512_set1_epi32(0x0040_0000));
         for j in (0..cols).step_by(16) {
             let mask = lanes(cols, j);
-            let v = _mm512_maskz_loadu_ps(mask, sums.add(j));
-            let bits = _mm512_castps_si512(v);
-            let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), one);
-            let rounded = _mm512_add_epi32(bits, _mm512_add_epi32(half_ulp, odd));
-            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
-            let bits = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, quiet));
-            _mm512_mask_cvtepi32_storeu_epi16(y.add(j) as *mut i16, mask, _mm512_srli_epi32::<16>(bits));
+            _mm512_mask_cvtepi32_storeu_epi16(y.add(j) as *mut i16, mask, rounded_bf16(_mm512_maskz_loadu_ps(mask, sums.add(j))));
         }
+    }
+
+    /// Each f32 rounded to the nearest even bf16, its bits in the low half of its lane (a NaN
+    /// stays NaN, quieted, as `f32_to_bf16`).
+    #[target_feature(enable = "avx512f")]
+    unsafe fn rounded_bf16(v: __m512) -> __m512i {
+        let (one, half_ulp, quiet) = (_mm512_set1_epi32(1), _mm512_set1_epi32(0x7fff), _mm512_set1_epi32(0x0040_0000));
+        let bits = _mm512_castps_si512(v);
+        let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), one);
+        let rounded = _mm512_add_epi32(bits, _mm512_add_epi32(half_ulp, odd));
+        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+        _mm512_srli_epi32::<16>(_mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, quiet)))
     }
 
     /// The four sums (tmm0-3) as 32 rows of 32 f32s from `out`, rows `stride` bytes apart,

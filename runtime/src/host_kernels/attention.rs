@@ -49,21 +49,14 @@ pub(super) struct Attention {
     lse: *mut f32,
     shape: Shape,
     causal: bool,
-    /// Runs of queries per head, each a unit of work, and the queries in each (a multiple of
-    /// `ROWS` but for the last).
-    runs: usize,
-    rows_per_run: usize,
-    /// This attention among all the process runs, so that a thread keeps a head's key panels
-    /// across the runs of it that it takes.
-    id: u64,
+    plan: Plan,
 }
 
 static ATTENTIONS: AtomicU64 = AtomicU64::new(1);
 
 impl Attention {
-    /// The attention and how many units it splits into for `parts` threads (one thread up to
-    /// `ALONE_MAX_FLOPS`, as for products): each head in enough runs of queries that every
-    /// thread gets several units, so a causal head's costlier late queries even out.
+    /// The attention, how many units it splits into for `parts` threads and on how many
+    /// threads (`Plan`).
     pub fn new(
         (q, k, v): (*const f32, *const f32, *const f32),
         (bias, valid): (Option<Bias>, usize),
@@ -72,18 +65,57 @@ impl Attention {
         causal: bool,
         parts: usize,
     ) -> (Self, usize, usize) {
+        let plan = Plan::new(shape, causal, parts, ROWS);
+        let (units, parts) = (plan.units, plan.parts);
+        (Attention { q, k, v, bias, valid: valid.min(shape.len_kv), out, lse, shape, causal, plan }, units, parts)
+    }
+}
+
+/// How an attention splits into units of work for `parts` threads (one thread up to
+/// `ALONE_MAX_FLOPS`, as for products): each head in enough runs of queries (blocks of `block`
+/// but for the last) that every thread gets several units, so a causal head's costlier late
+/// queries even out.
+pub(super) struct Plan {
+    pub runs: usize,
+    pub rows_per_run: usize,
+    pub units: usize,
+    pub parts: usize,
+    /// This attention among all the process runs, so that a thread keeps a head's keys across
+    /// the runs of it that it takes.
+    pub id: u64,
+}
+
+impl Plan {
+    pub fn new(shape: Shape, causal: bool, parts: usize, block: usize) -> Plan {
         let heads = shape.batch * shape.heads;
         let flops = 4 * heads * shape.len_q * shape.len_kv * shape.dim / if causal { 2 } else { 1 };
         let parts = if flops <= ALONE_MAX_FLOPS { 1 } else { parts.max(1) };
-        let blocks = shape.len_q.div_ceil(ROWS).max(1);
+        let blocks = shape.len_q.div_ceil(block).max(1);
         let runs = if parts == 1 { 1 } else { (4 * parts).div_ceil(heads.max(1)).clamp(1, blocks) };
-        let rows_per_run = blocks.div_ceil(runs) * ROWS;
+        let rows_per_run = blocks.div_ceil(runs) * block;
         let runs = shape.len_q.div_ceil(rows_per_run).max(1);
-        let id = ATTENTIONS.fetch_add(1, Ordering::Relaxed);
-        let valid = valid.min(shape.len_kv);
-        let attention = Attention { q, k, v, bias, valid, out, lse, shape, causal, runs, rows_per_run, id };
-        (attention, heads * runs, parts)
+        Plan { runs, rows_per_run, units: heads * runs, parts, id: ATTENTIONS.fetch_add(1, Ordering::Relaxed) }
     }
+
+    /// Unit `unit`'s head (batch entry and query head), key/value head and queries. Within a
+    /// head the runs are taken last first, so that a causal head's costliest run does not come
+    /// last.
+    pub fn unit(&self, shape: Shape, unit: usize) -> Unit {
+        let (head, run) = (unit / self.runs, self.runs - 1 - unit % self.runs);
+        let (b, h) = (head / shape.heads, head % shape.heads);
+        let first = run * self.rows_per_run;
+        Unit { head, b, h, kv: b * shape.kv_heads + h / (shape.heads / shape.kv_heads), queries: first..(first + self.rows_per_run).min(shape.len_q) }
+    }
+}
+
+/// One unit of an attention's work: query head `head` (`h` of batch entry `b`) over key/value
+/// head `kv` (counted over the batch), its queries `queries`.
+pub(super) struct Unit {
+    pub head: usize,
+    pub b: usize,
+    pub h: usize,
+    pub kv: usize,
+    pub queries: std::ops::Range<usize>,
 }
 
 thread_local! {
@@ -100,24 +132,20 @@ struct Scratch {
 }
 
 impl Chunked for Attention {
-    /// Unit `unit`: one run of one head's queries. Within a head the runs are taken last first,
-    /// so that a causal head's costliest run does not come last.
+    /// Unit `unit`: one run of one head's queries (`Plan::unit`).
     ///
     /// # Safety
     /// The pointers must cover the shapes; units write disjoint rows of `out` and `lse`.
     unsafe fn chunk(&self, unit: usize) {
         let s = self.shape;
-        let (head, run) = (unit / self.runs, self.runs - 1 - unit % self.runs);
-        let (b, h) = (head / s.heads, head % s.heads);
-        let kv = b * s.kv_heads + h / (s.heads / s.kv_heads);
+        let Unit { head, b, h, kv, queries } = self.plan.unit(s, unit);
         let (keys, values) = (self.k.add(kv * s.len_kv * s.dim), self.v.add(kv * s.len_kv * s.dim));
-        let first = run * self.rows_per_run;
-        let last = (first + self.rows_per_run).min(s.len_q);
+        let (first, last) = (queries.start, queries.end);
         let stride = s.len_kv.next_multiple_of(16);
         SCRATCH.with(|scratch| {
             let scratch = &mut *scratch.borrow_mut();
-            if scratch.holds != (self.id, b, kv) {
-                scratch.holds = (self.id, b, kv);
+            if scratch.holds != (self.plan.id, b, kv) {
+                scratch.holds = (self.plan.id, b, kv);
                 scratch.packed = 0;
             }
             let key_panels = scratch.panels.floats(s.len_kv.div_ceil(COLUMNS) * s.dim * COLUMNS);
@@ -154,8 +182,7 @@ impl Chunked for Attention {
                     *softmax = exponentials(scores.add(i * stride), visible, seen);
                     *inv = if softmax.0 == f32::NEG_INFINITY { 0.0 } else { 1.0 / softmax.1 };
                 }
-                let lse = logsumexps(&softmaxes);
-                std::ptr::copy_nonoverlapping(lse.as_ptr(), self.lse.add(head * s.len_q + r0), rows);
+                logsumexps(&softmaxes[..rows], std::slice::from_raw_parts_mut(self.lse.add(head * s.len_q + r0), rows));
                 let out = self.out.add((head * s.len_q + r0) * s.dim);
                 for c in (0..s.dim).step_by(COLUMNS) {
                     let tile = Tile { b: values.add(c), ldb: s.dim, k: seen, ldx: stride, ldy: s.dim, cols: COLUMNS.min(s.dim - c) };
@@ -175,22 +202,26 @@ impl Chunked for Attention {
     }
 }
 
-/// `max + ln(sum)` of each row's `(max, sum)`, 0 where every key is hidden (`max` is -inf), a
-/// vector's worth at once (a `logf` call per row was 2 % of a tiny GPT-2's execute).
-fn logsumexps(softmaxes: &[(f32, f32); ROWS]) -> [f32; ROWS] {
-    let logs = lns(std::array::from_fn(|i| softmaxes[i].1));
-    std::array::from_fn(|i| if softmaxes[i].0 == f32::NEG_INFINITY { 0.0 } else { softmaxes[i].0 + logs[i] })
+/// `max + ln(sum)` of each row's `(max, sum)` into `lse`, 0 where every key is hidden (`max` is
+/// -inf), sixteen rows at once where AVX-512 is there (a `logf` call per row was 2 % of a tiny
+/// GPT-2's execute).
+pub(super) fn logsumexps(softmaxes: &[(f32, f32)], lse: &mut [f32]) {
+    for (rows, out) in softmaxes.chunks(16).zip(lse.chunks_mut(16)) {
+        let mut sums = [1f32; 16];
+        rows.iter().zip(&mut sums).for_each(|(&(_, sum), s)| *s = sum);
+        let logs = lns(sums);
+        for ((&(max, _), log), o) in rows.iter().zip(logs).zip(out) {
+            *o = if max == f32::NEG_INFINITY { 0.0 } else { max + log };
+        }
+    }
 }
 
-/// The natural log of each of `sums`, sixteen lanes at once where AVX-512 is there.
-fn lns(sums: [f32; ROWS]) -> [f32; ROWS] {
+/// The natural log of each of `sums`.
+fn lns(sums: [f32; 16]) -> [f32; 16] {
     #[cfg(target_arch = "x86_64")]
     if super::gemm::available() {
-        let mut lanes = [1f32; 16];
-        lanes[..ROWS].copy_from_slice(&sums);
         // SAFETY: AVX-512 is available; the array is 16 f32s.
-        let logs: [f32; 16] = unsafe { std::mem::transmute(super::vector_math::ln(std::arch::x86_64::_mm512_loadu_ps(lanes.as_ptr()))) };
-        return std::array::from_fn(|i| logs[i]);
+        return unsafe { std::mem::transmute(super::vector_math::ln(std::arch::x86_64::_mm512_loadu_ps(sums.as_ptr()))) };
     }
     sums.map(f32::ln)
 }
@@ -198,7 +229,7 @@ fn lns(sums: [f32; ROWS]) -> [f32; ROWS] {
 /// Replaces the scores `row[..visible]` by `exp(score - max)` and `row[visible..len]` by 0;
 /// returns the max (NaN where a score is) and the exponentials' sum (0 where every score is
 /// -inf).
-unsafe fn exponentials(row: *mut f32, visible: usize, len: usize) -> (f32, f32) {
+pub(super) unsafe fn exponentials(row: *mut f32, visible: usize, len: usize) -> (f32, f32) {
     #[cfg(target_arch = "x86_64")]
     if super::gemm::available() {
         return x86::exponentials(row, visible, len);
