@@ -172,7 +172,9 @@ pub fn register(plugin: &Plugin) -> Vec<&'static str> {
         if amx::available() {
             handlers.extend([(BF16_MATMUL_NT_TARGET, bf16_matmul_nt as *const c_void), (BF16_MATMUL_NN_TARGET, bf16_matmul_nn as *const c_void)]);
             #[cfg(target_arch = "x86_64")]
-            handlers.extend([(BF16_ATTENTION_TARGET, bf16_attention as *const c_void), (BF16_CAUSAL_ATTENTION_TARGET, bf16_causal_attention as *const c_void)]);
+            if tile_attention::available() {
+                handlers.extend([(BF16_ATTENTION_TARGET, bf16_attention as *const c_void), (BF16_CAUSAL_ATTENTION_TARGET, bf16_causal_attention as *const c_void)]);
+            }
         }
     }
     // The argument layout below is the one of PJRT API 0.115; later headers differ.
@@ -330,7 +332,7 @@ pub fn products_on_tiles() -> bool {
 }
 
 /// The weight's layout: `[N, K]` (`y = x @ w.T`) or `[K, N]` (`y = x @ w`).
-#[derive(Clone, Copy, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 enum Layout {
     RowPerOutput,
     RowPerInput,

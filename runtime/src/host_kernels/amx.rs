@@ -143,6 +143,7 @@ pub(super) mod x86 {
     use super::super::Out;
     use super::{asm, Layout, Line, Range, Values, COLUMNS, L1_ROWS_BYTES, L2_SHARE_BYTES, STEP, TILE, TILE_LINES};
     use std::arch::x86_64::*;
+    use std::mem::transmute;
 
     /// The four tile products of a round: x's row tiles (tmm4, tmm5) by the weight's column
     /// halves (tmm6, tmm7), into the four sums.
@@ -188,27 +189,8 @@ pub(super) mod x86 {
     /// tile (16 rows by a step of K) is 1 KiB of its own, a row tile's steps one after another,
     /// so that a tile load reads consecutive lines rather than 16 rows `2 · lda` bytes apart,
     /// which land in a few of L1's sets.
-    fn tiled(r: usize, kk: usize, lda: usize) -> usize {
+    pub(in crate::host_kernels) fn tiled(r: usize, kk: usize, lda: usize) -> usize {
         (r / TILE) * TILE * lda + (kk / STEP) * TILE * STEP + (r % TILE) * STEP
-    }
-
-    /// f32 rows `stride` apart, `k` long, rounded to the nearest even bf16 (NaN kept NaN) and
-    /// laid out as `split` lays out bf16 ones: a bf16 attention's exponentials, the first
-    /// operand of their product by the values.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    pub(in crate::host_kernels) unsafe fn split_rounded(x: *const f32, stride: usize, k: usize, rows: usize, a: &mut [u16], lda: usize) {
-        let out = a.as_mut_ptr();
-        for r in 0..a.len() / lda {
-            for kk in (0..lda).step_by(STEP) {
-                let halves = [0, 1].map(|half| {
-                    let at = kk + 16 * half;
-                    let v = if r < rows { _mm512_maskz_loadu_ps(lanes(k, at), x.add(r * stride + at)) } else { _mm512_setzero_ps() };
-                    _mm512_cvtepi32_epi16(rounded_bf16(v))
-                });
-                let both = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(halves[0]), halves[1]);
-                _mm512_storeu_si512(out.add(tiled(r, kk, lda)) as *mut __m512i, both);
-            }
-        }
     }
 
     /// Every pair of tile rows of `a` (`tall` rows, a multiple of 32) times the weight's
@@ -391,6 +373,8 @@ pub(super) mod x86 {
         // A column's K `2r` and `2r + 1` in u32 `r`; a row's column `c` and the next row's in
         // u32 `c`.
         let (tops, pairs) = (halves_index(|slot| 2 * slot + 1), halves_index(|slot| if slot % 2 == 0 { slot + 1 } else { 32 + slot }));
+        // Column `c` of two bf16 rows (the low halves of `a` and `b`) at u16 `2c` and `2c + 1`.
+        let interleaved = halves_index(|slot| slot / 2 + if slot % 2 == 0 { 0 } else { 32 });
         let tile_u16s = TILE * 2 * TILE;
         for block in 0..n.div_ceil(COLUMNS) {
             for step in 0..steps {
@@ -399,6 +383,24 @@ pub(super) mod x86 {
                     let k0 = step * STEP;
                     let mut rows = [[_mm512_setzero_si512(); TILE]; 3];
                     match layout {
+                        // A bf16 column's 32 values of K are already the 16 pairs a tile row
+                        // takes: loaded as they are.
+                        Layout::RowPerOutput if values == Values::Bf16 => {
+                            let mask = (u64::MAX >> (64 - k.saturating_sub(k0).min(STEP))) as __mmask32;
+                            for c in 0..n.saturating_sub(first_col).min(TILE) {
+                                rows[0][c] = _mm512_maskz_loadu_epi16(mask, w.add(2 * ((first_col + c) * k + k0)) as *const i16);
+                            }
+                            rows[0] = transmute(transpose(transmute::<[__m512i; TILE], [__m512; TILE]>(rows[0])));
+                        }
+                        Layout::RowPerInput if values == Values::Bf16 => {
+                            let mask = lanes(n, first_col);
+                            let row = |kk: usize| _mm512_castsi256_si512(_mm256_maskz_loadu_epi16(mask, w.add(2 * (kk * n + first_col)) as *const i16));
+                            for r in 0..TILE.min(k.saturating_sub(k0).div_ceil(2)) {
+                                let kk = k0 + 2 * r;
+                                let odd = if kk + 1 < k { row(kk + 1) } else { _mm512_setzero_si512() };
+                                rows[0][r] = _mm512_permutex2var_epi16(row(kk), interleaved, odd);
+                            }
+                        }
                         Layout::RowPerOutput => {
                             for c in 0..n.saturating_sub(first_col).min(TILE) {
                                 let at = (first_col + c) * k + k0;
@@ -408,7 +410,7 @@ pub(super) mod x86 {
                                 }
                             }
                             for row in rows.iter_mut().take(values.pieces()) {
-                                *row = transpose(row.map(|r| _mm512_castsi512_ps(r))).map(|r| _mm512_castps_si512(r));
+                                *row = transmute(transpose(transmute::<[__m512i; TILE], [__m512; TILE]>(*row)));
                             }
                         }
                         Layout::RowPerInput => {
@@ -494,16 +496,16 @@ mod tests {
     }
 
     /// `pack` value by value, as a reference.
-    fn pack_reference(w: &[f32], (n, k): (usize, usize), layout: Layout) -> Vec<u16> {
+    fn pack_reference(w: &[f32], (n, k): (usize, usize), layout: Layout, values: Values) -> Vec<u16> {
         let steps = k.div_ceil(STEP);
-        let mut out = vec![0u16; packed_lines(n, k, Values::F32) * 2 * TILE];
+        let mut out = vec![0u16; packed_lines(n, k, values) * 2 * TILE];
         for col in 0..n {
             let (block, half, lane) = (col / COLUMNS, col % COLUMNS / TILE, col % TILE);
             for kk in 0..k {
                 let v = if layout == Layout::RowPerOutput { w[col * k + kk] } else { w[kk * n + col] };
                 let (step, row, pair) = (kk / STEP, kk % STEP / 2, kk % 2);
-                let first_tile = ((block * steps + step) * 2 + half) * 3;
-                for (piece, bits) in pieces(v).into_iter().enumerate() {
+                let first_tile = ((block * steps + step) * 2 + half) * values.pieces();
+                for (piece, bits) in pieces(v).into_iter().enumerate().take(values.pieces()) {
                     out[((first_tile + piece) * TILE + row) * 2 * TILE + 2 * lane + pair] = bits;
                 }
             }
@@ -553,10 +555,14 @@ mod tests {
         let mut next = super::super::uniform(5);
         for (n, k) in [(32, 32), (45, 70), (200, 33), (31, 1), (64, 256), (17, 95)] {
             let w: Vec<f32> = (0..n * k).map(|_| next() * 100.0).collect();
+            // bf16 values: each f32's first piece.
+            let halves: Vec<u16> = w.iter().map(|&v| pieces(v)[0]).collect();
             for layout in [Layout::RowPerOutput, Layout::RowPerInput] {
-                let packed = unsafe { pack(w.as_ptr() as *const u8, (n, k), layout, Values::F32) }.unwrap();
-                let bits = unsafe { std::slice::from_raw_parts(packed.as_ptr() as *const u16, packed.len() * 32) };
-                assert!(bits == pack_reference(&w, (n, k), layout), "{n}x{k} {}", layout == Layout::RowPerOutput);
+                for (values, data) in [(Values::F32, w.as_ptr() as *const u8), (Values::Bf16, halves.as_ptr() as *const u8)] {
+                    let packed = unsafe { pack(data, (n, k), layout, values) }.unwrap();
+                    let bits = unsafe { std::slice::from_raw_parts(packed.as_ptr() as *const u16, packed.len() * 32) };
+                    assert!(bits == pack_reference(&w, (n, k), layout, values), "{n}x{k} {layout:?} {values:?}");
+                }
             }
         }
     }

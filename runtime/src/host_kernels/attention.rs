@@ -229,7 +229,7 @@ fn lns(sums: [f32; 16]) -> [f32; 16] {
 /// Replaces the scores `row[..visible]` by `exp(score - max)` and `row[visible..len]` by 0;
 /// returns the max (NaN where a score is) and the exponentials' sum (0 where every score is
 /// -inf).
-pub(super) unsafe fn exponentials(row: *mut f32, visible: usize, len: usize) -> (f32, f32) {
+unsafe fn exponentials(row: *mut f32, visible: usize, len: usize) -> (f32, f32) {
     #[cfg(target_arch = "x86_64")]
     if super::gemm::available() {
         return x86::exponentials(row, visible, len);

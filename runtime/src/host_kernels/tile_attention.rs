@@ -10,7 +10,7 @@
 //! weight, values as an `[S, E]` one read the other way) and keeps them for the head's runs.
 
 use super::amx::{self, x86::*, Values, STEP};
-use super::attention::{exponentials, logsumexps, Bias, Plan, Shape, Unit};
+use super::attention::{logsumexps, Bias, Plan, Shape, Unit};
 use super::gemm::{Lines, COLUMNS};
 use super::pool::Chunked;
 use super::{Layout, Out};
@@ -18,6 +18,12 @@ use std::cell::RefCell;
 
 /// Queries per block: the two row tiles a tile product round takes.
 const BLOCK: usize = 32;
+
+/// Whether it runs here: AMX's tiles, and AVX-512's bf16 conversions (every CPU with the one
+/// has the other, but each is asked).
+pub(super) fn available() -> bool {
+    amx::available() && std::arch::is_x86_feature_detected!("avx512bf16")
+}
 
 /// One attention of bf16 `q`, `k`, `v` into bf16 `out` and f32 `lse`, as `Attention` (but for
 /// `q` being unscaled: `scale` multiplies the scores).
@@ -37,7 +43,7 @@ pub(super) struct TileAttention {
 
 impl TileAttention {
     /// The attention, how many units it splits into for `parts` threads and on how many
-    /// threads (its units run only where `amx::available()`).
+    /// threads (its units run only where `available()`).
     pub fn new(
         (q, k, v, scale): (*const u16, *const u16, *const u16, f32),
         (bias, valid): (Option<Bias>, usize),
@@ -75,7 +81,7 @@ impl Chunked for TileAttention {
     /// Unit `unit`: one run of one head's queries (`Plan::unit`).
     ///
     /// # Safety
-    /// The pointers must cover the shapes, `amx::available()` be true; units write disjoint
+    /// The pointers must cover the shapes, `available()` be true; units write disjoint
     /// rows of `out` and `lse`.
     unsafe fn chunk(&self, unit: usize) {
         let s = self.shape;
@@ -107,19 +113,19 @@ impl Chunked for TileAttention {
                 let a = tile_rows.u16s(BLOCK * lda);
                 split(q, Values::Bf16, s.dim, rows, a, BLOCK * lda, lda);
                 products(a.as_ptr(), (BLOCK, lda, dim_steps), Values::Bf16, (keys, dim_steps), (Out::F32(scores), stride, rows), 0..seen.div_ceil(COLUMNS), partial);
+                // The exponentials, rounded, straight into the tiles' rows for their product by
+                // the values (zero past a query's visible keys and past the block's queries).
+                let lda = seen.div_ceil(STEP) * STEP;
+                let a = tile_rows.u16s(BLOCK * lda);
+                a[tiled(rows, 0, lda)..].fill(0);
                 let mut softmaxes = [(0f32, 0f32); BLOCK];
                 for (i, softmax) in softmaxes.iter_mut().enumerate().take(rows) {
-                    let row = scores.add(i * stride);
                     let added = self.bias.map(|bias| bias.data.add(b * bias.batch_stride + h * bias.head_stride + (r0 + i) * s.len_kv));
-                    scale_and_add(row, seen, self.scale, added);
                     let visible = if self.causal { (r0 + i + 1).min(self.valid) } else { self.valid };
-                    *softmax = exponentials(row, visible, seen);
+                    *softmax = exponentials_into_tiles(scores.add(i * stride), (self.scale, added), visible, (a.as_mut_ptr(), i, lda));
                 }
                 logsumexps(&softmaxes[..rows], std::slice::from_raw_parts_mut(self.lse.add(head * s.len_q + r0), rows));
                 if seen > 0 {
-                    let lda = seen.div_ceil(STEP) * STEP;
-                    let a = tile_rows.u16s(BLOCK * lda);
-                    split_rounded(scores, stride, seen, rows, a, lda);
                     products(a.as_ptr(), (BLOCK, lda, seen.div_ceil(STEP)), Values::Bf16, (values, key_steps), (Out::F32(sums), s.dim, rows), 0..s.dim.div_ceil(COLUMNS), partial);
                 }
                 let out = self.out.add((head * s.len_q + r0) * s.dim);
@@ -138,21 +144,43 @@ impl Chunked for TileAttention {
     }
 }
 
-/// `row[..len] = row[..len] · scale + added[..len]` (without `added` where there is none), in
-/// f32 as eager scales and masks the scores.
-#[target_feature(enable = "avx512f")]
-unsafe fn scale_and_add(row: *mut f32, len: usize, scale: f32, added: Option<*const f32>) {
-    use super::vector_math::lanes;
+/// Row `r` of a block's exponentials `exp(x - max)` of its scores `x = row · scale + added`
+/// (in f32, as eager scales and masks them) over its `visible` keys, rounded to bf16 into the
+/// tiles' rows `tiles` (`lda` keys long, zero past `visible`); returns the max (NaN where a
+/// score is) and the f32 exponentials' sum. One pass to find the max and one to write, where
+/// scaling, the softmax and the rounding each passed over the block's scores.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn exponentials_into_tiles(row: *const f32, (scale, added): (f32, Option<*const f32>), visible: usize, (tiles, r, lda): (*mut u16, usize, usize)) -> (f32, f32) {
+    use super::vector_math::{exp, lanes};
     use std::arch::x86_64::*;
     let factor = _mm512_set1_ps(scale);
-    for at in (0..len).step_by(16) {
-        let mask = lanes(len, at);
-        let mut x = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, row.add(at)), factor);
-        if let Some(added) = added {
-            x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(mask, added.add(at)));
-        }
-        _mm512_mask_storeu_ps(row.add(at), mask, x);
+    let scores = |at: usize, mask: __mmask16| {
+        let x = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, row.add(at)), factor);
+        added.map_or(x, |added| _mm512_add_ps(x, _mm512_maskz_loadu_ps(mask, added.add(at))))
+    };
+    let mut max = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut nan: __mmask16 = 0;
+    for at in (0..visible).step_by(16) {
+        let (mask, x) = (lanes(visible, at), scores(at, lanes(visible, at)));
+        max = _mm512_mask_max_ps(max, mask, x, max);
+        nan |= _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
     }
+    // A NaN score makes its row NaN, as in eager (`max` drops NaN).
+    let max = if nan != 0 { f32::NAN } else { _mm512_reduce_max_ps(max) };
+    let shift = _mm512_set1_ps(max);
+    let mut sum = _mm512_setzero_ps();
+    for kk in (0..lda).step_by(STEP) {
+        let [low, high] = [0, 1].map(|half| {
+            let (at, mask) = (kk + 16 * half, lanes(visible, kk + 16 * half));
+            let e = _mm512_maskz_mov_ps(mask, exp(_mm512_sub_ps(scores(at, mask), shift)));
+            sum = _mm512_add_ps(sum, e);
+            e
+        });
+        // Rounded to the nearest even by one instruction (which flushes values below 2^-126 to
+        // zero, as the tiles' products would).
+        _mm512_storeu_si512(tiles.add(tiled(r, kk, lda)) as *mut __m512i, std::mem::transmute(_mm512_cvtne2ps_pbh(high, low)));
+    }
+    (max, _mm512_reduce_add_ps(sum))
 }
 
 #[cfg(test)]
@@ -166,7 +194,7 @@ mod tests {
     /// to bf16 may take (2⁻⁹ of the values' size each).
     #[test]
     fn agrees_with_f64() {
-        if !amx::available() {
+        if !available() {
             return;
         }
         let mut uniform = super::super::uniform(5);
