@@ -31,6 +31,7 @@ def host_kernels() -> list[str]:
 
 F32_KERNELS = ["tpu_dynamo.f32_matmul_nt", "tpu_dynamo.f32_matmul_nn"]
 BF16_TILE_KERNELS = ["tpu_dynamo.bf16_matmul_nt", "tpu_dynamo.bf16_matmul_nn"]
+BF16_TILE_BIAS_KERNELS = ["tpu_dynamo.bf16_matmul_nt_bias", "tpu_dynamo.bf16_matmul_nn_bias"]
 BIAS_KERNELS = ["tpu_dynamo.f32_matmul_nt_bias", "tpu_dynamo.f32_matmul_nn_bias"]
 GELU_KERNELS = ["tpu_dynamo.f32_matmul_nt_bias_gelu_tanh", "tpu_dynamo.f32_matmul_nn_bias_gelu_tanh"]
 SILU_KERNELS = ["tpu_dynamo.f32_matmul_nt_silu_times", "tpu_dynamo.f32_matmul_nn_silu_times"]
@@ -47,7 +48,7 @@ def test_the_embedded_plugin_runs_our_kernels():
     with AVX-512 the f32 ones too, and with AMX bf16 products and attention on its tiles."""
     f32_kernels = F32_KERNELS + BIAS_KERNELS + GELU_KERNELS + SILU_KERNELS + ATTENTION_KERNELS + [LAYER_NORM_KERNEL, RMS_NORM_KERNEL]
     assert host_kernels() == ["tpu_dynamo.bf16_matvec", "tpu_dynamo.bf16_vecmat"] + (f32_kernels if AVX512 else []) + (
-        BF16_TILE_KERNELS + BF16_ATTENTION_KERNELS if tpu_dynamo.device_info()["amx"] else []
+        BF16_TILE_KERNELS + BF16_TILE_BIAS_KERNELS + BF16_ATTENTION_KERNELS if tpu_dynamo.device_info()["amx"] else []
     )
 
 
@@ -227,7 +228,25 @@ def test_a_kept_bf16_weight_s_product_runs_on_the_tiles(rows, k, n, module, comp
     step = 2.0 ** (torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7)
     assert got.dtype == torch.bfloat16 and ((got.double() - exact).abs() <= step + k * 2.0**-24 * magnitudes).all()
     assert (got != want).sum() <= max(2, got.numel() // 500)
-    assert kernel_calls(compiled, BF16_TILE_KERNELS) == int(tpu_dynamo.device_info()["amx"])
+    kernels = BF16_TILE_BIAS_KERNELS if layer.bias is not None else BF16_TILE_KERNELS
+    assert kernel_calls(compiled, kernels) == int(tpu_dynamo.device_info()["amx"])
+
+
+@needs_f32_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_addmm_of_a_full_input_adds_it_after_the_product(dtype, compiled):
+    """`addmm(c, a, w)` with `c` shaped as the result (not a bias `[N]`) is not given to the
+    kernels that add a bias (it was, and their handler refused it at run time): the product
+    runs as any, `c` is added after it."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(64, 256, dtype=dtype))
+    c, a = torch.randn(128, 256, dtype=dtype), torch.randn(128, 64, dtype=dtype)
+    f = lambda c, a: torch.addmm(c, a, w)
+    with torch.no_grad():
+        got, want = compile_tpu(f)(c, a), f(c, a)
+    tolerance = 2e-5 if dtype == torch.float32 else 2**-6
+    torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance * 10)
+    assert kernel_calls(compiled, BIAS_KERNELS + BF16_TILE_BIAS_KERNELS) == 0
 
 
 @needs_f32_kernels
@@ -327,7 +346,7 @@ def kernel_calls(compiled, targets: list[str]) -> int:
     """Calls of the kernels `targets` in the graphs compiled so far (each compiled again for its
     text, which `compiled` records too: hence the copy)."""
     texts = [_native.compile(graph_json, need_stablehlo=True).stablehlo for graph_json, _ in list(compiled)]
-    return sum(text.count(target) for text in texts for target in targets)
+    return sum(text.count(f'"{target}"') for text in texts for target in targets)
 
 
 def run_and_texts(fn, *args) -> tuple[torch.Tensor, torch.Tensor, list[str]]:

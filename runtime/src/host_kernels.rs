@@ -37,6 +37,9 @@ pub const BF16_VECMAT_TARGET: &str = "tpu_dynamo.bf16_vecmat";
 /// The custom call targets of bf16 rows times a weight so stored, on AMX tiles.
 pub const BF16_MATMUL_NT_TARGET: &str = "tpu_dynamo.bf16_matmul_nt";
 pub const BF16_MATMUL_NN_TARGET: &str = "tpu_dynamo.bf16_matmul_nn";
+/// The same adding an f32 bias `[N]` to the f32 sums before they are rounded.
+pub const BF16_MATMUL_NT_BIAS_TARGET: &str = "tpu_dynamo.bf16_matmul_nt_bias";
+pub const BF16_MATMUL_NN_BIAS_TARGET: &str = "tpu_dynamo.bf16_matmul_nn_bias";
 /// The custom call targets of an f32 product with a matrix stored `[N, K]` and `[K, N]`.
 pub const F32_MATMUL_NT_TARGET: &str = "tpu_dynamo.f32_matmul_nt";
 pub const F32_MATMUL_NN_TARGET: &str = "tpu_dynamo.f32_matmul_nn";
@@ -171,6 +174,7 @@ pub fn register(plugin: &Plugin) -> Vec<&'static str> {
         handlers.extend([(F32_LAYER_NORM_TARGET, f32_layer_norm as *const c_void), (F32_RMS_NORM_TARGET, f32_rms_norm as *const c_void)]);
         if amx::available() {
             handlers.extend([(BF16_MATMUL_NT_TARGET, bf16_matmul_nt as *const c_void), (BF16_MATMUL_NN_TARGET, bf16_matmul_nn as *const c_void)]);
+            handlers.extend([(BF16_MATMUL_NT_BIAS_TARGET, bf16_matmul_nt_bias as *const c_void), (BF16_MATMUL_NN_BIAS_TARGET, bf16_matmul_nn_bias as *const c_void)]);
             #[cfg(target_arch = "x86_64")]
             if tile_attention::available() {
                 handlers.extend([(BF16_ATTENTION_TARGET, bf16_attention as *const c_void), (BF16_CAUSAL_ATTENTION_TARGET, bf16_causal_attention as *const c_void)]);
@@ -369,6 +373,8 @@ product_handlers! {
     bf16_vecmat: BF16_VECMAT_TARGET, RowPerInput, XLA_FFI_BF16, None;
     bf16_matmul_nt: BF16_MATMUL_NT_TARGET, RowPerOutput, XLA_FFI_BF16, None;
     bf16_matmul_nn: BF16_MATMUL_NN_TARGET, RowPerInput, XLA_FFI_BF16, None;
+    bf16_matmul_nt_bias: BF16_MATMUL_NT_BIAS_TARGET, RowPerOutput, XLA_FFI_BF16, Some(Activation::Identity);
+    bf16_matmul_nn_bias: BF16_MATMUL_NN_BIAS_TARGET, RowPerInput, XLA_FFI_BF16, Some(Activation::Identity);
     f32_matmul_nt: F32_MATMUL_NT_TARGET, RowPerOutput, XLA_FFI_F32, None;
     f32_matmul_nn: F32_MATMUL_NN_TARGET, RowPerInput, XLA_FFI_F32, None;
     f32_matmul_nt_bias: F32_MATMUL_NT_BIAS_TARGET, RowPerOutput, XLA_FFI_F32, Some(Activation::Identity);
@@ -381,7 +387,8 @@ product_handlers! {
 
 /// The typed-FFI handlers: `y[m, n] = sum_k x[m, k] * w[n, k]` (or `w[k, n]`) for `x` `[.., K]`
 /// into `y` `[.., N]`: bf16 `x` and `w` (leading dims of one or a few rows, or for the tiles'
-/// targets many) into bf16 or f32 `y`, or f32 throughout, then (f32, `epilogue` given) a bias `[N]` added and the activation
+/// targets many) into bf16 or f32 `y`, or f32 throughout, then (`epilogue` given) an f32 bias
+/// `[N]` added (to a bf16 product's f32 sums, before they are rounded) and the activation
 /// applied, or SiLU applied and the result multiplied by a factor. Answers XLA's metadata query
 /// at registration; never unwinds into the plugin.
 unsafe fn handle(frame: &mut FfiCallFrame, target: &'static str, layout: Layout, operands: c_int, epilogue: Option<Activation>) -> *mut c_void {
@@ -400,26 +407,26 @@ unsafe fn handle(frame: &mut FfiCallFrame, target: &'static str, layout: Layout,
     let (n, kw) = if layout == Layout::RowPerOutput { (rows_w, cols_w) } else { (cols_w, rows_w) };
     let rows: i64 = lead.iter().product();
     let shapes_agree = kw == k && yd.iter().product::<i64>() == rows * n;
+    // The third operand: a bias `[N]`, or for SiLU the factor, shaped as `y`.
+    let epilogue = match epilogue {
+        None => None,
+        Some(activation) => {
+            let third = &**frame.args.items.add(2);
+            let (data, none) = (third.data as *const f32, std::ptr::null());
+            let (epilogue, fits, expects) = match activation {
+                Activation::Silu => (Epilogue { bias: none, activation, times: data }, dims(third) == yd, "a factor shaped as y"),
+                _ => (Epilogue { bias: data, activation, times: none }, dims(third) == [n], "a bias [N]"),
+            };
+            if third.dtype != XLA_FFI_F32 || !fits {
+                return error(frame, target, &format!("expects an f32 {expects} for y {yd:?}, got {:?}", dims(third)));
+            }
+            Some(epilogue)
+        }
+    };
     let ran = if operands == XLA_FFI_F32 {
         if [x.dtype, w.dtype, y.dtype] != [XLA_FFI_F32; 3] || !shapes_agree {
             return error(frame, target, &format!("expects f32 x [.., K], w and y [.., N], got {xd:?}, {wd:?}, {yd:?}"));
         }
-        // The third operand: a bias `[N]`, or for SiLU the factor, shaped as `y`.
-        let epilogue = match epilogue {
-            None => None,
-            Some(activation) => {
-                let third = &**frame.args.items.add(2);
-                let (data, none) = (third.data as *const f32, std::ptr::null());
-                let (epilogue, fits, expects) = match activation {
-                    Activation::Silu => (Epilogue { bias: none, activation, times: data }, dims(third) == yd, "a factor shaped as y"),
-                    _ => (Epilogue { bias: data, activation, times: none }, dims(third) == [n], "a bias [N]"),
-                };
-                if third.dtype != XLA_FFI_F32 || !fits {
-                    return error(frame, target, &format!("expects an f32 {expects} for y {yd:?}, got {:?}", dims(third)));
-                }
-                Some(epilogue)
-            }
-        };
         let shape = (rows as usize, n as usize, k as usize);
         let (xla, threads) = XlaPool::with_threads(frame);
         std::panic::catch_unwind(|| {
@@ -437,10 +444,10 @@ unsafe fn handle(frame: &mut FfiCallFrame, target: &'static str, layout: Layout,
             return error(frame, target, &format!("expects bf16 x [.., K], w and y [.., N], got {xd:?}, {wd:?}, {yd:?}"));
         }
         let (k, n, rows) = (k as usize, n as usize, rows as usize);
-        if [BF16_MATMUL_NT_TARGET, BF16_MATMUL_NN_TARGET].contains(&target) && amx::available() {
+        if [BF16_MATMUL_NT_TARGET, BF16_MATMUL_NN_TARGET, BF16_MATMUL_NT_BIAS_TARGET, BF16_MATMUL_NN_BIAS_TARGET].contains(&target) && amx::available() {
             let (xla, threads) = XlaPool::with_threads(frame);
             let ran = std::panic::catch_unwind(|| {
-                let (product, chunks) = gemm::Gemm::new((x.data as *const u8, w.data as *const u8, out), amx::Values::Bf16, (rows, n, k), layout, threads, None);
+                let (product, chunks) = gemm::Gemm::new((x.data as *const u8, w.data as *const u8, out), amx::Values::Bf16, (rows, n, k), layout, threads, epilogue);
                 run_units(xla, product, chunks, threads);
             });
             return answer(frame, target, ran);

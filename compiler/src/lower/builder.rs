@@ -885,7 +885,7 @@ impl<'a> Builder<'a> {
     /// kernels (`tpu_dynamo_runtime::host_kernels`), where the process's plugin has them, with a
     /// `third` operand where the kernels take one (a bias `[N]`, or a factor shaped as the
     /// result): `None` otherwise or for another layout.
-    fn host_product(&self, kernels: Option<HostProduct>, a: &Val<'a>, b: &Val<'a>, third: Option<&Val<'a>>, contract: (&[i64], &[i64]), out: DType) -> R<Option<Val<'a>>> {
+    pub fn host_product(&self, kernels: Option<HostProduct>, a: &Val<'a>, b: &Val<'a>, third: Option<&Val<'a>>, contract: (&[i64], &[i64]), out: DType) -> R<Option<Val<'a>>> {
         let (b, _, b_contract) = fold_transpose(b, &[], contract.1);
         let lhs_last = a.rank() as i64 - 1;
         let (Some(kernels), 2, [lhs]) = (kernels, b.rank(), contract.0) else { return Ok(None) };
@@ -896,7 +896,7 @@ impl<'a> Builder<'a> {
         };
         let mut shape = a.shape()[..a.rank() - 1].to_vec();
         shape.push(n);
-        if third.is_some_and(|t| (t.shape() != [n] && t.shape() != shape) || t.dtype() != out) {
+        if third.is_some_and(|t| (t.shape() != [n] && t.shape() != shape) || t.dtype() != opmath(out)) {
             return Ok(None);
         }
         let operands: Vec<&Val<'a>> = [a, &b].into_iter().chain(third).collect();
@@ -1039,13 +1039,22 @@ impl<'a> Builder<'a> {
                 return Ok(product);
             }
         }
-        // bf16 rows times a matrix on AMX tiles, as f32 ones from as few rows and flops.
-        if rows.is_some_and(|rows| rows >= HOST_GEMM_MIN_ROWS && 2 * rows * b.ty.numel() >= *HOST_GEMM_FLOPS.start()) && self.kept_on_tiles(b, batch.1, contract.1) {
+        if self.bf16_product_on_tiles(a, b, batch, contract, out) {
             if let Some(product) = self.host_product(lowering_target().host_bf16_gemm, a, b, None, contract, out)? {
                 return Ok(product);
             }
         }
         self.xla_dot_general(a, b, batch, contract, out)
+    }
+
+    /// Whether `dot_general(a, b)` is bf16 rows times a bf16 weight kept on AMX tiles, which our
+    /// kernel multiplies there (from as few rows and flops as f32 ones), summing in f32 and
+    /// rounding once to a bf16 result itself: then a bf16 product needs no f32 one converted.
+    pub fn bf16_product_on_tiles(&self, a: &Val<'a>, b: &Val<'a>, batch: (&[i64], &[i64]), contract: (&[i64], &[i64]), out: DType) -> bool {
+        let rows = bf16_rows_times_matrix(a, b, batch, contract, out);
+        lowering_target().host_bf16_gemm.is_some()
+            && rows.is_some_and(|rows| rows >= HOST_GEMM_MIN_ROWS && 2 * rows * b.ty.numel() >= *HOST_GEMM_FLOPS.start())
+            && self.kept_on_tiles(b, batch.1, contract.1)
     }
 
     /// `dot_general` as XLA's own product, never one of our host kernels.
@@ -1258,8 +1267,10 @@ pub struct LoweringTarget {
     pub host_matvec: Option<HostProduct>,
     /// The same for f32 products of a few MFLOP, split over the host's cores.
     pub host_gemm: Option<HostProduct>,
-    /// The same for bf16 rows times a weight kept on AMX tiles (`weights_kept_on_tiles`).
+    /// The same for bf16 rows times a weight kept on AMX tiles (`weights_kept_on_tiles`), and
+    /// adding an f32 bias `[N]` before rounding.
     pub host_bf16_gemm: Option<HostProduct>,
+    pub host_bf16_gemm_bias: Option<HostProduct>,
     /// The same products adding a bias `[N]`, and then the tanh GELU.
     pub host_gemm_bias: Option<HostProduct>,
     pub host_gemm_bias_gelu_tanh: Option<HostProduct>,
@@ -1283,6 +1294,7 @@ pub static LOWERING_TARGET: RwLock<LoweringTarget> = RwLock::new(LoweringTarget 
     host_matvec: None,
     host_gemm: None,
     host_bf16_gemm: None,
+    host_bf16_gemm_bias: None,
     host_gemm_bias: None,
     host_gemm_bias_gelu_tanh: None,
     host_gemm_silu_times: None,

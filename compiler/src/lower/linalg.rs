@@ -120,13 +120,26 @@ fn matmul(n: NodeCtx<'_>) -> Res<'_> {
         let k = a.rank() as i64 - 1;
         let a = hide_padded_keys(&n, a, k as usize, 0.0)?;
         let b = hide_padded_keys(&n, b, k as usize - 1, 0.0)?;
-        if n.op == "aten.addmm.default" && n.float_or(3, "beta", 1.0)? == 1.0 && n.float_or(4, "alpha", 1.0)? == 1.0 {
-            // The bias added by our product kernel, where it computes the product.
-            if let Some(y) = bd.host_product_then(lowering_target().host_gemm_bias, &a, &b, &n.tensor(0, "self")?)? {
+        let contract: (&[i64], &[i64]) = (&[k], &[k - 1]);
+        let on_tiles = bd.bf16_product_on_tiles(&a, &b, (batch, batch), contract, out);
+        let bias = n.tensor(0, "self");
+        let plain_bias = n.op == "aten.addmm.default" && n.float_or(3, "beta", 1.0)? == 1.0 && n.float_or(4, "alpha", 1.0)? == 1.0;
+        if let (true, Ok(bias)) = (plain_bias, &bias) {
+            // The bias `[N]` added by our product kernel, where it computes the product: to f32
+            // results, or to a bf16 product's f32 sums before they are rounded once.
+            let columns = b.shape()[b.rank() - 1];
+            let y = match (bias.shape() == [columns], out) {
+                (true, DType::F32) => bd.host_product_then(lowering_target().host_gemm_bias, &a, &b, bias)?,
+                (true, DType::Bf16) if on_tiles => bd.host_product(lowering_target().host_bf16_gemm_bias, &a, &b, Some(&bd.convert(bias, DType::F32)?), contract, out)?,
+                _ => None,
+            };
+            if let Some(y) = y {
                 return Ok(vec![y]);
             }
         }
-        bd.dot_general(&a, &b, (batch, batch), (&[k], &[k - 1]), product_type(out, fused, a.shape()[k as usize]))?
+        // A bf16 product on the tiles is rounded by the kernel, as an f32 one converted would be.
+        let product = if on_tiles && !fused { out } else { product_type(out, fused, a.shape()[k as usize]) };
+        bd.dot_general(&a, &b, (batch, batch), contract, product)?
     };
     if !fused {
         return Ok(vec![bd.convert(&prod, out)?]);

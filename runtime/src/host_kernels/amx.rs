@@ -114,14 +114,15 @@ thread_local! {
 }
 
 /// Rows `first_row..first_row + rows` of `y = x @ w`, in column blocks `blocks` (32 columns
-/// each), on the tiles, from the weight's `pieces` (both operands of `values`); false, with
-/// nothing written, where those rows of an f32 `x` are not all finite.
+/// each), on the tiles, from the weight's `pieces` (both operands of `values`), `bias` `[n]`
+/// added to the f32 sums where not null; false, with nothing written, where those rows of an
+/// f32 `x` are not all finite.
 ///
 /// # Safety
 /// `x` `[m, k]` and `y` `[m, n]` must cover these rows, `pieces` be `pack`'s result for `w`, and
 /// `available()` be true.
 #[cfg(target_arch = "x86_64")]
-pub(super) unsafe fn rows((x, y): (*const u8, Out), values: Values, (n, k): (usize, usize), pieces: &[Line], first_row: usize, rows: usize, blocks: Range<usize>) -> bool {
+pub(super) unsafe fn rows((x, y, bias): (*const u8, Out, *const f32), values: Values, (n, k): (usize, usize), pieces: &[Line], first_row: usize, rows: usize, blocks: Range<usize>) -> bool {
     SCRATCH.with(|scratch| {
         let (split, partial) = &mut *scratch.borrow_mut();
         let steps = k.div_ceil(STEP);
@@ -132,7 +133,7 @@ pub(super) unsafe fn rows((x, y): (*const u8, Out), values: Values, (n, k): (usi
             return false;
         }
         let partial = partial.floats(2 * TILE * COLUMNS);
-        x86::products(a.as_ptr(), (tall, lda, steps), values, (pieces.as_ptr(), steps), (y.add(first_row * n), n, rows), blocks, partial);
+        x86::products(a.as_ptr(), (tall, lda, steps), values, (pieces.as_ptr(), steps), (y.add(first_row * n), n, rows, bias), blocks, partial);
         true
     })
 }
@@ -195,7 +196,8 @@ pub(super) mod x86 {
 
     /// Every pair of tile rows of `a` (`tall` rows, a multiple of 32) times the weight's
     /// `pieces` (`pieces_steps` steps of K to a column block) in column blocks `blocks`, into
-    /// `y` (`rows` rows, `n` columns), a partial tile through `partial` (`[32, 32]`).
+    /// `y` (`rows` rows, `n` columns; `bias` `[n]` added where not null), through `partial`
+    /// (`[32, 32]`) where a tile's rows are not written as they are.
     ///
     /// Four sums (tmm0-3: rows 0-15 and 16-31 by columns 0-15 and 16-31) take turns, so that no
     /// product waits for the one before it; tmm4-5 hold x's pieces of both row tiles, tmm6-7
@@ -211,7 +213,7 @@ pub(super) mod x86 {
         (tall, lda, steps): (usize, usize, usize),
         values: Values,
         (pieces, pieces_steps): (*const Line, usize),
-        (y, n, rows): (Out, usize, usize),
+        (y, n, rows, bias): (Out, usize, usize, *const f32),
         blocks: Range<usize>,
         partial: &mut [f32],
     ) {
@@ -320,11 +322,12 @@ pub(super) mod x86 {
                         );
                     }
                     match out {
-                        Out::F32(out) if valid == 2 * TILE && cols == COLUMNS => store(out, 4 * n, TILE * n),
+                        Out::F32(out) if valid == 2 * TILE && cols == COLUMNS && bias.is_null() => store(out, 4 * n, TILE * n),
                         _ => {
                             store(partial.as_mut_ptr(), 4 * COLUMNS, TILE * COLUMNS);
+                            let bias = if bias.is_null() { bias } else { bias.add(block * COLUMNS) };
                             for r in 0..valid {
-                                write_row(out.add(r * n), partial.as_ptr().add(r * COLUMNS), cols);
+                                write_row(out.add(r * n), partial.as_ptr().add(r * COLUMNS), cols, bias);
                             }
                         }
                     }
@@ -437,17 +440,23 @@ pub(super) mod x86 {
         not_finite == 0
     }
 
-    /// `cols` f32 sums from `sums` into `out`, rounded to the nearest even bf16 for a bf16
-    /// result (NaN kept NaN, as `f32_to_bf16`).
+    /// `cols` f32 sums from `sums` (plus `bias`, where not null) into `out`, rounded to the
+    /// nearest even bf16 for a bf16 result (NaN kept NaN, as `f32_to_bf16`).
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub(in crate::host_kernels) unsafe fn write_row(out: Out, sums: *const f32, cols: usize) {
-        let y = match out {
-            Out::F32(y) => return std::ptr::copy_nonoverlapping(sums, y, cols),
-            Out::Bf16(y) => y,
-        };
+    pub(in crate::host_kernels) unsafe fn write_row(out: Out, sums: *const f32, cols: usize, bias: *const f32) {
+        if let (Out::F32(y), true) = (out, bias.is_null()) {
+            return std::ptr::copy_nonoverlapping(sums, y, cols);
+        }
         for j in (0..cols).step_by(16) {
             let mask = lanes(cols, j);
-            _mm512_mask_cvtepi32_storeu_epi16(y.add(j) as *mut i16, mask, rounded_bf16(_mm512_maskz_loadu_ps(mask, sums.add(j))));
+            let mut v = _mm512_maskz_loadu_ps(mask, sums.add(j));
+            if !bias.is_null() {
+                v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias.add(j)));
+            }
+            match out {
+                Out::F32(y) => _mm512_mask_storeu_ps(y.add(j), mask, v),
+                Out::Bf16(y) => _mm512_mask_cvtepi32_storeu_epi16(y.add(j) as *mut i16, mask, rounded_bf16(v)),
+            }
         }
     }
 
@@ -514,8 +523,8 @@ mod tests {
     }
 
     /// bf16 operands on the tiles, with f32 sums as the exact (f64) sums of the bf16 values
-    /// allow, and rounded once to bf16 for a bf16 result, on shapes off the tiles and a weight
-    /// past L2's share.
+    /// allow, and rounded once to bf16 for a bf16 result (a bias added to the f32 sums first),
+    /// on shapes off the tiles and a weight past L2's share.
     #[test]
     fn bf16_products_sum_in_f32_and_round_once() {
         if !available() {
@@ -531,8 +540,11 @@ mod tests {
                 let at = |j: usize, kk: usize| if layout == Layout::RowPerOutput { w[j * k + kk] } else { w[kk * n + j] };
                 let pieces = unsafe { pack(w.as_ptr() as *const u8, (n, k), layout, Values::Bf16) }.unwrap();
                 let (mut y32, mut y16) = (vec![f32::NAN; m * n], vec![0u16; m * n]);
-                for out in [Out::F32(y32.as_mut_ptr()), Out::Bf16(y16.as_mut_ptr())] {
-                    assert!(unsafe { super::rows((x.as_ptr() as *const u8, out), Values::Bf16, (n, k), &pieces, 0, m, 0..n.div_ceil(COLUMNS)) });
+                let bias: Vec<f32> = (0..n).map(|_| next()).collect();
+                let mut biased = vec![0u16; m * n];
+                let outs = [(Out::F32(y32.as_mut_ptr()), std::ptr::null()), (Out::Bf16(y16.as_mut_ptr()), std::ptr::null()), (Out::Bf16(biased.as_mut_ptr()), bias.as_ptr())];
+                for (out, added) in outs {
+                    assert!(unsafe { super::rows((x.as_ptr() as *const u8, out, added), Values::Bf16, (n, k), &pieces, 0, m, 0..n.div_ceil(COLUMNS)) });
                 }
                 for i in 0..m {
                     for j in 0..n {
@@ -540,6 +552,7 @@ mod tests {
                         let got = f64::from(y32[i * n + j]);
                         assert!((got - want).abs() <= 1e-6 * (k as f64).sqrt() * 3.0, "{m}x{n}x{k} at {i},{j}: {got} vs {want}");
                         assert_eq!(y16[i * n + j], bf16(y32[i * n + j]), "{m}x{n}x{k} at {i},{j}");
+                        assert_eq!(biased[i * n + j], bf16(y32[i * n + j] + bias[j]), "{m}x{n}x{k} at {i},{j} with a bias");
                     }
                 }
             }
@@ -599,7 +612,7 @@ mod tests {
                 // column blocks.
                 let (half, blocks) = ((m.div_ceil(32) * 16).min(m), n.div_ceil(COLUMNS));
                 for (first, rows, blocks) in [(0, half, 0..blocks / 2), (0, half, blocks / 2..blocks), (half, m - half, 0..blocks)] {
-                    assert!(unsafe { super::rows((x.as_ptr() as *const u8, Out::F32(y.as_mut_ptr())), Values::F32, (n, k), &pieces, first, rows, blocks) });
+                    assert!(unsafe { super::rows((x.as_ptr() as *const u8, Out::F32(y.as_mut_ptr()), std::ptr::null()), Values::F32, (n, k), &pieces, first, rows, blocks) });
                 }
                 for i in 0..m {
                     for j in 0..n {
@@ -610,7 +623,7 @@ mod tests {
                 }
                 let mut bad_x = x.clone();
                 bad_x[m * k - 1] = f32::INFINITY;
-                assert!(!unsafe { super::rows((bad_x.as_ptr() as *const u8, Out::F32(y.as_mut_ptr())), Values::F32, (n, k), &pieces, 0, m, 0..n.div_ceil(COLUMNS)) });
+                assert!(!unsafe { super::rows((bad_x.as_ptr() as *const u8, Out::F32(y.as_mut_ptr()), std::ptr::null()), Values::F32, (n, k), &pieces, 0, m, 0..n.div_ceil(COLUMNS)) });
             }
             let mut bad_w = w.clone();
             bad_w[0] = f32::NAN;
