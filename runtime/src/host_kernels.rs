@@ -37,7 +37,7 @@ pub const BF16_VECMAT_TARGET: &str = "tpu_dynamo.bf16_vecmat";
 /// The custom call targets of bf16 rows times a weight so stored, on AMX tiles.
 pub const BF16_MATMUL_NT_TARGET: &str = "tpu_dynamo.bf16_matmul_nt";
 pub const BF16_MATMUL_NN_TARGET: &str = "tpu_dynamo.bf16_matmul_nn";
-/// The same adding an f32 bias `[N]` to the f32 sums before they are rounded.
+/// The same adding a bf16 bias `[N]` to the f32 sums before they are rounded.
 pub const BF16_MATMUL_NT_BIAS_TARGET: &str = "tpu_dynamo.bf16_matmul_nt_bias";
 pub const BF16_MATMUL_NN_BIAS_TARGET: &str = "tpu_dynamo.bf16_matmul_nn_bias";
 /// The custom call targets of an f32 product with a matrix stored `[N, K]` and `[K, N]`.
@@ -387,8 +387,8 @@ product_handlers! {
 
 /// The typed-FFI handlers: `y[m, n] = sum_k x[m, k] * w[n, k]` (or `w[k, n]`) for `x` `[.., K]`
 /// into `y` `[.., N]`: bf16 `x` and `w` (leading dims of one or a few rows, or for the tiles'
-/// targets many) into bf16 or f32 `y`, or f32 throughout, then (`epilogue` given) an f32 bias
-/// `[N]` added (to a bf16 product's f32 sums, before they are rounded) and the activation
+/// targets many) into bf16 or f32 `y`, or f32 throughout, then (`epilogue` given) a bias `[N]`
+/// added (f32; a bf16 product's bf16, to its f32 sums before they are rounded) and the activation
 /// applied, or SiLU applied and the result multiplied by a factor. Answers XLA's metadata query
 /// at registration; never unwinds into the plugin.
 unsafe fn handle(frame: &mut FfiCallFrame, target: &'static str, layout: Layout, operands: c_int, epilogue: Option<Activation>) -> *mut c_void {
@@ -408,16 +408,24 @@ unsafe fn handle(frame: &mut FfiCallFrame, target: &'static str, layout: Layout,
     let rows: i64 = lead.iter().product();
     let shapes_agree = kw == k && yd.iter().product::<i64>() == rows * n;
     // The third operand: a bias `[N]`, or for SiLU the factor, shaped as `y`.
+    // A bf16 product's bf16 bias, widened for its f32 sums here (`n` values) rather than by a
+    // loop of XLA's before the call.
+    let mut widened = vec![];
     let epilogue = match epilogue {
         None => None,
         Some(activation) => {
             let third = &**frame.args.items.add(2);
-            let (data, none) = (third.data as *const f32, std::ptr::null());
+            let (mut data, none) = (third.data as *const f32, std::ptr::null());
+            let half = operands == XLA_FFI_BF16 && third.dtype == XLA_FFI_BF16;
+            if half && dims(third) == [n] {
+                widened = std::slice::from_raw_parts(third.data as *const u16, n as usize).iter().map(|&v| bf16_to_f32(v)).collect();
+                data = widened.as_ptr();
+            }
             let (epilogue, fits, expects) = match activation {
                 Activation::Silu => (Epilogue { bias: none, activation, times: data }, dims(third) == yd, "a factor shaped as y"),
                 _ => (Epilogue { bias: data, activation, times: none }, dims(third) == [n], "a bias [N]"),
             };
-            if third.dtype != XLA_FFI_F32 || !fits {
+            if !(third.dtype == XLA_FFI_F32 || half) || !fits {
                 return error(frame, target, &format!("expects an f32 {expects} for y {yd:?}, got {:?}", dims(third)));
             }
             Some(epilogue)

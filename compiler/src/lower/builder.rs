@@ -896,7 +896,7 @@ impl<'a> Builder<'a> {
         };
         let mut shape = a.shape()[..a.rank() - 1].to_vec();
         shape.push(n);
-        if third.is_some_and(|t| (t.shape() != [n] && t.shape() != shape) || t.dtype() != opmath(out)) {
+        if third.is_some_and(|t| (t.shape() != [n] && t.shape() != shape) || t.dtype() != out) {
             return Ok(None);
         }
         let operands: Vec<&Val<'a>> = [a, &b].into_iter().chain(third).collect();
@@ -1268,7 +1268,7 @@ pub struct LoweringTarget {
     /// The same for f32 products of a few MFLOP, split over the host's cores.
     pub host_gemm: Option<HostProduct>,
     /// The same for bf16 rows times a weight kept on AMX tiles (`weights_kept_on_tiles`), and
-    /// adding an f32 bias `[N]` before rounding.
+    /// adding a bf16 bias `[N]` to the f32 sums before rounding.
     pub host_bf16_gemm: Option<HostProduct>,
     pub host_bf16_gemm_bias: Option<HostProduct>,
     /// The same products adding a bias `[N]`, and then the tanh GELU.

@@ -130,7 +130,7 @@ fn matmul(n: NodeCtx<'_>) -> Res<'_> {
             let columns = b.shape()[b.rank() - 1];
             let y = match (bias.shape() == [columns], out) {
                 (true, DType::F32) => bd.host_product_then(lowering_target().host_gemm_bias, &a, &b, bias)?,
-                (true, DType::Bf16) if on_tiles => bd.host_product(lowering_target().host_bf16_gemm_bias, &a, &b, Some(&bd.convert(bias, DType::F32)?), contract, out)?,
+                (true, DType::Bf16) if on_tiles => bd.host_product(lowering_target().host_bf16_gemm_bias, &a, &b, Some(bias), contract, out)?,
                 _ => None,
             };
             if let Some(y) = y {
