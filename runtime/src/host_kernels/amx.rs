@@ -388,18 +388,18 @@ pub(super) mod x86 {
                         // takes: loaded as they are.
                         Layout::RowPerOutput if values == Values::Bf16 => {
                             let mask = (u64::MAX >> (64 - k.saturating_sub(k0).min(STEP))) as __mmask32;
-                            for c in 0..n.saturating_sub(first_col).min(TILE) {
-                                rows[0][c] = _mm512_maskz_loadu_epi16(mask, w.add(2 * ((first_col + c) * k + k0)) as *const i16);
+                            for (c, row) in rows[0].iter_mut().enumerate().take(n.saturating_sub(first_col)) {
+                                *row = _mm512_maskz_loadu_epi16(mask, w.add(2 * ((first_col + c) * k + k0)) as *const i16);
                             }
-                            rows[0] = transmute(transpose(transmute::<[__m512i; TILE], [__m512; TILE]>(rows[0])));
+                            rows[0] = transposed(rows[0]);
                         }
                         Layout::RowPerInput if values == Values::Bf16 => {
                             let mask = lanes(n, first_col);
                             let row = |kk: usize| _mm512_castsi256_si512(_mm256_maskz_loadu_epi16(mask, w.add(2 * (kk * n + first_col)) as *const i16));
-                            for r in 0..TILE.min(k.saturating_sub(k0).div_ceil(2)) {
+                            for (r, pairs) in rows[0].iter_mut().enumerate().take(k.saturating_sub(k0).div_ceil(2)) {
                                 let kk = k0 + 2 * r;
                                 let odd = if kk + 1 < k { row(kk + 1) } else { _mm512_setzero_si512() };
-                                rows[0][r] = _mm512_permutex2var_epi16(row(kk), interleaved, odd);
+                                *pairs = _mm512_permutex2var_epi16(row(kk), interleaved, odd);
                             }
                         }
                         Layout::RowPerOutput => {
@@ -411,7 +411,7 @@ pub(super) mod x86 {
                                 }
                             }
                             for row in rows.iter_mut().take(values.pieces()) {
-                                *row = transmute(transpose(transmute::<[__m512i; TILE], [__m512; TILE]>(*row)));
+                                *row = transposed(*row);
                             }
                         }
                         Layout::RowPerInput => {
@@ -436,6 +436,12 @@ pub(super) mod x86 {
             }
         }
         not_finite == 0
+    }
+
+    /// `transpose` of sixteen rows of 32-bit lanes, whatever they hold.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn transposed(rows: [__m512i; TILE]) -> [__m512i; TILE] {
+        transmute::<[__m512; TILE], [__m512i; TILE]>(transpose(transmute::<[__m512i; TILE], [__m512; TILE]>(rows)))
     }
 
     /// `cols` f32 sums from `sums` (plus `bias`, where not null) into `out`, rounded to the

@@ -221,7 +221,7 @@ fn lns(sums: [f32; 16]) -> [f32; 16] {
     #[cfg(target_arch = "x86_64")]
     if super::gemm::available() {
         // SAFETY: AVX-512 is available; the array is 16 f32s.
-        return unsafe { std::mem::transmute(super::vector_math::ln(std::arch::x86_64::_mm512_loadu_ps(sums.as_ptr()))) };
+        return unsafe { std::mem::transmute::<std::arch::x86_64::__m512, [f32; 16]>(super::vector_math::ln(std::arch::x86_64::_mm512_loadu_ps(sums.as_ptr()))) };
     }
     sums.map(f32::ln)
 }

@@ -178,7 +178,7 @@ unsafe fn exponentials_into_tiles(row: *const f32, (scale, added): (f32, Option<
         });
         // Rounded to the nearest even by one instruction (which flushes values below 2^-126 to
         // zero, as the tiles' products would).
-        _mm512_storeu_si512(tiles.add(tiled(r, kk, lda)) as *mut __m512i, std::mem::transmute(_mm512_cvtne2ps_pbh(high, low)));
+        _mm512_storeu_si512(tiles.add(tiled(r, kk, lda)) as *mut __m512i, std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(high, low)));
     }
     (max, _mm512_reduce_add_ps(sum))
 }
