@@ -60,6 +60,8 @@ pub const BF16_ATTENTION_TARGET: &str = "tpu_dynamo.bf16_attention";
 pub const BF16_CAUSAL_ATTENTION_TARGET: &str = "tpu_dynamo.bf16_causal_attention";
 /// The custom call target of f32 LayerNorm over the last dim.
 pub const F32_LAYER_NORM_TARGET: &str = "tpu_dynamo.f32_layer_norm";
+/// The same over bf16 rows into bf16 results (computed in f32, rounded once), as eager's.
+pub const BF16_LAYER_NORM_TARGET: &str = "tpu_dynamo.bf16_layer_norm";
 /// The custom call target of f32 RMSNorm over the last dim.
 pub const F32_RMS_NORM_TARGET: &str = "tpu_dynamo.f32_rms_norm";
 
@@ -172,6 +174,10 @@ pub fn register(plugin: &Plugin) -> Vec<&'static str> {
         handlers.extend([(F32_ATTENTION_TARGET, f32_attention as *const c_void), (F32_CAUSAL_ATTENTION_TARGET, f32_causal_attention as *const c_void)]);
         #[cfg(target_arch = "x86_64")]
         handlers.extend([(F32_LAYER_NORM_TARGET, f32_layer_norm as *const c_void), (F32_RMS_NORM_TARGET, f32_rms_norm as *const c_void)]);
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512bw") && std::arch::is_x86_feature_detected!("avx512vl") {
+            handlers.push((BF16_LAYER_NORM_TARGET, bf16_layer_norm as *const c_void));
+        }
         if amx::available() {
             handlers.extend([(BF16_MATMUL_NT_TARGET, bf16_matmul_nt as *const c_void), (BF16_MATMUL_NN_TARGET, bf16_matmul_nn as *const c_void)]);
             handlers.extend([(BF16_MATMUL_NT_BIAS_TARGET, bf16_matmul_nt_bias as *const c_void), (BF16_MATMUL_NN_BIAS_TARGET, bf16_matmul_nn_bias as *const c_void)]);
@@ -569,13 +575,27 @@ unsafe fn attend(frame: &mut FfiCallFrame, target: &'static str, causal: bool) -
     answer(frame, target, std::panic::catch_unwind(|| run_units(xla, job, units, parts - 1)))
 }
 
-/// The LayerNorm handler: f32 `x` `[rows, N]`, `weight` and `bias` `[N]` and `eps` (0-d) into `y`
-/// `[rows, N]`, each row's mean and rstd `[rows]`, on XLA's threads.
 #[cfg(target_arch = "x86_64")]
 unsafe extern "C" fn f32_layer_norm(frame: *mut FfiCallFrame) -> *mut c_void {
-    let (frame, target) = (&mut *frame, F32_LAYER_NORM_TARGET);
-    let expects = "expects f32 x [rows, N], weight and bias [N], eps [], y [rows, N], mean and rstd [rows]";
-    let ([x, weight, bias, eps], [y, mean, rstd]) = match f32_buffers(frame, target, expects) {
+    layer_norm(&mut *frame, F32_LAYER_NORM_TARGET, false)
+}
+
+#[cfg(target_arch = "x86_64")]
+unsafe extern "C" fn bf16_layer_norm(frame: *mut FfiCallFrame) -> *mut c_void {
+    layer_norm(&mut *frame, BF16_LAYER_NORM_TARGET, true)
+}
+
+/// The LayerNorm handlers: `x` `[rows, N]` (f32, or bf16 with `half`), f32 `weight` and `bias`
+/// `[N]` and `eps` (0-d) into `y` `[rows, N]` (as `x`), each row's f32 mean and rstd `[rows]`,
+/// on XLA's threads.
+#[cfg(target_arch = "x86_64")]
+unsafe fn layer_norm(frame: &mut FfiCallFrame, target: &'static str, half: bool) -> *mut c_void {
+    let expects = if half {
+        "expects bf16 x [rows, N], f32 weight and bias [N], f32 eps [], bf16 y [rows, N], f32 mean and rstd [rows]"
+    } else {
+        "expects f32 x [rows, N], weight and bias [N], eps [], y [rows, N], mean and rstd [rows]"
+    };
+    let ([x, weight, bias, eps], [y, mean, rstd]) = match norm_buffers(frame, target, expects, half) {
         Ok(buffers) => buffers,
         Err(answer) => return answer,
     };
@@ -585,10 +605,11 @@ unsafe extern "C" fn f32_layer_norm(frame: *mut FfiCallFrame) -> *mut c_void {
     }
     let (rows, n) = (rows as usize, n as usize);
     let norm = layer_norm::LayerNorm {
-        x: x.data as *const f32,
+        x: x.data as *const u8,
         weight: weight.data as *const f32,
         bias: bias.data as *const f32,
-        y: y.data as *mut f32,
+        y: y.data as *mut u8,
+        half,
         mean: mean.data as *mut f32,
         rstd: rstd.data as *mut f32,
         rows,
@@ -604,7 +625,7 @@ unsafe extern "C" fn f32_layer_norm(frame: *mut FfiCallFrame) -> *mut c_void {
 unsafe extern "C" fn f32_rms_norm(frame: *mut FfiCallFrame) -> *mut c_void {
     let (frame, target) = (&mut *frame, F32_RMS_NORM_TARGET);
     let expects = "expects f32 x [rows, N], weight [N], eps [] and y [rows, N]";
-    let ([x, weight, eps], [y]) = match f32_buffers(frame, target, expects) {
+    let ([x, weight, eps], [y]) = match norm_buffers(frame, target, expects, false) {
         Ok(buffers) => buffers,
         Err(answer) => return answer,
     };
@@ -617,13 +638,15 @@ unsafe extern "C" fn f32_rms_norm(frame: *mut FfiCallFrame) -> *mut c_void {
     run_norm(frame, target, norm)
 }
 
-/// A handler's `A` arguments and `R` results, all f32; where it is not the execute stage or they
-/// are not, what the handler answers instead (nothing, or the error `expects` describes).
+/// A norm handler's `A` arguments and `R` results, all f32 but for the first of each, bf16 with
+/// `half`; where it is not the execute stage or they are not, what the handler answers instead
+/// (nothing, or the error `expects` describes).
 #[cfg(target_arch = "x86_64")]
-unsafe fn f32_buffers<const A: usize, const R: usize>(
+unsafe fn norm_buffers<const A: usize, const R: usize>(
     frame: &mut FfiCallFrame,
     target: &str,
     expects: &str,
+    half: bool,
 ) -> Result<([&'static FfiBuffer; A], [&'static FfiBuffer; R]), *mut c_void> {
     if !executes(frame) {
         return Err(std::ptr::null_mut());
@@ -633,7 +656,9 @@ unsafe fn f32_buffers<const A: usize, const R: usize>(
     }
     let args: [&FfiBuffer; A] = std::array::from_fn(|i| &**frame.args.items.add(i));
     let rets: [&FfiBuffer; R] = std::array::from_fn(|i| &**frame.rets.items.add(i));
-    if args.iter().chain(&rets).any(|b| b.dtype != XLA_FFI_F32) {
+    let rows = if half { XLA_FFI_BF16 } else { XLA_FFI_F32 };
+    let typed = |list: &[&FfiBuffer]| list.iter().enumerate().all(|(i, b)| b.dtype == if i == 0 { rows } else { XLA_FFI_F32 });
+    if !typed(&args) || !typed(&rets) {
         return Err(shapes_error(frame, target, expects, &[args.as_slice(), rets.as_slice()].concat()));
     }
     Ok((args, rets))

@@ -140,7 +140,7 @@ pub(super) unsafe fn rows((x, y, bias): (*const u8, Out, *const f32), values: Va
 
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
-    use super::super::vector_math::{lanes, transpose};
+    use super::super::vector_math::{lanes, rounded_bf16, transpose};
     use super::super::Out;
     use super::{asm, Layout, Line, Range, Values, COLUMNS, L1_ROWS_BYTES, L2_SHARE_BYTES, STEP, TILE, TILE_LINES};
     use std::arch::x86_64::*;
@@ -474,17 +474,6 @@ pub(super) mod x86 {
         }
     }
 
-    /// Each f32 rounded to the nearest even bf16, its bits in the low half of its lane (a NaN
-    /// stays NaN, quieted, as `f32_to_bf16`).
-    #[target_feature(enable = "avx512f")]
-    unsafe fn rounded_bf16(v: __m512) -> __m512i {
-        let (one, half_ulp, quiet) = (_mm512_set1_epi32(1), _mm512_set1_epi32(0x7fff), _mm512_set1_epi32(0x0040_0000));
-        let bits = _mm512_castps_si512(v);
-        let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), one);
-        let rounded = _mm512_add_epi32(bits, _mm512_add_epi32(half_ulp, odd));
-        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
-        _mm512_srli_epi32::<16>(_mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, quiet)))
-    }
 
     /// The four sums (tmm0-3) as 32 rows of 32 f32s from `out`, rows `stride` bytes apart,
     /// the second row tile `lower` f32s after the first.

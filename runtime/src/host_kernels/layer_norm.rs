@@ -15,10 +15,12 @@ const VALUES_PER_CHUNK: usize = 1 << 17;
 /// `y = (x − mean) · rstd · weight + bias` for each row of `x` `[rows, n]`, with the row's mean
 /// and `rstd = 1 / sqrt(var + eps)` (biased variance) into `mean` and `rstd` `[rows]`.
 pub(super) struct LayerNorm {
-    pub x: *const f32,
+    pub x: *const u8,
     pub weight: *const f32,
     pub bias: *const f32,
-    pub y: *mut f32,
+    pub y: *mut u8,
+    /// `x` and `y` bf16 (computed in f32, `y` rounded once), not f32.
+    pub half: bool,
     pub mean: *mut f32,
     pub rstd: *mut f32,
     pub rows: usize,
@@ -78,10 +80,10 @@ impl Rows for LayerNorm {
     unsafe fn rows(&self, first: usize, count: usize) {
         let weight = std::slice::from_raw_parts(self.weight, self.n);
         let bias = std::slice::from_raw_parts(self.bias, self.n);
+        let bytes = if self.half { 2 } else { 4 };
         for r in first..first + count {
-            let x = std::slice::from_raw_parts(self.x.add(r * self.n), self.n);
-            let y = std::slice::from_raw_parts_mut(self.y.add(r * self.n), self.n);
-            let (mean, rstd) = x86::row(x, weight, bias, y, self.eps);
+            let (x, y) = (self.x.add(r * self.n * bytes), self.y.add(r * self.n * bytes));
+            let (mean, rstd) = x86::row((x, y, self.half), self.n, (weight, bias), self.eps);
             *self.mean.add(r) = mean;
             *self.rstd.add(r) = rstd;
         }
@@ -103,35 +105,49 @@ impl<T: Rows> Chunked for RowRuns<T> {
 }
 
 mod x86 {
-    use super::super::vector_math::lanes;
+    use super::super::vector_math::{lanes, rounded_bf16};
     use std::arch::x86_64::*;
 
     /// One row: its mean and rstd, and `y` normalized. The lanes are summed as a tree (one by one,
     /// sixteen dependent adds a row made a `[264, 32]` norm slower than XLA's five ops), about
     /// the row's first value: a residual stream's rows share a large offset, whose sum would
     /// round away the mean's last bits (3x eager's error over rows of 35 about 50).
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn row(x: &[f32], weight: &[f32], bias: &[f32], y: &mut [f32], eps: f32) -> (f32, f32) {
-        let n = x.len();
+    ///
+    /// `x` and `y` (`n` values) are f32, or bf16 with `half`: widened as loaded, `y` rounded to
+    /// the nearest even as stored (NaN kept NaN).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn row((x, y, half): (*const u8, *mut u8, bool), n: usize, (weight, bias): (&[f32], &[f32]), eps: f32) -> (f32, f32) {
         let mask = |at: usize| lanes(n, at);
         let load = |p: &[f32], at: usize| _mm512_maskz_loadu_ps(mask(at), p.as_ptr().add(at));
-        let shift = _mm512_set1_ps(x.first().copied().unwrap_or(0.0));
+        let load_x = |at: usize| {
+            if half {
+                let halves = _mm256_maskz_loadu_epi16(mask(at), x.add(2 * at) as *const i16);
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(halves)))
+            } else {
+                _mm512_maskz_loadu_ps(mask(at), x.add(4 * at) as *const f32)
+            }
+        };
+        let shift = _mm512_set1_ps(if n == 0 { 0.0 } else { _mm_cvtss_f32(_mm512_castps512_ps128(load_x(0))) });
         let mut sum = _mm512_setzero_ps();
         for at in (0..n).step_by(16) {
-            sum = _mm512_add_ps(sum, _mm512_maskz_sub_ps(mask(at), load(x, at), shift));
+            sum = _mm512_add_ps(sum, _mm512_maskz_sub_ps(mask(at), load_x(at), shift));
         }
         let mean = _mm512_add_ps(shift, _mm512_set1_ps(_mm512_reduce_add_ps(sum) / n as f32));
         let mut squares = _mm512_setzero_ps();
         for at in (0..n).step_by(16) {
-            let d = _mm512_maskz_sub_ps(mask(at), load(x, at), mean);
+            let d = _mm512_maskz_sub_ps(mask(at), load_x(at), mean);
             squares = _mm512_fmadd_ps(d, d, squares);
         }
         let rstd = 1.0 / (_mm512_reduce_add_ps(squares) / n as f32 + eps).sqrt();
         let scale = _mm512_set1_ps(rstd);
         for at in (0..n).step_by(16) {
-            let normalized = _mm512_mul_ps(_mm512_sub_ps(load(x, at), mean), scale);
+            let normalized = _mm512_mul_ps(_mm512_sub_ps(load_x(at), mean), scale);
             let out = _mm512_fmadd_ps(normalized, load(weight, at), load(bias, at));
-            _mm512_mask_storeu_ps(y.as_mut_ptr().add(at), mask(at), out);
+            if half {
+                _mm512_mask_cvtepi32_storeu_epi16(y.add(2 * at) as *mut i16, mask(at), rounded_bf16(out));
+            } else {
+                _mm512_mask_storeu_ps(y.add(4 * at) as *mut f32, mask(at), out);
+            }
         }
         (_mm_cvtss_f32(_mm512_castps512_ps128(mean)), rstd)
     }
@@ -172,7 +188,7 @@ mod tests {
             let x: Vec<f32> = (0..rows * n).map(|_| 100.0 + next()).collect();
             let (weight, bias): (Vec<f32>, Vec<f32>) = (0..n).map(|_| (1.0 + next(), next())).unzip();
             let (mut y, mut mean, mut rstd) = (vec![f32::NAN; rows * n], vec![f32::NAN; rows], vec![f32::NAN; rows]);
-            let norm = LayerNorm { x: x.as_ptr(), weight: weight.as_ptr(), bias: bias.as_ptr(), y: y.as_mut_ptr(), mean: mean.as_mut_ptr(), rstd: rstd.as_mut_ptr(), rows, n, eps: 1e-5 };
+            let norm = LayerNorm { x: x.as_ptr() as *const u8, weight: weight.as_ptr(), bias: bias.as_ptr(), y: y.as_mut_ptr() as *mut u8, half: false, mean: mean.as_mut_ptr(), rstd: rstd.as_mut_ptr(), rows, n, eps: 1e-5 };
             let units = RowRuns(norm, 3.min(rows));
             (0..units.1).for_each(|u| unsafe { units.chunk(u) });
             for r in 0..rows {
@@ -185,6 +201,36 @@ mod tests {
                 for j in 0..n {
                     let want = (row[j] - m) * s * f64::from(weight[j]) + f64::from(bias[j]);
                     assert!((f64::from(y[r * n + j]) - want).abs() < 3e-4, "{rows}x{n} at {r},{j}: {} vs {want}", y[r * n + j]);
+                }
+            }
+        }
+    }
+
+    /// bf16 rows (a common offset too) into bf16: the f32 result of the widened values, rounded
+    /// once, within half a bf16 step and f32's rounding of the f64 value.
+    #[test]
+    fn bf16_rows_round_once() {
+        if !super::super::gemm::available() {
+            return;
+        }
+        let mut next = super::super::uniform(3);
+        let (bf16, value) = (super::super::f32_to_bf16, super::super::bf16_to_f32);
+        for (rows, n) in [(5, 64), (3, 33), (2, 1), (40, 1536)] {
+            let x: Vec<u16> = (0..rows * n).map(|_| bf16(8.0 + 2.0 * next())).collect();
+            let (weight, bias): (Vec<f32>, Vec<f32>) = (0..n).map(|_| (1.0 + next(), next())).unzip();
+            let (mut y, mut mean, mut rstd) = (vec![0u16; rows * n], vec![f32::NAN; rows], vec![f32::NAN; rows]);
+            let norm = LayerNorm { x: x.as_ptr() as *const u8, weight: weight.as_ptr(), bias: bias.as_ptr(), y: y.as_mut_ptr() as *mut u8, half: true, mean: mean.as_mut_ptr(), rstd: rstd.as_mut_ptr(), rows, n, eps: 1e-6 };
+            let units = RowRuns(norm, 2.min(rows));
+            (0..units.1).for_each(|u| unsafe { units.chunk(u) });
+            for r in 0..rows {
+                let row: Vec<f64> = x[r * n..(r + 1) * n].iter().map(|&v| f64::from(value(v))).collect();
+                let m = row.iter().sum::<f64>() / n as f64;
+                let s = 1.0 / (row.iter().map(|v| (v - m) * (v - m)).sum::<f64>() / n as f64 + 1e-6).sqrt();
+                assert!((f64::from(mean[r]) - m).abs() < 1e-5 * m.abs() && (f64::from(rstd[r]) - s).abs() < 1e-4 * s);
+                for j in 0..n {
+                    let want = (row[j] - m) * s * f64::from(weight[j]) + f64::from(bias[j]);
+                    let got = f64::from(value(y[r * n + j]));
+                    assert!((got - want).abs() <= want.abs() / 256.0 + 1e-4 * (1.0 + s), "{rows}x{n} at {r},{j}: {got} vs {want}");
                 }
             }
         }

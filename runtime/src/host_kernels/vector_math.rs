@@ -1,6 +1,6 @@
 //! Elementwise functions on sixteen f32 lanes (AVX-512) that our kernels share: e^x and ln x
-//! (attention's softmax and its log-sum-exp), tanh x (the GELU after a product), and the mask
-//! of a row's last, partial vector.
+//! (attention's softmax and its log-sum-exp), tanh x (the GELU after a product), rounding to
+//! bf16 (bf16 results), and the mask of a row's last, partial vector.
 
 use std::arch::x86_64::*;
 
@@ -8,6 +8,18 @@ use std::arch::x86_64::*;
 /// loaded and stored under it.
 pub(super) fn lanes(len: usize, at: usize) -> __mmask16 {
     ((1u32 << len.saturating_sub(at).min(16)) - 1) as __mmask16
+}
+
+/// Each f32 rounded to the nearest even bf16, its bits in the low half of its lane (a NaN
+/// stays NaN, quieted, as `f32_to_bf16`).
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn rounded_bf16(v: __m512) -> __m512i {
+    let (one, half_ulp, quiet) = (_mm512_set1_epi32(1), _mm512_set1_epi32(0x7fff), _mm512_set1_epi32(0x0040_0000));
+    let bits = _mm512_castps_si512(v);
+    let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), one);
+    let rounded = _mm512_add_epi32(bits, _mm512_add_epi32(half_ulp, odd));
+    let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+    _mm512_srli_epi32::<16>(_mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, quiet)))
 }
 
 /// The 16 × 16 transpose of `r` (row `i` of the result is lane `i` of every input).
