@@ -154,14 +154,21 @@ unsafe fn exponentials_into_tiles(row: *const f32, (scale, added): (f32, Option<
     use super::vector_math::{exp, lanes};
     use std::arch::x86_64::*;
     let factor = _mm512_set1_ps(scale);
-    let scores = |at: usize, mask: __mmask16| {
-        let x = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, row.add(at)), factor);
-        added.map_or(x, |added| _mm512_add_ps(x, _mm512_maskz_loadu_ps(mask, added.add(at))))
-    };
+    // A macro and loops, not closures: those were not inlined (a call a vector, half the time here).
+    macro_rules! scores {
+        ($at:expr, $mask:expr) => {{
+            let (at, mask) = ($at, $mask);
+            let x = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, row.add(at)), factor);
+            match added {
+                Some(added) => _mm512_add_ps(x, _mm512_maskz_loadu_ps(mask, added.add(at))),
+                None => x,
+            }
+        }};
+    }
     let mut max = _mm512_set1_ps(f32::NEG_INFINITY);
     let mut nan: __mmask16 = 0;
     for at in (0..visible).step_by(16) {
-        let (mask, x) = (lanes(visible, at), scores(at, lanes(visible, at)));
+        let (mask, x) = (lanes(visible, at), scores!(at, lanes(visible, at)));
         max = _mm512_mask_max_ps(max, mask, x, max);
         nan |= _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
     }
@@ -170,12 +177,13 @@ unsafe fn exponentials_into_tiles(row: *const f32, (scale, added): (f32, Option<
     let shift = _mm512_set1_ps(max);
     let mut sum = _mm512_setzero_ps();
     for kk in (0..lda).step_by(STEP) {
-        let [low, high] = [0, 1].map(|half| {
+        let mut halves = [_mm512_setzero_ps(); 2];
+        for (half, e) in halves.iter_mut().enumerate() {
             let (at, mask) = (kk + 16 * half, lanes(visible, kk + 16 * half));
-            let e = _mm512_maskz_mov_ps(mask, exp(_mm512_sub_ps(scores(at, mask), shift)));
-            sum = _mm512_add_ps(sum, e);
-            e
-        });
+            *e = _mm512_maskz_mov_ps(mask, exp(_mm512_sub_ps(scores!(at, mask), shift)));
+            sum = _mm512_add_ps(sum, *e);
+        }
+        let [low, high] = halves;
         // Rounded to the nearest even by one instruction (which flushes values below 2^-126 to
         // zero, as the tiles' products would).
         _mm512_storeu_si512(tiles.add(tiled(r, kk, lda)) as *mut __m512i, std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(high, low)));
