@@ -122,15 +122,14 @@ fn matmul(n: NodeCtx<'_>) -> Res<'_> {
         let b = hide_padded_keys(&n, b, k as usize - 1, 0.0)?;
         let contract: (&[i64], &[i64]) = (&[k], &[k - 1]);
         let on_tiles = bd.bf16_product_on_tiles(&a, &b, (batch, batch), contract, out);
-        let bias = n.tensor(0, "self");
-        let plain_bias = n.op == "aten.addmm.default" && n.float_or(3, "beta", 1.0)? == 1.0 && n.float_or(4, "alpha", 1.0)? == 1.0;
-        if let (true, Ok(bias)) = (plain_bias, &bias) {
+        if n.op == "aten.addmm.default" && n.float_or(3, "beta", 1.0)? == 1.0 && n.float_or(4, "alpha", 1.0)? == 1.0 {
             // The bias `[N]` added by our product kernel, where it computes the product: to f32
             // results, or to a bf16 product's f32 sums before they are rounded once.
+            let bias = n.tensor(0, "self")?;
             let columns = b.shape()[b.rank() - 1];
             let y = match (bias.shape() == [columns], out) {
-                (true, DType::F32) => bd.host_product_then(lowering_target().host_gemm_bias, &a, &b, bias)?,
-                (true, DType::Bf16) if on_tiles => bd.host_product(lowering_target().host_bf16_gemm_bias, &a, &b, Some(bias), contract, out)?,
+                (true, DType::F32) => bd.host_product_then(lowering_target().host_gemm_bias, &a, &b, &bias)?,
+                (true, DType::Bf16) if on_tiles => bd.host_product(lowering_target().host_bf16_gemm_bias, &a, &b, Some(&bias), contract, out)?,
                 _ => None,
             };
             if let Some(y) = y {
