@@ -413,9 +413,9 @@ unsafe fn handle(frame: &mut FfiCallFrame, target: &'static str, layout: Layout,
     let (n, kw) = if layout == Layout::RowPerOutput { (rows_w, cols_w) } else { (cols_w, rows_w) };
     let rows: i64 = lead.iter().product();
     let shapes_agree = kw == k && yd.iter().product::<i64>() == rows * n;
-    // The third operand: a bias `[N]`, or for SiLU the factor, shaped as `y`.
-    // A bf16 product's bf16 bias, widened for its f32 sums here (`n` values) rather than by a
-    // loop of XLA's before the call.
+    // The third operand: a bias `[N]`, or for SiLU the factor, shaped as `y`. A bf16 product's
+    // bias is bf16, widened for its f32 sums here (`n` values): a convert of XLA's before the
+    // call made the call itself slower.
     let mut widened = vec![];
     let epilogue = match epilogue {
         None => None,
@@ -432,7 +432,8 @@ unsafe fn handle(frame: &mut FfiCallFrame, target: &'static str, layout: Layout,
                 _ => (Epilogue { bias: data, activation, times: none }, dims(third) == [n], "a bias [N]"),
             };
             if !(third.dtype == XLA_FFI_F32 || half) || !fits {
-                return error(frame, target, &format!("expects an f32 {expects} for y {yd:?}, got {:?}", dims(third)));
+                let name = if operands == XLA_FFI_BF16 { "bf16 or f32" } else { "f32" };
+                return error(frame, target, &format!("expects {expects} ({name}) for y {yd:?}, got {:?} of XLA type {}", dims(third), third.dtype));
             }
             Some(epilogue)
         }

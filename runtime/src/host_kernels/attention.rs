@@ -35,6 +35,33 @@ pub(super) struct Bias {
     pub head_stride: usize,
 }
 
+impl Bias {
+    /// What it adds to the scores of `query` of head `h` of batch entry `b` (`len_kv` keys).
+    ///
+    /// # Safety
+    /// As `pointer::add`: the mask covers that row.
+    pub unsafe fn row(&self, (b, h): (usize, usize), query: usize, len_kv: usize) -> *const f32 {
+        self.data.add(b * self.batch_stride + h * self.head_stride + query * len_kv)
+    }
+}
+
+/// The keys `query` sees: those before `valid` (a padded graph's count), and with the causal
+/// mask only up to itself.
+pub(super) fn visible_keys(causal: bool, valid: usize, query: usize) -> usize {
+    if causal { (query + 1).min(valid) } else { valid }
+}
+
+/// A query's output row, `(max, sum)` its softmax's: divided by the sum, or 0 where every key
+/// is hidden (`max` -inf; not 0 times the values, which may hold inf where hidden).
+pub(super) fn normalize(row: &mut [f32], (max, sum): (f32, f32)) {
+    if max == f32::NEG_INFINITY {
+        row.fill(0.0);
+    } else {
+        let inverse = 1.0 / sum;
+        row.iter_mut().for_each(|o| *o *= inverse);
+    }
+}
+
 /// One attention: `q` (already scaled), `k`, `v` and `out` row-major as `Shape` says, `lse`
 /// `[batch, heads, len_q]`. Causal: query `i` sees keys `0..=i`; keys from `valid` on are
 /// hidden and never read (a padded graph's). A query whose keys are all hidden gets 0, output
@@ -153,7 +180,7 @@ impl Chunked for Attention {
             let mut r0 = first;
             while r0 < last {
                 let rows = ROWS.min(last - r0);
-                let seen = if self.causal { (r0 + rows).min(self.valid) } else { self.valid };
+                let seen = visible_keys(self.causal, self.valid, r0 + rows - 1);
                 let panels = seen.div_ceil(COLUMNS);
                 for p in scratch.packed..panels {
                     let cols = COLUMNS.min(self.valid - p * COLUMNS);
@@ -169,18 +196,14 @@ impl Chunked for Attention {
                 }
                 if let Some(bias) = self.bias {
                     for i in 0..rows {
-                        let added = bias.data.add(b * bias.batch_stride + h * bias.head_stride + (r0 + i) * s.len_kv);
+                        let added = bias.row((b, h), r0 + i, s.len_kv);
                         let row = std::slice::from_raw_parts_mut(scores.add(i * stride), seen);
                         row.iter_mut().zip(std::slice::from_raw_parts(added, seen)).for_each(|(x, a)| *x += a);
                     }
                 }
-                // 0 for a query whose keys are all hidden: its output is then written as 0.
-                let mut inverse = [0f32; ROWS];
                 let mut softmaxes = [(0f32, 0f32); ROWS];
-                for (i, (inv, softmax)) in inverse.iter_mut().zip(&mut softmaxes).enumerate().take(rows) {
-                    let visible = if self.causal { (r0 + i + 1).min(self.valid) } else { self.valid };
-                    *softmax = exponentials(scores.add(i * stride), visible, seen);
-                    *inv = if softmax.0 == f32::NEG_INFINITY { 0.0 } else { 1.0 / softmax.1 };
+                for (i, softmax) in softmaxes.iter_mut().enumerate().take(rows) {
+                    *softmax = exponentials(scores.add(i * stride), visible_keys(self.causal, self.valid, r0 + i), seen);
                 }
                 logsumexps(&softmaxes[..rows], std::slice::from_raw_parts_mut(self.lse.add(head * s.len_q + r0), rows));
                 let out = self.out.add((head * s.len_q + r0) * s.dim);
@@ -188,13 +211,8 @@ impl Chunked for Attention {
                     let tile = Tile { b: values.add(c), ldb: s.dim, k: seen, ldx: stride, ldy: s.dim, cols: COLUMNS.min(s.dim - c) };
                     tile.run(scores, out.add(c), rows);
                 }
-                for (i, &inv) in inverse.iter().enumerate().take(rows) {
-                    let row = std::slice::from_raw_parts_mut(out.add(i * s.dim), s.dim);
-                    if inv == 0.0 {
-                        row.fill(0.0); // not 0 times the values, which may hold inf where hidden
-                    } else {
-                        row.iter_mut().for_each(|o| *o *= inv);
-                    }
+                for (i, &softmax) in softmaxes.iter().enumerate().take(rows) {
+                    normalize(std::slice::from_raw_parts_mut(out.add(i * s.dim), s.dim), softmax);
                 }
                 r0 += rows;
             }

@@ -10,7 +10,7 @@
 //! weight, values as an `[S, E]` one read the other way) and keeps them for the head's runs.
 
 use super::amx::{self, x86::*, Values, STEP};
-use super::attention::{logsumexps, Bias, Plan, Shape, Unit};
+use super::attention::{logsumexps, normalize, visible_keys, Bias, Plan, Shape, Unit};
 use super::gemm::{Lines, COLUMNS};
 use super::pool::Chunked;
 use super::{Layout, Out};
@@ -107,7 +107,7 @@ impl Chunked for TileAttention {
             let last = queries.end;
             for r0 in queries.step_by(BLOCK) {
                 let rows = BLOCK.min(last - r0);
-                let seen = if self.causal { (r0 + rows).min(self.valid) } else { self.valid };
+                let seen = visible_keys(self.causal, self.valid, r0 + rows - 1);
                 let q = self.q.add((head * s.len_q + r0) * s.dim) as *const u8;
                 let lda = dim_steps * STEP;
                 let a = tile_rows.u16s(BLOCK * lda);
@@ -120,23 +120,17 @@ impl Chunked for TileAttention {
                 a[tiled(rows, 0, lda)..].fill(0);
                 let mut softmaxes = [(0f32, 0f32); BLOCK];
                 for (i, softmax) in softmaxes.iter_mut().enumerate().take(rows) {
-                    let added = self.bias.map(|bias| bias.data.add(b * bias.batch_stride + h * bias.head_stride + (r0 + i) * s.len_kv));
-                    let visible = if self.causal { (r0 + i + 1).min(self.valid) } else { self.valid };
-                    *softmax = exponentials_into_tiles(scores.add(i * stride), (self.scale, added), visible, (a.as_mut_ptr(), i, lda));
+                    let added = self.bias.map(|bias| bias.row((b, h), r0 + i, s.len_kv));
+                    *softmax = exponentials_into_tiles(scores.add(i * stride), (self.scale, added), visible_keys(self.causal, self.valid, r0 + i), (a.as_mut_ptr(), i, lda));
                 }
                 logsumexps(&softmaxes[..rows], std::slice::from_raw_parts_mut(self.lse.add(head * s.len_q + r0), rows));
                 if seen > 0 {
                     products(a.as_ptr(), (BLOCK, lda, seen.div_ceil(STEP)), Values::Bf16, (values, key_steps), (Out::F32(sums), s.dim, rows, std::ptr::null()), 0..s.dim.div_ceil(COLUMNS), partial);
                 }
                 let out = self.out.add((head * s.len_q + r0) * s.dim);
-                for (i, &(max, sum)) in softmaxes.iter().enumerate().take(rows) {
+                for (i, &softmax) in softmaxes.iter().enumerate().take(rows) {
                     let row = std::slice::from_raw_parts_mut(sums.add(i * s.dim), s.dim);
-                    if max == f32::NEG_INFINITY {
-                        row.fill(0.0); // every key hidden: 0, not 0 times values that may be inf
-                    } else {
-                        let inverse = 1.0 / sum;
-                        row.iter_mut().for_each(|o| *o *= inverse);
-                    }
+                    normalize(row, softmax);
                     write_row(Out::Bf16(out.add(i * s.dim)), row.as_ptr(), s.dim, std::ptr::null());
                 }
             }
