@@ -32,6 +32,7 @@ def host_kernels() -> list[str]:
 F32_KERNELS = ["tpu_dynamo.f32_matmul_nt", "tpu_dynamo.f32_matmul_nn"]
 BF16_TILE_KERNELS = ["tpu_dynamo.bf16_matmul_nt", "tpu_dynamo.bf16_matmul_nn"]
 BF16_TILE_BIAS_KERNELS = ["tpu_dynamo.bf16_matmul_nt_bias", "tpu_dynamo.bf16_matmul_nn_bias"]
+BF16_TILE_GELU_KERNELS = ["tpu_dynamo.bf16_matmul_nt_bias_gelu_tanh", "tpu_dynamo.bf16_matmul_nn_bias_gelu_tanh"]
 BIAS_KERNELS = ["tpu_dynamo.f32_matmul_nt_bias", "tpu_dynamo.f32_matmul_nn_bias"]
 GELU_KERNELS = ["tpu_dynamo.f32_matmul_nt_bias_gelu_tanh", "tpu_dynamo.f32_matmul_nn_bias_gelu_tanh"]
 SILU_KERNELS = ["tpu_dynamo.f32_matmul_nt_silu_times", "tpu_dynamo.f32_matmul_nn_silu_times"]
@@ -52,7 +53,7 @@ def test_the_embedded_plugin_runs_our_kernels():
     f32_kernels = F32_KERNELS + BIAS_KERNELS + GELU_KERNELS + SILU_KERNELS + ATTENTION_KERNELS + [LAYER_NORM_KERNEL, RMS_NORM_KERNEL]
     f32_kernels += [BF16_LAYER_NORM_KERNEL] if AVX512_BW else []
     assert host_kernels() == ["tpu_dynamo.bf16_matvec", "tpu_dynamo.bf16_vecmat"] + (f32_kernels if AVX512 else []) + (
-        BF16_TILE_KERNELS + BF16_TILE_BIAS_KERNELS + BF16_ATTENTION_KERNELS if tpu_dynamo.device_info()["amx"] else []
+        BF16_TILE_KERNELS + BF16_TILE_BIAS_KERNELS + BF16_TILE_GELU_KERNELS + BF16_ATTENTION_KERNELS if tpu_dynamo.device_info()["amx"] else []
     )
 
 
@@ -414,6 +415,51 @@ def test_a_gelu_product_s_nan_and_infinity_go_as_eager_s(compiled):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
     assert got[:, 9].isnan().all() and (got[[0, 2], 7] == float("inf")).all() and got[1].isnan().all()
     assert kernel_calls(compiled, GELU_KERNELS) == 1
+
+
+@needs_f32_kernels
+@pytest.mark.parametrize("shape, n", [((2, 128, 256), 1024), ((300, 200), 500), ((2, 40, 96), 130)])
+@pytest.mark.parametrize("form", ["gelu_pytorch_tanh", "diffusers"])
+def test_a_bf16_tanh_gelu_after_a_kept_product_runs_on_the_tiles(shape, n, form, compiled):
+    """A bf16 `gelu(addmm(..), approximate="tanh")` (diffusers' `FeedForward`) is one call of
+    the tiles' kernel: the bias added to the f32 sums, rounded, the GELU of that computed in f32
+    and rounded again, as eager's two ops: within one bf16 step of eager's (a product's rounding
+    tie summed in another order moves its GELU by a step), and equal to it but for a few."""
+    torch.manual_seed(sum(shape) + n)
+    mlp = gelu_mlp(form, shape[-1], n).to(torch.bfloat16)
+    x = (2.0 * torch.randn(shape)).to(torch.bfloat16)
+    with torch.no_grad():
+        got, want = compile_tpu(mlp)(x), mlp(x)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    step = 2.0 ** (torch.floor(torch.log2(want.double().abs().clamp_min(1e-30))) - 7)
+    assert ((got.double() - want.double()).abs() <= step + 1e-6).all()
+    assert (got != want).sum() <= max(4, got.numel() // 200)
+    assert kernel_calls(compiled, BF16_TILE_GELU_KERNELS) == int(tpu_dynamo.device_info()["amx"])
+
+
+@needs_f32_kernels
+def test_a_bf16_gelu_written_out_stays_xla_s_and_special_values_go_as_eager_s(compiled):
+    """`gelu_new`'s ops in bf16 each round to bf16, which one kernel would not: they stay XLA's
+    after the bias kernel. `aten.gelu`'s kernel gives NaN, ±∞ and -0 where eager does (a NaN
+    row, an infinite bias: GELU(−∞) = −∞ · 0 is NaN)."""
+    written_out = gelu_mlp("gelu_new", 256, 512).to(torch.bfloat16)
+    got, want, texts = run_and_texts(written_out, torch.randn(128, 256, dtype=torch.bfloat16))
+    # A product a step off eager's (a tie summed in another order) moves the rounded ops after it.
+    torch.testing.assert_close(got, want, rtol=2**-6, atol=1e-2)
+    assert not any(target in t for t in texts for target in BF16_TILE_GELU_KERNELS)
+    assert any(target in t for t in texts for target in BF16_TILE_BIAS_KERNELS) == tpu_dynamo.device_info()["amx"]
+    mlp = gelu_mlp("diffusers", 256, 512).to(torch.bfloat16)
+    x = torch.randn(128, 256, dtype=torch.bfloat16)
+    x[1, 3] = float("nan")
+    with torch.no_grad():
+        mlp.proj.bias[[7, 9, 11]] = torch.tensor([float("inf"), float("-inf"), -1e4], dtype=torch.bfloat16)
+        got, want = compile_tpu(mlp)(x), mlp(x)
+    step = 2.0 ** (torch.floor(torch.log2(want.double().abs().clamp_min(1e-30))) - 7)
+    close = (got.double() - want.double()).abs() <= step + 1e-6
+    assert (close | (got == want) | (got.isnan() & want.isnan())).all()
+    assert got[1].isnan().all() and got[:, 9].isnan().all() and (got[[0, 2], 7] == float("inf")).all()
+    assert (got[[0, 2], 11] == 0).all() and torch.signbit(got[[0, 2], 11]).all()
+    assert kernel_calls(compiled, BF16_TILE_GELU_KERNELS) == int(tpu_dynamo.device_info()["amx"])
 
 
 def gated_mlp(form: str, k: int, n: int) -> torch.nn.Module:

@@ -40,6 +40,9 @@ pub const BF16_MATMUL_NN_TARGET: &str = "tpu_dynamo.bf16_matmul_nn";
 /// The same adding a bf16 bias `[N]` to the f32 sums before they are rounded.
 pub const BF16_MATMUL_NT_BIAS_TARGET: &str = "tpu_dynamo.bf16_matmul_nt_bias";
 pub const BF16_MATMUL_NN_BIAS_TARGET: &str = "tpu_dynamo.bf16_matmul_nn_bias";
+/// The same with the tanh GELU after the bias (diffusers' `FeedForward`), of the rounded sums.
+pub const BF16_MATMUL_NT_BIAS_GELU_TANH_TARGET: &str = "tpu_dynamo.bf16_matmul_nt_bias_gelu_tanh";
+pub const BF16_MATMUL_NN_BIAS_GELU_TANH_TARGET: &str = "tpu_dynamo.bf16_matmul_nn_bias_gelu_tanh";
 /// The custom call targets of an f32 product with a matrix stored `[N, K]` and `[K, N]`.
 pub const F32_MATMUL_NT_TARGET: &str = "tpu_dynamo.f32_matmul_nt";
 pub const F32_MATMUL_NN_TARGET: &str = "tpu_dynamo.f32_matmul_nn";
@@ -181,6 +184,10 @@ pub fn register(plugin: &Plugin) -> Vec<&'static str> {
         if amx::available() {
             handlers.extend([(BF16_MATMUL_NT_TARGET, bf16_matmul_nt as *const c_void), (BF16_MATMUL_NN_TARGET, bf16_matmul_nn as *const c_void)]);
             handlers.extend([(BF16_MATMUL_NT_BIAS_TARGET, bf16_matmul_nt_bias as *const c_void), (BF16_MATMUL_NN_BIAS_TARGET, bf16_matmul_nn_bias as *const c_void)]);
+            handlers.extend([
+                (BF16_MATMUL_NT_BIAS_GELU_TANH_TARGET, bf16_matmul_nt_bias_gelu_tanh as *const c_void),
+                (BF16_MATMUL_NN_BIAS_GELU_TANH_TARGET, bf16_matmul_nn_bias_gelu_tanh as *const c_void),
+            ]);
             #[cfg(target_arch = "x86_64")]
             if tile_attention::available() {
                 handlers.extend([(BF16_ATTENTION_TARGET, bf16_attention as *const c_void), (BF16_CAUSAL_ATTENTION_TARGET, bf16_causal_attention as *const c_void)]);
@@ -381,6 +388,8 @@ product_handlers! {
     bf16_matmul_nn: BF16_MATMUL_NN_TARGET, RowPerInput, XLA_FFI_BF16, None;
     bf16_matmul_nt_bias: BF16_MATMUL_NT_BIAS_TARGET, RowPerOutput, XLA_FFI_BF16, Some(Activation::Identity);
     bf16_matmul_nn_bias: BF16_MATMUL_NN_BIAS_TARGET, RowPerInput, XLA_FFI_BF16, Some(Activation::Identity);
+    bf16_matmul_nt_bias_gelu_tanh: BF16_MATMUL_NT_BIAS_GELU_TANH_TARGET, RowPerOutput, XLA_FFI_BF16, Some(Activation::GeluTanh);
+    bf16_matmul_nn_bias_gelu_tanh: BF16_MATMUL_NN_BIAS_GELU_TANH_TARGET, RowPerInput, XLA_FFI_BF16, Some(Activation::GeluTanh);
     f32_matmul_nt: F32_MATMUL_NT_TARGET, RowPerOutput, XLA_FFI_F32, None;
     f32_matmul_nn: F32_MATMUL_NN_TARGET, RowPerInput, XLA_FFI_F32, None;
     f32_matmul_nt_bias: F32_MATMUL_NT_BIAS_TARGET, RowPerOutput, XLA_FFI_F32, Some(Activation::Identity);
@@ -459,7 +468,9 @@ unsafe fn handle(frame: &mut FfiCallFrame, target: &'static str, layout: Layout,
             return error(frame, target, &format!("expects bf16 x [.., K], w and y [.., N], got {xd:?}, {wd:?}, {yd:?}"));
         }
         let (k, n, rows) = (k as usize, n as usize, rows as usize);
-        if [BF16_MATMUL_NT_TARGET, BF16_MATMUL_NN_TARGET, BF16_MATMUL_NT_BIAS_TARGET, BF16_MATMUL_NN_BIAS_TARGET].contains(&target) && amx::available() {
+        // The tiles' targets (a bias and GELU are applied on the tiles' way out only); the
+        // matrix-vector ones below.
+        if (epilogue.is_some() || [BF16_MATMUL_NT_TARGET, BF16_MATMUL_NN_TARGET].contains(&target)) && amx::available() {
             let (xla, threads) = XlaPool::with_threads(frame);
             let ran = std::panic::catch_unwind(|| {
                 let (product, chunks) = gemm::Gemm::new((x.data as *const u8, w.data as *const u8, out), amx::Values::Bf16, (rows, n, k), layout, threads, epilogue);

@@ -904,14 +904,20 @@ impl<'a> Builder<'a> {
     }
 
     /// `a @ b` (`a` `[M, K]`, `b` `[K, N]`) finished as `kernels` finish it with `third` (a bias
-    /// `[N]`, or a factor `[M, N]`), as one call of our f32 product kernel, where `dot_general`
-    /// would give this product to it: `None` otherwise.
+    /// `[N]`, or a factor `[M, N]`), as one call of our product kernel (f32, or bf16 on the
+    /// tiles), where `dot_general` would give this product to it: `None` otherwise.
     pub fn host_product_then(&self, kernels: Option<HostProduct>, a: &Val<'a>, b: &Val<'a>, third: &Val<'a>) -> R<Option<Val<'a>>> {
         let contract: (&[i64], &[i64]) = (&[1], &[0]);
-        if a.rank() != 2 || !self.f32_product_for_both_cores(a, b, (&[], &[]), contract, DType::F32) {
+        let out = a.dtype();
+        let ours = match out {
+            DType::F32 => self.f32_product_for_both_cores(a, b, (&[], &[]), contract, out),
+            DType::Bf16 => self.bf16_product_on_tiles(a, b, (&[], &[]), contract, out),
+            _ => false,
+        };
+        if a.rank() != 2 || !ours {
             return Ok(None);
         }
-        self.host_product(kernels, a, b, Some(third), contract, DType::F32)
+        self.host_product(kernels, a, b, Some(third), contract, out)
     }
 
     /// A typed-FFI custom call of one of our host kernels, registered under `target`.
@@ -1271,7 +1277,9 @@ pub struct LoweringTarget {
     /// adding a bf16 bias `[N]` to the f32 sums before rounding.
     pub host_bf16_gemm: Option<HostProduct>,
     pub host_bf16_gemm_bias: Option<HostProduct>,
-    /// The same products adding a bias `[N]`, and then the tanh GELU.
+    /// The same with the tanh GELU of the rounded sums after the bias (eager's `gelu(addmm)`).
+    pub host_bf16_gemm_bias_gelu_tanh: Option<HostProduct>,
+    /// The f32 products adding a bias `[N]`, and then the tanh GELU.
     pub host_gemm_bias: Option<HostProduct>,
     pub host_gemm_bias_gelu_tanh: Option<HostProduct>,
     /// The same products with SiLU applied, times a factor of the result's shape.
@@ -1297,6 +1305,7 @@ pub static LOWERING_TARGET: RwLock<LoweringTarget> = RwLock::new(LoweringTarget 
     host_gemm: None,
     host_bf16_gemm: None,
     host_bf16_gemm_bias: None,
+    host_bf16_gemm_bias_gelu_tanh: None,
     host_gemm_bias: None,
     host_gemm_bias_gelu_tanh: None,
     host_gemm_silu_times: None,

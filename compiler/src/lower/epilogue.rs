@@ -2,7 +2,9 @@
 //! follows as a loop of its own over the result read back from memory:
 //! - an `addmm(bias, x, w)`, viewed or not, then a tanh GELU (GPT-2's MLP, diffusers'
 //!   `FeedForward` with `gelu-approximate`): the GELU arrives as `aten.gelu(v,
-//!   approximate="tanh")` or, from transformers' `gelu_new`, as the ops it is written in;
+//!   approximate="tanh")` or, from transformers' `gelu_new`, as the ops it is written in; in
+//!   bf16 only the first, which eager computes in f32 from the rounded product and rounds once
+//!   (each op written out rounds to bf16, which the kernel would not);
 //! - an `mm(x, w)`, viewed or not, then SiLU (`v · sigmoid(v)`, or `aten.silu`) times another
 //!   value of its shape (Llama's gated MLP: `silu(gate_proj(x)) * up_proj(x)`).
 //!
@@ -30,22 +32,33 @@ struct Finished {
     w: ValueId,
     third: ValueId,
     finish: Finish,
+    dtype: DType,
+}
+
+impl Finished {
+    /// The kernels that finish it, where the plugin has them.
+    fn kernels(&self) -> Option<HostProduct> {
+        let target = lowering_target();
+        match (self.finish, self.dtype) {
+            (Finish::BiasGeluTanh, DType::F32) => target.host_gemm_bias_gelu_tanh,
+            (Finish::BiasGeluTanh, DType::Bf16) => target.host_bf16_gemm_bias_gelu_tanh,
+            (Finish::SiluTimes, DType::F32) => target.host_gemm_silu_times,
+            _ => None,
+        }
+    }
 }
 
 /// The finished products of a graph, by the node holding each one's result.
 pub struct FinishedProducts {
-    gelu: Option<HostProduct>,
-    silu: Option<HostProduct>,
     by_node: HashMap<usize, Finished>,
 }
 
 impl FinishedProducts {
     /// The finished products of `uses`' graph where the plugin has our kernels (none elsewhere).
     pub fn of(uses: &Uses) -> Self {
-        let target = lowering_target();
-        let (gelu, silu) = (target.host_gemm_bias_gelu_tanh, target.host_gemm_silu_times);
-        let by_node = if gelu.is_some() && silu.is_some() { finished_products(uses) } else { HashMap::new() };
-        FinishedProducts { gelu, silu, by_node }
+        let mut by_node = finished_products(uses);
+        by_node.retain(|_, product| product.kernels().is_some());
+        FinishedProducts { by_node }
     }
 
     /// Node `i`'s value (of type `out`) as our kernel's, where it is a finished product's result
@@ -55,14 +68,14 @@ impl FinishedProducts {
         let operand = |v: ValueId| values.get(v as usize).cloned().flatten();
         let (x, w, third) = (operand(product.x)?, operand(product.w)?, operand(product.third)?);
         let lowered = || -> R<Option<Val<'a>>> {
-            let (kernels, third) = match product.finish {
-                Finish::BiasGeluTanh => (self.gelu, third),
+            let third = match product.finish {
+                Finish::BiasGeluTanh => third,
                 Finish::SiluTimes => {
                     let rows = x.shape().first().copied().unwrap_or(1);
-                    (self.silu, b.reshape(&third, &[rows, out.numel() / rows.max(1)])?)
+                    b.reshape(&third, &[rows, out.numel() / rows.max(1)])?
                 }
             };
-            b.host_product_then(kernels, &x, &w, &third)?.map(|y| b.reshape(&y, &out.shape)).transpose()
+            b.host_product_then(product.kernels(), &x, &w, &third)?.map(|y| b.reshape(&y, &out.shape)).transpose()
         };
         lowered().transpose().map(|y| y.map(|y| vec![y]))
     }
@@ -134,10 +147,12 @@ fn finished_products(uses: &Uses) -> HashMap<usize, Finished> {
     };
     let mut found = HashMap::new();
     for last in 0..nodes.len() {
-        let (v, mut chain, finish, factor) = match aten_gelu(last).or_else(|| written_out(last)) {
-            Some((v, chain)) => (v, chain, Finish::BiasGeluTanh, None),
-            None => match silu_times(last) {
-                Some((v, factor, chain)) => (v, chain, Finish::SiluTimes, Some(factor)),
+        // `one_op`: the finish is one op of ATen's, which rounds once.
+        let (v, mut chain, finish, factor, one_op) = match (aten_gelu(last), written_out(last)) {
+            (Some((v, chain)), _) => (v, chain, Finish::BiasGeluTanh, None, true),
+            (_, Some((v, chain))) => (v, chain, Finish::BiasGeluTanh, None, false),
+            _ => match silu_times(last) {
+                Some((v, factor, chain)) => (v, chain, Finish::SiluTimes, Some(factor), false),
                 None => continue,
             },
         };
@@ -161,7 +176,8 @@ fn finished_products(uses: &Uses) -> HashMap<usize, Finished> {
             },
             _ => continue,
         };
-        if !plain || uses.types[uses.output(product) as usize].dtype != DType::F32 {
+        let dtype = uses.types[uses.output(product) as usize].dtype;
+        if !plain || !(dtype == DType::F32 || dtype == DType::Bf16 && one_op) {
             continue;
         }
         // Nothing outside the chain may read its values (they are not computed apart).
@@ -173,7 +189,7 @@ fn finished_products(uses: &Uses) -> HashMap<usize, Finished> {
             !graph.outputs.contains(&out) && uses.readers(out).iter().all(|r| inside.contains(r))
         });
         if sealed {
-            found.insert(last, Finished { x, w, third, finish });
+            found.insert(last, Finished { x, w, third, finish, dtype });
         }
     }
     found

@@ -11,6 +11,7 @@
 //! where the f32 product has none. The tiles flush subnormal pieces and products to zero, which
 //! moves results only for operands below ~1e-33.
 
+use super::epilogue::Epilogue;
 use super::gemm::{Line, Lines, COLUMNS};
 use super::{Layout, Out};
 #[cfg(target_arch = "x86_64")]
@@ -114,15 +115,15 @@ thread_local! {
 }
 
 /// Rows `first_row..first_row + rows` of `y = x @ w`, in column blocks `blocks` (32 columns
-/// each), on the tiles, from the weight's `pieces` (both operands of `values`), `bias` `[n]`
-/// added to the f32 sums where not null; false, with nothing written, where those rows of an
-/// f32 `x` are not all finite.
+/// each), on the tiles, from the weight's `pieces` (both operands of `values`), finished by
+/// `finish` on their way out (`x86::write_row`); false, with nothing written, where those rows
+/// of an f32 `x` are not all finite.
 ///
 /// # Safety
 /// `x` `[m, k]` and `y` `[m, n]` must cover these rows, `pieces` be `pack`'s result for `w`, and
 /// `available()` be true.
 #[cfg(target_arch = "x86_64")]
-pub(super) unsafe fn rows((x, y, bias): (*const u8, Out, *const f32), values: Values, (n, k): (usize, usize), pieces: &[Line], first_row: usize, rows: usize, blocks: Range<usize>) -> bool {
+pub(super) unsafe fn rows((x, y, finish): (*const u8, Out, Epilogue), values: Values, (n, k): (usize, usize), pieces: &[Line], first_row: usize, rows: usize, blocks: Range<usize>) -> bool {
     SCRATCH.with(|scratch| {
         let (split, partial) = &mut *scratch.borrow_mut();
         let steps = k.div_ceil(STEP);
@@ -133,16 +134,17 @@ pub(super) unsafe fn rows((x, y, bias): (*const u8, Out, *const f32), values: Va
             return false;
         }
         let partial = partial.floats(2 * TILE * COLUMNS);
-        x86::products(a.as_ptr(), (tall, lda, steps), values, (pieces.as_ptr(), steps), (y.add(first_row * n), n, rows, bias), blocks, partial);
+        x86::products(a.as_ptr(), (tall, lda, steps), values, (pieces.as_ptr(), steps), (y.add(first_row * n), n, rows, finish), blocks, partial);
         true
     })
 }
 
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
+    use super::super::epilogue::{x86::gelu_tanh_of_bf16, Activation};
     use super::super::vector_math::{lanes, rounded_bf16, transpose};
     use super::super::Out;
-    use super::{asm, Layout, Line, Range, Values, COLUMNS, L1_ROWS_BYTES, L2_SHARE_BYTES, STEP, TILE, TILE_LINES};
+    use super::{asm, Epilogue, Layout, Line, Range, Values, COLUMNS, L1_ROWS_BYTES, L2_SHARE_BYTES, STEP, TILE, TILE_LINES};
     use std::arch::x86_64::*;
     use std::mem::transmute;
 
@@ -196,7 +198,7 @@ pub(super) mod x86 {
 
     /// Every pair of tile rows of `a` (`tall` rows, a multiple of 32) times the weight's
     /// `pieces` (`pieces_steps` steps of K to a column block) in column blocks `blocks`, into
-    /// `y` (`rows` rows, `n` columns; `bias` `[n]` added where not null), through `partial`
+    /// `y` (`rows` rows, `n` columns, finished by `finish`), through `partial`
     /// (`[32, 32]`) where a tile's rows are not written as they are.
     ///
     /// Four sums (tmm0-3: rows 0-15 and 16-31 by columns 0-15 and 16-31) take turns, so that no
@@ -213,7 +215,7 @@ pub(super) mod x86 {
         (tall, lda, steps): (usize, usize, usize),
         values: Values,
         (pieces, pieces_steps): (*const Line, usize),
-        (y, n, rows, bias): (Out, usize, usize, *const f32),
+        (y, n, rows, finish): (Out, usize, usize, Epilogue),
         blocks: Range<usize>,
         partial: &mut [f32],
     ) {
@@ -322,11 +324,10 @@ pub(super) mod x86 {
                         );
                     }
                     match out {
-                        Out::F32(out) if valid == 2 * TILE && cols == COLUMNS && bias.is_null() => store(out, 4 * n, TILE * n),
+                        Out::F32(out) if valid == 2 * TILE && cols == COLUMNS && finish.is_none() => store(out, 4 * n, TILE * n),
                         _ => {
                             store(partial.as_mut_ptr(), 4 * COLUMNS, TILE * COLUMNS);
-                            let bias = if bias.is_null() { bias } else { bias.add(block * COLUMNS) };
-                            write_rows((out, n), partial.as_ptr(), (valid, cols), bias);
+                            write_rows((out, n), partial.as_ptr(), (valid, cols), &finish.from_column(block * COLUMNS));
                         }
                     }
                 }
@@ -444,18 +445,26 @@ pub(super) mod x86 {
         transmute::<[__m512; TILE], [__m512i; TILE]>(transpose(transmute::<[__m512i; TILE], [__m512; TILE]>(rows)))
     }
 
-    /// `cols` f32 sums from `sums` (plus `bias`, where not null) into `out`, rounded to the
-    /// nearest even bf16 for a bf16 result (NaN kept NaN, as `f32_to_bf16`).
-    #[target_feature(enable = "avx512f,avx512bw")]
-    pub(in crate::host_kernels) unsafe fn write_row(out: Out, sums: *const f32, cols: usize, bias: *const f32) {
-        if let (Out::F32(y), true) = (out, bias.is_null()) {
+    /// `cols` f32 sums from `sums` into `out`, with `finish`'s bias (where not null) added, then
+    /// rounded to the nearest even bf16 for a bf16 result (NaN kept NaN, as `f32_to_bf16`); its
+    /// tanh GELU reads the rounded value and is rounded again, as eager's `gelu(addmm(..))`.
+    #[target_feature(enable = "avx512f,avx512bw,fma")]
+    pub(in crate::host_kernels) unsafe fn write_row(out: Out, sums: *const f32, cols: usize, finish: &Epilogue) {
+        debug_assert!(finish.times.is_null() && finish.activation != Activation::Silu, "the tiles' rows take a bias and GELU only");
+        if let (Out::F32(y), true) = (out, finish.is_none()) {
             return std::ptr::copy_nonoverlapping(sums, y, cols);
         }
         for j in (0..cols).step_by(16) {
             let mask = lanes(cols, j);
             let mut v = _mm512_maskz_loadu_ps(mask, sums.add(j));
-            if !bias.is_null() {
-                v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias.add(j)));
+            if !finish.bias.is_null() {
+                v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, finish.bias.add(j)));
+            }
+            if finish.activation == Activation::GeluTanh {
+                if let Out::Bf16(_) = out {
+                    v = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(rounded_bf16(v)));
+                }
+                v = gelu_tanh_of_bf16(v);
             }
             match out {
                 Out::F32(y) => _mm512_mask_storeu_ps(y.add(j), mask, v),
@@ -467,10 +476,10 @@ pub(super) mod x86 {
     /// `write_row` for `rows` rows of `partial` (`[rows, 32]`) into rows of `out` `n` apart: one
     /// call a tile block, where a call a row cost as much as the rows' rounding (2.6 % of SD3.5
     /// Medium's bf16 execute).
-    #[target_feature(enable = "avx512f,avx512bw")]
-    unsafe fn write_rows((out, n): (Out, usize), partial: *const f32, (rows, cols): (usize, usize), bias: *const f32) {
+    #[target_feature(enable = "avx512f,avx512bw,fma")]
+    unsafe fn write_rows((out, n): (Out, usize), partial: *const f32, (rows, cols): (usize, usize), finish: &Epilogue) {
         for r in 0..rows {
-            write_row(out.add(r * n), partial.add(r * COLUMNS), cols, bias);
+            write_row(out.add(r * n), partial.add(r * COLUMNS), cols, finish);
         }
     }
 
@@ -496,6 +505,7 @@ pub(super) mod x86 {
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
+    use super::super::epilogue::{gelu_tanh, Activation};
 
     /// The three bf16 pieces of `v` (each the top half of an f32 whose sum is exactly `v`).
     fn pieces(v: f32) -> [u16; 3] {
@@ -526,8 +536,9 @@ mod tests {
     }
 
     /// bf16 operands on the tiles, with f32 sums as the exact (f64) sums of the bf16 values
-    /// allow, and rounded once to bf16 for a bf16 result (a bias added to the f32 sums first),
-    /// on shapes off the tiles and a weight past L2's share.
+    /// allow, and rounded once to bf16 for a bf16 result (a bias added to the f32 sums first;
+    /// a GELU after it reading the rounded value, rounded again), on shapes off the tiles and a
+    /// weight past L2's share.
     #[test]
     fn bf16_products_sum_in_f32_and_round_once() {
         if !available() {
@@ -544,10 +555,16 @@ mod tests {
                 let pieces = unsafe { pack(w.as_ptr() as *const u8, (n, k), layout, Values::Bf16) }.unwrap();
                 let (mut y32, mut y16) = (vec![f32::NAN; m * n], vec![0u16; m * n]);
                 let bias: Vec<f32> = (0..n).map(|_| next()).collect();
-                let mut biased = vec![0u16; m * n];
-                let outs = [(Out::F32(y32.as_mut_ptr()), std::ptr::null()), (Out::Bf16(y16.as_mut_ptr()), std::ptr::null()), (Out::Bf16(biased.as_mut_ptr()), bias.as_ptr())];
-                for (out, added) in outs {
-                    assert!(unsafe { super::rows((x.as_ptr() as *const u8, out, added), Values::Bf16, (n, k), &pieces, 0, m, 0..n.div_ceil(COLUMNS)) });
+                let (mut biased, mut gelus) = (vec![0u16; m * n], vec![0u16; m * n]);
+                let with_bias = |activation| Epilogue { bias: bias.as_ptr(), activation, times: std::ptr::null() };
+                let outs = [
+                    (Out::F32(y32.as_mut_ptr()), Epilogue::NONE),
+                    (Out::Bf16(y16.as_mut_ptr()), Epilogue::NONE),
+                    (Out::Bf16(biased.as_mut_ptr()), with_bias(Activation::Identity)),
+                    (Out::Bf16(gelus.as_mut_ptr()), with_bias(Activation::GeluTanh)),
+                ];
+                for (out, finish) in outs {
+                    assert!(unsafe { super::rows((x.as_ptr() as *const u8, out, finish), Values::Bf16, (n, k), &pieces, 0, m, 0..n.div_ceil(COLUMNS)) });
                 }
                 for i in 0..m {
                     for j in 0..n {
@@ -556,6 +573,9 @@ mod tests {
                         assert!((got - want).abs() <= 1e-6 * (k as f64).sqrt() * 3.0, "{m}x{n}x{k} at {i},{j}: {got} vs {want}");
                         assert_eq!(y16[i * n + j], bf16(y32[i * n + j]), "{m}x{n}x{k} at {i},{j}");
                         assert_eq!(biased[i * n + j], bf16(y32[i * n + j] + bias[j]), "{m}x{n}x{k} at {i},{j} with a bias");
+                        // One bf16 step apart at most, or both next to 0 (where the f32 formula cancels).
+                        let (got, gelu) = (value(gelus[i * n + j]), f64::from(gelu_tanh(value(biased[i * n + j]) as f32)));
+                        assert!((got - gelu).abs() <= (gelu.abs() / 128.0).max(1e-6), "{m}x{n}x{k} at {i},{j} with a GELU: {got} vs {gelu}");
                     }
                 }
             }
@@ -615,7 +635,7 @@ mod tests {
                 // column blocks.
                 let (half, blocks) = ((m.div_ceil(32) * 16).min(m), n.div_ceil(COLUMNS));
                 for (first, rows, blocks) in [(0, half, 0..blocks / 2), (0, half, blocks / 2..blocks), (half, m - half, 0..blocks)] {
-                    assert!(unsafe { super::rows((x.as_ptr() as *const u8, Out::F32(y.as_mut_ptr()), std::ptr::null()), Values::F32, (n, k), &pieces, first, rows, blocks) });
+                    assert!(unsafe { super::rows((x.as_ptr() as *const u8, Out::F32(y.as_mut_ptr()), Epilogue::NONE), Values::F32, (n, k), &pieces, first, rows, blocks) });
                 }
                 for i in 0..m {
                     for j in 0..n {
@@ -626,7 +646,7 @@ mod tests {
                 }
                 let mut bad_x = x.clone();
                 bad_x[m * k - 1] = f32::INFINITY;
-                assert!(!unsafe { super::rows((bad_x.as_ptr() as *const u8, Out::F32(y.as_mut_ptr()), std::ptr::null()), Values::F32, (n, k), &pieces, 0, m, 0..n.div_ceil(COLUMNS)) });
+                assert!(!unsafe { super::rows((bad_x.as_ptr() as *const u8, Out::F32(y.as_mut_ptr()), Epilogue::NONE), Values::F32, (n, k), &pieces, 0, m, 0..n.div_ceil(COLUMNS)) });
             }
             let mut bad_w = w.clone();
             bad_w[0] = f32::NAN;
@@ -634,4 +654,3 @@ mod tests {
         }
     }
 }
-

@@ -210,7 +210,7 @@ impl Chunked for Gemm {
         let rows = self.rows_per_chunk.min(self.m - first_row);
         let blocks = first_block..(first_block + self.blocks_per_chunk).min(self.n.div_ceil(COLUMNS));
         self.products(first_row, rows, blocks.clone());
-        // A bf16 product's bias was added on the tiles' way out (`amx::rows`).
+        // A bf16 product's bias and GELU were applied on the tiles' way out (`amx::rows`).
         if let (Some(epilogue), Values::F32) = (&self.epilogue, self.values) {
             epilogue.apply(self.y_f32(), self.n, first_row..first_row + rows, blocks.start * COLUMNS..(blocks.end * COLUMNS).min(self.n));
         }
@@ -230,11 +230,11 @@ impl Gemm {
     unsafe fn products(&self, first_row: usize, rows: usize, blocks: std::ops::Range<usize>) {
         #[cfg(target_arch = "x86_64")]
         if let Kept::Pieces(pieces) = &self.kept {
-            let bias = match (&self.epilogue, self.values) {
-                (Some(epilogue), Values::Bf16) => epilogue.bias,
-                _ => std::ptr::null(),
+            let finish = match (&self.epilogue, self.values) {
+                (Some(epilogue), Values::Bf16) => *epilogue,
+                _ => Epilogue::NONE,
             };
-            if amx::rows((self.x, self.y, bias), self.values, (self.n, self.k), pieces, first_row, rows, blocks.clone()) {
+            if amx::rows((self.x, self.y, finish), self.values, (self.n, self.k), pieces, first_row, rows, blocks.clone()) {
                 return;
             }
         }

@@ -10,6 +10,7 @@
 //! weight, values as an `[S, E]` one read the other way) and keeps them for the head's runs.
 
 use super::amx::{self, x86::*, Values, STEP};
+use super::epilogue::Epilogue;
 use super::attention::{logsumexps, normalize, visible_keys, Bias, Plan, Shape, Unit};
 use super::gemm::{Lines, COLUMNS};
 use super::pool::Chunked;
@@ -112,7 +113,7 @@ impl Chunked for TileAttention {
                 let lda = dim_steps * STEP;
                 let a = tile_rows.u16s(BLOCK * lda);
                 split(q, Values::Bf16, s.dim, rows, a, BLOCK * lda, lda);
-                products(a.as_ptr(), (BLOCK, lda, dim_steps), Values::Bf16, (keys, dim_steps), (Out::F32(scores), stride, rows, std::ptr::null()), 0..seen.div_ceil(COLUMNS), partial);
+                products(a.as_ptr(), (BLOCK, lda, dim_steps), Values::Bf16, (keys, dim_steps), (Out::F32(scores), stride, rows, Epilogue::NONE), 0..seen.div_ceil(COLUMNS), partial);
                 // The exponentials, rounded, straight into the tiles' rows for their product by
                 // the values (zero past a query's visible keys and past the block's queries).
                 let lda = seen.div_ceil(STEP) * STEP;
@@ -125,13 +126,13 @@ impl Chunked for TileAttention {
                 }
                 logsumexps(&softmaxes[..rows], std::slice::from_raw_parts_mut(self.lse.add(head * s.len_q + r0), rows));
                 if seen > 0 {
-                    products(a.as_ptr(), (BLOCK, lda, seen.div_ceil(STEP)), Values::Bf16, (values, key_steps), (Out::F32(sums), s.dim, rows, std::ptr::null()), 0..s.dim.div_ceil(COLUMNS), partial);
+                    products(a.as_ptr(), (BLOCK, lda, seen.div_ceil(STEP)), Values::Bf16, (values, key_steps), (Out::F32(sums), s.dim, rows, Epilogue::NONE), 0..s.dim.div_ceil(COLUMNS), partial);
                 }
                 let out = self.out.add((head * s.len_q + r0) * s.dim);
                 for (i, &softmax) in softmaxes.iter().enumerate().take(rows) {
                     let row = std::slice::from_raw_parts_mut(sums.add(i * s.dim), s.dim);
                     normalize(row, softmax);
-                    write_row(Out::Bf16(out.add(i * s.dim)), row.as_ptr(), s.dim, std::ptr::null());
+                    write_row(Out::Bf16(out.add(i * s.dim)), row.as_ptr(), s.dim, &Epilogue::NONE);
                 }
             }
         });
