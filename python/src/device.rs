@@ -236,6 +236,7 @@ pub fn target() -> Result<Arc<Target>, Error> {
         host_bf16_gemm: pair(host_kernels::BF16_MATMUL_NT_TARGET, host_kernels::BF16_MATMUL_NN_TARGET),
         host_bf16_gemm_bias: pair(host_kernels::BF16_MATMUL_NT_BIAS_TARGET, host_kernels::BF16_MATMUL_NN_BIAS_TARGET),
         host_bf16_gemm_bias_gelu_tanh: pair(host_kernels::BF16_MATMUL_NT_BIAS_GELU_TANH_TARGET, host_kernels::BF16_MATMUL_NN_BIAS_GELU_TANH_TARGET),
+        host_bf16_gemm_silu_times: pair(host_kernels::BF16_MATMUL_NT_SILU_TIMES_TARGET, host_kernels::BF16_MATMUL_NN_SILU_TIMES_TARGET),
         host_gemm_bias: pair(host_kernels::F32_MATMUL_NT_BIAS_TARGET, host_kernels::F32_MATMUL_NN_BIAS_TARGET),
         host_gemm_bias_gelu_tanh: pair(host_kernels::F32_MATMUL_NT_BIAS_GELU_TANH_TARGET, host_kernels::F32_MATMUL_NN_BIAS_GELU_TANH_TARGET),
         host_gemm_silu_times: pair(host_kernels::F32_MATMUL_NT_SILU_TIMES_TARGET, host_kernels::F32_MATMUL_NN_SILU_TIMES_TARGET),

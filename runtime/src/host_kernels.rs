@@ -26,7 +26,7 @@ pub mod unchanging;
 mod vector_math;
 
 use crate::plugin::Plugin;
-use epilogue::{Activation, Epilogue};
+use epilogue::{Activation, Epilogue, Factor};
 use pjrt_sys::PJRT_Extension_Base;
 use std::ffi::{c_char, c_int, c_void};
 
@@ -43,6 +43,9 @@ pub const BF16_MATMUL_NN_BIAS_TARGET: &str = "tpu_dynamo.bf16_matmul_nn_bias";
 /// The same with the tanh GELU after the bias (diffusers' `FeedForward`), of the rounded sums.
 pub const BF16_MATMUL_NT_BIAS_GELU_TANH_TARGET: &str = "tpu_dynamo.bf16_matmul_nt_bias_gelu_tanh";
 pub const BF16_MATMUL_NN_BIAS_GELU_TANH_TARGET: &str = "tpu_dynamo.bf16_matmul_nn_bias_gelu_tanh";
+/// The same with SiLU of the rounded sums, times a bf16 factor shaped as the result (Llama's MLP).
+pub const BF16_MATMUL_NT_SILU_TIMES_TARGET: &str = "tpu_dynamo.bf16_matmul_nt_silu_times";
+pub const BF16_MATMUL_NN_SILU_TIMES_TARGET: &str = "tpu_dynamo.bf16_matmul_nn_silu_times";
 /// The custom call targets of an f32 product with a matrix stored `[N, K]` and `[K, N]`.
 pub const F32_MATMUL_NT_TARGET: &str = "tpu_dynamo.f32_matmul_nt";
 pub const F32_MATMUL_NN_TARGET: &str = "tpu_dynamo.f32_matmul_nn";
@@ -187,6 +190,8 @@ pub fn register(plugin: &Plugin) -> Vec<&'static str> {
             handlers.extend([
                 (BF16_MATMUL_NT_BIAS_GELU_TANH_TARGET, bf16_matmul_nt_bias_gelu_tanh as *const c_void),
                 (BF16_MATMUL_NN_BIAS_GELU_TANH_TARGET, bf16_matmul_nn_bias_gelu_tanh as *const c_void),
+                (BF16_MATMUL_NT_SILU_TIMES_TARGET, bf16_matmul_nt_silu_times as *const c_void),
+                (BF16_MATMUL_NN_SILU_TIMES_TARGET, bf16_matmul_nn_silu_times as *const c_void),
             ]);
             #[cfg(target_arch = "x86_64")]
             if tile_attention::available() {
@@ -390,6 +395,8 @@ product_handlers! {
     bf16_matmul_nn_bias: BF16_MATMUL_NN_BIAS_TARGET, RowPerInput, XLA_FFI_BF16, Some(Activation::Identity);
     bf16_matmul_nt_bias_gelu_tanh: BF16_MATMUL_NT_BIAS_GELU_TANH_TARGET, RowPerOutput, XLA_FFI_BF16, Some(Activation::GeluTanh);
     bf16_matmul_nn_bias_gelu_tanh: BF16_MATMUL_NN_BIAS_GELU_TANH_TARGET, RowPerInput, XLA_FFI_BF16, Some(Activation::GeluTanh);
+    bf16_matmul_nt_silu_times: BF16_MATMUL_NT_SILU_TIMES_TARGET, RowPerOutput, XLA_FFI_BF16, Some(Activation::Silu);
+    bf16_matmul_nn_silu_times: BF16_MATMUL_NN_SILU_TIMES_TARGET, RowPerInput, XLA_FFI_BF16, Some(Activation::Silu);
     f32_matmul_nt: F32_MATMUL_NT_TARGET, RowPerOutput, XLA_FFI_F32, None;
     f32_matmul_nn: F32_MATMUL_NN_TARGET, RowPerInput, XLA_FFI_F32, None;
     f32_matmul_nt_bias: F32_MATMUL_NT_BIAS_TARGET, RowPerOutput, XLA_FFI_F32, Some(Activation::Identity);
@@ -437,8 +444,13 @@ unsafe fn handle(frame: &mut FfiCallFrame, target: &'static str, layout: Layout,
                 data = widened.as_ptr();
             }
             let (epilogue, fits, expects) = match activation {
-                Activation::Silu => (Epilogue { bias: none, activation, times: data }, dims(third) == yd, "a factor shaped as y"),
-                _ => (Epilogue { bias: data, activation, times: none }, dims(third) == [n], "a bias [N]"),
+                // A bf16 product's factor is bf16 (read as it is: `[M, N]` values).
+                Activation::Silu => {
+                    let times = if half { Factor::Bf16(third.data as *const u16) } else { Factor::F32(data) };
+                    let typed = operands == XLA_FFI_F32 || half;
+                    (Epilogue { bias: none, activation, times }, dims(third) == yd && typed, "a factor shaped as y")
+                }
+                _ => (Epilogue { bias: data, activation, times: Factor::None }, dims(third) == [n], "a bias [N]"),
             };
             if !(third.dtype == XLA_FFI_F32 || half) || !fits {
                 let name = if operands == XLA_FFI_BF16 { "bf16 or f32" } else { "f32" };

@@ -1279,6 +1279,8 @@ pub struct LoweringTarget {
     pub host_bf16_gemm_bias: Option<HostProduct>,
     /// The same with the tanh GELU of the rounded sums after the bias (eager's `gelu(addmm)`).
     pub host_bf16_gemm_bias_gelu_tanh: Option<HostProduct>,
+    /// The same with SiLU of the rounded sums, times a bf16 factor of the result's shape.
+    pub host_bf16_gemm_silu_times: Option<HostProduct>,
     /// The f32 products adding a bias `[N]`, and then the tanh GELU.
     pub host_gemm_bias: Option<HostProduct>,
     pub host_gemm_bias_gelu_tanh: Option<HostProduct>,
@@ -1306,6 +1308,7 @@ pub static LOWERING_TARGET: RwLock<LoweringTarget> = RwLock::new(LoweringTarget 
     host_bf16_gemm: None,
     host_bf16_gemm_bias: None,
     host_bf16_gemm_bias_gelu_tanh: None,
+    host_bf16_gemm_silu_times: None,
     host_gemm_bias: None,
     host_gemm_bias_gelu_tanh: None,
     host_gemm_silu_times: None,

@@ -6,7 +6,11 @@
 //!   bf16 only the first, which eager computes in f32 from the rounded product and rounds once
 //!   (each op written out rounds to bf16, which the kernel would not);
 //! - an `mm(x, w)`, viewed or not, then SiLU (`v · sigmoid(v)`, or `aten.silu`) times another
-//!   value of its shape (Llama's gated MLP: `silu(gate_proj(x)) * up_proj(x)`).
+//!   value of its shape (Llama's gated MLP: `silu(gate_proj(x)) * up_proj(x)`); in bf16 SiLU as
+//!   one op, or as its decomposition computes it, in f32 between two converts (rounded once).
+//!
+//! A bf16 kernel rounds where eager's ops do: the product, the GELU or SiLU, their product by
+//! the factor.
 //!
 //! The node holding the result is lowered as the kernel over `x`, `w` and the bias or the
 //! factor; the ops before it are left to XLA, which drops those nothing else reads.
@@ -43,6 +47,7 @@ impl Finished {
             (Finish::BiasGeluTanh, DType::F32) => target.host_gemm_bias_gelu_tanh,
             (Finish::BiasGeluTanh, DType::Bf16) => target.host_bf16_gemm_bias_gelu_tanh,
             (Finish::SiluTimes, DType::F32) => target.host_gemm_silu_times,
+            (Finish::SiluTimes, DType::Bf16) => target.host_bf16_gemm_silu_times,
             _ => None,
         }
     }
@@ -127,32 +132,51 @@ fn finished_products(uses: &Uses) -> HashMap<usize, Finished> {
         }
         Some((value(node.args.first()?)?, vec![]))
     };
-    // `v`, the factor and the chain's nodes, where node `last` is `silu(v) · factor`.
-    let silu_times = |last: usize| -> Option<(ValueId, ValueId, Vec<usize>)> {
+    // `v` and the chain's nodes, where `s` is `silu(v)`, and whether the chain is one op (which
+    // rounds once).
+    let silu = |s: ValueId| -> Option<(ValueId, Vec<usize>, bool)> {
+        if let Some(silu) = defined(s, "aten.silu.default") {
+            return Some((value(nodes[silu].args.first()?)?, vec![silu], true));
+        }
+        let times = defined(s, "aten.mul.Tensor")?;
+        let [Arg::Value(a), Arg::Value(c)] = nodes[times].args[..] else { return None };
+        [(a, c), (c, a)].into_iter().find_map(|(v, sig)| {
+            let sigmoid = defined(sig, "aten.sigmoid.default")?;
+            (value(nodes[sigmoid].args.first()?)? == v).then(|| (v, vec![times, sigmoid], false))
+        })
+    };
+    // The value `v` converts to `dtype`, and the node converting it.
+    let converted = |v: ValueId, dtype: DType| -> Option<(ValueId, usize)> {
+        let node = defined(v, "aten._to_copy.default").or_else(|| defined(v, "prims.convert_element_type.default"))?;
+        (uses.types[v as usize].dtype == dtype).then_some((value(nodes[node].args.first()?)?, node))
+    };
+    // `v`, the factor and the chain's nodes, where node `last` is `silu(v) · factor`, and
+    // whether SiLU rounds once: one op, or a bf16 `v` converted to f32 for it and back after
+    // (`aten.silu`'s decomposition in bf16).
+    let silu_times = |last: usize| -> Option<(ValueId, ValueId, Vec<usize>, bool)> {
         let [Arg::Value(p), Arg::Value(q)] = nodes[last].args[..] else { return None };
         if nodes[last].op != "aten.mul.Tensor" {
             return None;
         }
         [(p, q), (q, p)].into_iter().find_map(|(s, factor)| {
-            if let Some(silu) = defined(s, "aten.silu.default") {
-                return Some((value(nodes[silu].args.first()?)?, factor, vec![silu]));
+            if let Some((v, chain, rounds_once)) = silu(s) {
+                return Some((v, factor, chain, rounds_once));
             }
-            let times = defined(s, "aten.mul.Tensor")?;
-            let [Arg::Value(a), Arg::Value(c)] = nodes[times].args[..] else { return None };
-            [(a, c), (c, a)].into_iter().find_map(|(v, sig)| {
-                let sigmoid = defined(sig, "aten.sigmoid.default")?;
-                (value(nodes[sigmoid].args.first()?)? == v).then(|| (v, factor, vec![times, sigmoid]))
-            })
+            let (narrowed, narrow) = converted(s, DType::Bf16)?;
+            let (wide, mut chain, _) = silu(narrowed)?;
+            let (v, widen) = converted(wide, DType::F32)?;
+            chain.extend([narrow, widen]);
+            (uses.types[v as usize].dtype == DType::Bf16).then_some((v, factor, chain, true))
         })
     };
     let mut found = HashMap::new();
     for last in 0..nodes.len() {
-        // `one_op`: the finish is one op of ATen's, which rounds once.
-        let (v, mut chain, finish, factor, one_op) = match (aten_gelu(last), written_out(last)) {
+        // `rounds_once`: the finish rounds once, as one op of ATen's (a bf16 kernel's does too).
+        let (v, mut chain, finish, factor, rounds_once) = match (aten_gelu(last), written_out(last)) {
             (Some((v, chain)), _) => (v, chain, Finish::BiasGeluTanh, None, true),
             (_, Some((v, chain))) => (v, chain, Finish::BiasGeluTanh, None, false),
             _ => match silu_times(last) {
-                Some((v, factor, chain)) => (v, chain, Finish::SiluTimes, Some(factor), false),
+                Some((v, factor, chain, rounds_once)) => (v, chain, Finish::SiluTimes, Some(factor), rounds_once),
                 None => continue,
             },
         };
@@ -177,7 +201,7 @@ fn finished_products(uses: &Uses) -> HashMap<usize, Finished> {
             _ => continue,
         };
         let dtype = uses.types[uses.output(product) as usize].dtype;
-        if !plain || !(dtype == DType::F32 || dtype == DType::Bf16 && one_op) {
+        if !plain || !(dtype == DType::F32 || dtype == DType::Bf16 && rounds_once) {
             continue;
         }
         // Nothing outside the chain may read its values (they are not computed apart).

@@ -19,25 +19,41 @@ pub(super) enum Activation {
 }
 
 /// `y[r, j] = activation(y[r, j] + bias[j]) · times[r, j]` over rows of `n` columns, without the
-/// bias or the factor where they are null.
+/// bias where it is null or the factor where there is none.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Epilogue {
     pub bias: *const f32,
     pub activation: Activation,
-    pub times: *const f32,
+    pub times: Factor,
+}
+
+/// The factor a result is multiplied by last, shaped as the result: f32, or bf16 for a bf16
+/// product's bf16 result.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) enum Factor {
+    None,
+    F32(*const f32),
+    Bf16(*const u16),
 }
 
 impl Epilogue {
     /// Nothing: the product as it is.
-    pub const NONE: Epilogue = Epilogue { bias: std::ptr::null(), activation: Activation::Identity, times: std::ptr::null() };
+    pub const NONE: Epilogue = Epilogue { bias: std::ptr::null(), activation: Activation::Identity, times: Factor::None };
 
     pub fn is_none(&self) -> bool {
-        self.bias.is_null() && self.activation == Activation::Identity && self.times.is_null()
+        self.bias.is_null() && self.activation == Activation::Identity && self.times == Factor::None
     }
 
-    /// Itself for the columns from `col` on (its bias read from there).
-    pub fn from_column(&self, col: usize) -> Epilogue {
-        Epilogue { bias: if self.bias.is_null() { self.bias } else { self.bias.wrapping_add(col) }, ..*self }
+    /// Itself for the result from its element `offset` on, in column `col` (the bias read from
+    /// that column, the factor from that element).
+    pub fn at(&self, offset: usize, col: usize) -> Epilogue {
+        let bias = if self.bias.is_null() { self.bias } else { self.bias.wrapping_add(col) };
+        let times = match self.times {
+            Factor::None => Factor::None,
+            Factor::F32(t) => Factor::F32(t.wrapping_add(offset)),
+            Factor::Bf16(t) => Factor::Bf16(t.wrapping_add(offset)),
+        };
+        Epilogue { bias, times, ..*self }
     }
 }
 
@@ -67,7 +83,10 @@ impl Epilogue {
                     Activation::GeluTanh => gelu_tanh(v),
                     Activation::Silu => silu(v),
                 };
-                *y.add(at) = if self.times.is_null() { v } else { v * *self.times.add(at) };
+                *y.add(at) = match self.times {
+                    Factor::F32(times) => v * *times.add(at),
+                    _ => v,
+                };
             }
         }
     }
@@ -87,7 +106,7 @@ fn silu(v: f32) -> f32 {
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
     use super::super::vector_math::{exp, lanes, tanh};
-    use super::{Activation, Epilogue, Range, BETA, KAPPA, SATURATED_2U};
+    use super::{Activation, Epilogue, Factor, Range, BETA, KAPPA, SATURATED_2U};
     use std::arch::x86_64::*;
 
     #[target_feature(enable = "avx512f,fma")]
@@ -105,8 +124,8 @@ pub(super) mod x86 {
                     Activation::GeluTanh => gelu_tanh(v),
                     Activation::Silu => silu(v),
                 };
-                if !e.times.is_null() {
-                    v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, e.times.add(r * n + j)));
+                if let Factor::F32(times) = e.times {
+                    v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, times.add(r * n + j)));
                 }
                 _mm512_mask_storeu_ps(row.add(j), mask, v);
             }
@@ -138,6 +157,19 @@ pub(super) mod x86 {
         _mm512_mask_mov_ps(_mm512_mul_ps(v, sigmoid), saturated, _mm512_mul_ps(v, _mm512_setzero_ps()))
     }
 
+    /// SiLU of a bf16 product's rounded values for a bf16 result, `v · σ(v)`, with σ from one
+    /// exponential and a reciprocal (eager's divides): within a few f32 ulps. Where `v < -80`,
+    /// σ(v) < 2e-35 and the result is `v · 0` (±0, NaN for -∞ as eager's), at most 1e-33 from
+    /// eager's.
+    #[target_feature(enable = "avx512f,fma")]
+    pub(in crate::host_kernels) unsafe fn silu_of_bf16(v: __m512) -> __m512 {
+        let d = _mm512_add_ps(exp(_mm512_sub_ps(_mm512_setzero_ps(), v)), _mm512_set1_ps(1.0));
+        let r = _mm512_rcp14_ps(d);
+        let sigmoid = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0)));
+        let saturated = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(v, _mm512_set1_ps(-80.0));
+        _mm512_mask_mov_ps(_mm512_mul_ps(v, sigmoid), saturated, _mm512_mul_ps(v, _mm512_setzero_ps()))
+    }
+
     /// `super::gelu_tanh` on 16 lanes.
     #[target_feature(enable = "avx512f,fma")]
     pub(super) unsafe fn gelu_tanh(v: __m512) -> __m512 {
@@ -162,7 +194,7 @@ mod tests {
         for (activation, biased) in [(Activation::Identity, true), (Activation::GeluTanh, true), (Activation::Silu, false)] {
             let mut y = y0.clone();
             let bias_ptr = if biased { bias.as_ptr() } else { std::ptr::null() };
-            let times_ptr = if biased { std::ptr::null() } else { times.as_ptr() };
+            let times_ptr = if biased { Factor::None } else { Factor::F32(times.as_ptr()) };
             // Rows 1.. only (row 0 stays as it was), in two runs of columns.
             let epilogue = Epilogue { bias: bias_ptr, activation, times: times_ptr };
             unsafe { epilogue.apply(y.as_mut_ptr(), n, 1..rows, 5..n) };
@@ -215,6 +247,36 @@ mod tests {
                     // e^{-2u}, as in eager's tanh(u).
                     let error = (f64::from(g) - want).abs();
                     assert!(error <= 4.0 * (1.0 + two_u.abs()) * f64::from(f32::EPSILON) * want.abs(), "at {v}: {g} against {want}");
+                }
+            }
+        }
+    }
+
+    /// The σ form of SiLU for bf16 results against f64's: within a few f32 ulps (and its
+    /// argument's rounding), ±0 below -80, and on the special values as eager.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn silu_of_bf16_is_the_exact_silu_within_a_few_ulps() {
+        if !std::arch::is_x86_feature_detected!("avx512f") {
+            return;
+        }
+        let mut values: Vec<f32> = (-9000..9000).map(|i| i as f32 / 100.0).collect();
+        values.extend([f32::INFINITY, f32::NEG_INFINITY, f32::NAN, f32::MAX, -f32::MAX, 1e-30, -1e-30, 0.0, -0.0]);
+        for chunk in values.chunks(16) {
+            let mut lanes = [0f32; 16];
+            lanes[..chunk.len()].copy_from_slice(chunk);
+            let got: [f32; 16] = unsafe { std::mem::transmute(x86::silu_of_bf16(std::mem::transmute::<[f32; 16], std::arch::x86_64::__m512>(lanes))) };
+            for (&v, &g) in chunk.iter().zip(&got) {
+                let want = f64::from(v) / (1.0 + (-f64::from(v)).exp());
+                if v.is_nan() || v == f32::NEG_INFINITY {
+                    assert!(g.is_nan(), "{v} gave {g}");
+                } else if v.is_infinite() || v == f32::MAX {
+                    assert_eq!(g, v);
+                } else if v < -80.0 {
+                    assert_eq!(g.to_bits(), (-0.0f32).to_bits(), "at {v}");
+                } else {
+                    let error = (f64::from(g) - want).abs();
+                    assert!(error <= 4.0 * (1.0 + f64::from(v.abs())) * f64::from(f32::EPSILON) * want.abs(), "at {v}: {g} against {want}");
                 }
             }
         }
