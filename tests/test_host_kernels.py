@@ -42,6 +42,7 @@ BF16_ATTENTION_KERNELS = ["tpu_dynamo.bf16_attention", "tpu_dynamo.bf16_causal_a
 LAYER_NORM_KERNEL = "tpu_dynamo.f32_layer_norm"
 BF16_LAYER_NORM_KERNEL = "tpu_dynamo.bf16_layer_norm"
 RMS_NORM_KERNEL = "tpu_dynamo.f32_rms_norm"
+BF16_RMS_NORM_KERNEL = "tpu_dynamo.bf16_rms_norm"
 AVX512 = "avx512f" in Path("/proc/cpuinfo").read_text()
 # bf16 rows' loads and stores take AVX-512's word and 256-bit forms (every AVX-512 CPU but Xeon Phi).
 AVX512_BW = {"avx512bw", "avx512vl"} <= set(Path("/proc/cpuinfo").read_text().split())
@@ -52,7 +53,7 @@ def test_the_embedded_plugin_runs_our_kernels():
     """On x86-64 with AVX2 (this CI's machines) the embedded plugin registers the bf16 ones,
     with AVX-512 the f32 ones too, and with AMX bf16 products and attention on its tiles."""
     f32_kernels = F32_KERNELS + BIAS_KERNELS + GELU_KERNELS + SILU_KERNELS + ATTENTION_KERNELS + [LAYER_NORM_KERNEL, RMS_NORM_KERNEL]
-    f32_kernels += [BF16_LAYER_NORM_KERNEL] if AVX512_BW else []
+    f32_kernels += [BF16_LAYER_NORM_KERNEL, BF16_RMS_NORM_KERNEL] if AVX512_BW else []
     assert host_kernels() == ["tpu_dynamo.bf16_matvec", "tpu_dynamo.bf16_vecmat"] + (f32_kernels if AVX512 else []) + (
         BF16_TILE_KERNELS + BF16_TILE_BIAS_KERNELS + BF16_TILE_GELU_KERNELS + BF16_TILE_SILU_KERNELS + BF16_ATTENTION_KERNELS if tpu_dynamo.device_info()["amx"] else []
     )
@@ -985,6 +986,27 @@ def test_an_rms_norm_a_product_reads_runs_our_kernel(shape, form, compiled):
     assert got.shape == want.shape and got.dtype == torch.float32
     assert (got.double() - exact).abs().max() <= 2 * (want.double() - exact).abs().max() + 1e-6
     assert kernel_calls(compiled, [RMS_NORM_KERNEL]) == 1
+
+
+@needs_f32_kernels
+@pytest.mark.parametrize("shape", [(1, 1024, 576), (2, 5, 33), (4, 1)])
+@pytest.mark.parametrize("form", ["llama", "diffusers", "unweighted", "torch"])
+def test_a_bf16_rms_norm_a_product_reads_runs_our_kernel(shape, form, compiled):
+    """In bf16, transformers' and diffusers' RMSNorm (rows converted to f32, the scaled rows
+    rounded back to bf16 before the weight, and after it) is our kernel where AVX-512 BW is,
+    rounded where eager rounds: the product after it equal to eager's but for rare rounding
+    ties (which a product's cancellation may make many of its steps). `torch.nn.RMSNorm`
+    (rounded once, after the weight) stays XLA's."""
+    torch.manual_seed(sum(shape))
+    norm, linear = rms_norm(form, shape[-1]).to(torch.bfloat16), torch.nn.Linear(shape[-1], 48).to(torch.bfloat16)
+    fn = lambda x: linear(norm(x))
+    x = (3.0 * torch.randn(shape)).to(torch.bfloat16)
+    with torch.no_grad():
+        got, want = compile_tpu(fn)(x), fn(x)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert (got.double() - want.double()).abs().max() <= 2**-7 * want.double().abs().max()
+    assert (got != want).sum() <= max(2, got.numel() // 200)
+    assert kernel_calls(compiled, [BF16_RMS_NORM_KERNEL]) == int(AVX512_BW and form != "torch")
 
 
 @needs_f32_kernels

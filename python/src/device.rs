@@ -245,6 +245,7 @@ pub fn target() -> Result<Arc<Target>, Error> {
         host_layer_norm: one(host_kernels::F32_LAYER_NORM_TARGET),
         host_bf16_layer_norm: one(host_kernels::BF16_LAYER_NORM_TARGET),
         host_rms_norm: one(host_kernels::F32_RMS_NORM_TARGET),
+        host_bf16_rms_norm: one(host_kernels::BF16_RMS_NORM_TARGET),
         host_gemm_tiles_budget: (host_kernels.contains(&host_kernels::F32_MATMUL_NT_TARGET) && host_kernels::products_on_tiles())
             .then(|| host_kernels::unchanging::budget() as u64),
     };

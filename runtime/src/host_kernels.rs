@@ -70,6 +70,8 @@ pub const F32_LAYER_NORM_TARGET: &str = "tpu_dynamo.f32_layer_norm";
 pub const BF16_LAYER_NORM_TARGET: &str = "tpu_dynamo.bf16_layer_norm";
 /// The custom call target of f32 RMSNorm over the last dim.
 pub const F32_RMS_NORM_TARGET: &str = "tpu_dynamo.f32_rms_norm";
+/// The same over bf16 rows into bf16, rounded where transformers' bf16 RMSNorm rounds.
+pub const BF16_RMS_NORM_TARGET: &str = "tpu_dynamo.bf16_rms_norm";
 
 const PJRT_EXTENSION_FFI: u32 = 5;
 const XLA_FFI_EXTENSION_METADATA: c_int = 1;
@@ -182,7 +184,7 @@ pub fn register(plugin: &Plugin) -> Vec<&'static str> {
         handlers.extend([(F32_LAYER_NORM_TARGET, f32_layer_norm as *const c_void), (F32_RMS_NORM_TARGET, f32_rms_norm as *const c_void)]);
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx512bw") && std::arch::is_x86_feature_detected!("avx512vl") {
-            handlers.push((BF16_LAYER_NORM_TARGET, bf16_layer_norm as *const c_void));
+            handlers.extend([(BF16_LAYER_NORM_TARGET, bf16_layer_norm as *const c_void), (BF16_RMS_NORM_TARGET, bf16_rms_norm as *const c_void)]);
         }
         if amx::available() {
             handlers.extend([(BF16_MATMUL_NT_TARGET, bf16_matmul_nt as *const c_void), (BF16_MATMUL_NN_TARGET, bf16_matmul_nn as *const c_void)]);
@@ -643,13 +645,26 @@ unsafe fn layer_norm(frame: &mut FfiCallFrame, target: &'static str, half: bool)
     run_norm(frame, target, norm)
 }
 
-/// The RMSNorm handler: f32 `x` `[rows, N]`, `weight` `[N]` and `eps` (0-d) into `y` `[rows,
-/// N]`, on XLA's threads.
 #[cfg(target_arch = "x86_64")]
 unsafe extern "C" fn f32_rms_norm(frame: *mut FfiCallFrame) -> *mut c_void {
-    let (frame, target) = (&mut *frame, F32_RMS_NORM_TARGET);
-    let expects = "expects f32 x [rows, N], weight [N], eps [] and y [rows, N]";
-    let ([x, weight, eps], [y]) = match norm_buffers(frame, target, expects, false) {
+    rms_norm(&mut *frame, F32_RMS_NORM_TARGET, false)
+}
+
+#[cfg(target_arch = "x86_64")]
+unsafe extern "C" fn bf16_rms_norm(frame: *mut FfiCallFrame) -> *mut c_void {
+    rms_norm(&mut *frame, BF16_RMS_NORM_TARGET, true)
+}
+
+/// The RMSNorm handlers: `x` `[rows, N]` (f32, or bf16 with `half`), f32 `weight` `[N]` and
+/// `eps` (0-d) into `y` `[rows, N]` (as `x`), on XLA's threads.
+#[cfg(target_arch = "x86_64")]
+unsafe fn rms_norm(frame: &mut FfiCallFrame, target: &'static str, half: bool) -> *mut c_void {
+    let expects = if half {
+        "expects bf16 x [rows, N], f32 weight [N] and eps [], bf16 y [rows, N]"
+    } else {
+        "expects f32 x [rows, N], weight [N], eps [] and y [rows, N]"
+    };
+    let ([x, weight, eps], [y]) = match norm_buffers(frame, target, expects, half) {
         Ok(buffers) => buffers,
         Err(answer) => return answer,
     };
@@ -658,7 +673,7 @@ unsafe extern "C" fn f32_rms_norm(frame: *mut FfiCallFrame) -> *mut c_void {
         return shapes_error(frame, target, expects, &[x, weight, eps, y]);
     }
     let (rows, n) = (rows as usize, n as usize);
-    let norm = layer_norm::RmsNorm { x: x.data as *const f32, weight: weight.data as *const f32, y: y.data as *mut f32, rows, n, eps: *(eps.data as *const f32) };
+    let norm = layer_norm::RmsNorm { x: x.data as *const u8, weight: weight.data as *const f32, y: y.data as *mut u8, half, rows, n, eps: *(eps.data as *const f32) };
     run_norm(frame, target, norm)
 }
 

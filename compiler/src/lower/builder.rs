@@ -1293,9 +1293,10 @@ pub struct LoweringTarget {
     pub host_bf16_attention: Option<(&'static str, &'static str)>,
     /// The custom call targets of host kernels for f32 LayerNorm and RMSNorm over the last dim.
     pub host_layer_norm: Option<&'static str>,
-    /// The same LayerNorm over bf16 rows into bf16.
-    pub host_bf16_layer_norm: Option<&'static str>,
     pub host_rms_norm: Option<&'static str>,
+    /// The same over bf16 rows into bf16.
+    pub host_bf16_layer_norm: Option<&'static str>,
+    pub host_bf16_rms_norm: Option<&'static str>,
     /// Where the product kernels run on AMX tiles: the bytes of weights' pieces the runtime keeps
     /// for them (`weights_kept_on_tiles`).
     pub host_gemm_tiles_budget: Option<u64>,
@@ -1317,6 +1318,7 @@ pub static LOWERING_TARGET: RwLock<LoweringTarget> = RwLock::new(LoweringTarget 
     host_layer_norm: None,
     host_bf16_layer_norm: None,
     host_rms_norm: None,
+    host_bf16_rms_norm: None,
     host_gemm_tiles_budget: None,
 });
 

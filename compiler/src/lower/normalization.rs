@@ -170,24 +170,35 @@ struct RmsNorm {
     x: ValueId,
     weight: Option<ValueId>,
     eps: f64,
+    /// `x` is bf16, converted to f32 for the norm and its result back before the weight.
+    bf16: bool,
+}
+
+impl RmsNorm {
+    /// Our kernel for it, where the plugin has one.
+    fn target(&self) -> Option<&'static str> {
+        let target = lowering_target();
+        if self.bf16 { target.host_bf16_rms_norm } else { target.host_rms_norm }
+    }
 }
 
 /// The RMSNorms of a graph lowered as our kernel, by the node holding each one's result.
 pub struct RmsNorms {
-    target: Option<&'static str>,
     by_node: HashMap<usize, RmsNorm>,
 }
 
 impl RmsNorms {
     /// The norms of `uses`' graph where the plugin runs our kernel (none elsewhere).
     pub fn of(uses: &Uses) -> Self {
-        let target = lowering_target().host_rms_norm;
-        RmsNorms { target, by_node: target.map(|_| rms_norms(uses)).unwrap_or_default() }
+        let mut by_node = rms_norms(uses);
+        by_node.retain(|_, norm| norm.target().is_some());
+        RmsNorms { by_node }
     }
 
     /// Node `i`'s value as our kernel's, where it is a norm's result; `values`: those lowered so far.
     pub fn lower<'a>(&self, i: usize, b: &Builder<'a>, values: &[Option<Val<'a>>]) -> Option<R<Vec<Val<'a>>>> {
-        let (norm, target) = (self.by_node.get(&i)?, self.target?);
+        let norm = self.by_node.get(&i)?;
+        let target = norm.target()?;
         let operand = |v: ValueId| values.get(v as usize).cloned().flatten().ok_or_else(|| format!("%{v} is not a value"));
         let lowered = || -> R<Vec<Val<'a>>> {
             let weight = norm.weight.map(operand).transpose()?;
@@ -197,8 +208,11 @@ impl RmsNorms {
     }
 }
 
-/// The f32 RMSNorms of `graph` whose result only products read (through views), by the node
-/// whose value is that result (the weight's product, or the scaling where no weight follows).
+/// The RMSNorms of `graph` whose result only products read (through views), by the node whose
+/// value is that result (the weight's product, or the scaling where no weight follows): of f32
+/// rows, or of bf16 rows as transformers' `LlamaRMSNorm` computes them (converted to f32, the
+/// scaling converted back to bf16 before a bf16 weight).
+///
 /// That node is then lowered as our kernel over `x`; the ops before it are left to XLA, which
 /// drops those nothing else reads. A product is a thunk of its own, where XLA ran the norm as
 /// four (a batch-8 tiny Llama's call 2.82 → 2.61-2.70 ms); a norm read by elementwise work
@@ -229,19 +243,39 @@ fn rms_norms(uses: &Uses) -> HashMap<usize, RmsNorm> {
             _ => None,
         }
     };
+    // The bf16 value `v` is converted from to f32 (or to bf16 from f32), and the node converting it.
+    let converted = |v: ValueId, to: DType| -> Option<(ValueId, usize)> {
+        let node = uses.node_of(v, "aten._to_copy.default").or_else(|| uses.node_of(v, "prims.convert_element_type.default"))?;
+        let from = value(nodes[node].args.first()?)?;
+        let from_ty = types.get(from as usize)?;
+        let shaped = from_ty.shape == types[v as usize].shape && types[v as usize].dtype == to;
+        (shaped && from_ty.dtype == if to == DType::F32 { DType::Bf16 } else { DType::F32 }).then_some((from, node))
+    };
     let mut norms = HashMap::new();
     for (r, node) in nodes.iter().enumerate() {
         let Some((x, eps)) = (node.op == "aten.rsqrt.default").then(|| inverse_rms(r)).flatten() else { continue };
         let x_ty = types[x as usize];
-        let width = TensorType::new(DType::F32, vec![*x_ty.shape.last().unwrap_or(&1)]);
         // `mul(x, rsqrt)` of `x`'s type, then `mul(that, weight)` of it with a weight `[N]`.
-        let product_of = |v: ValueId, with: &dyn Fn(ValueId) -> bool| {
-            uses.readers(v).iter().copied().find_map(|i| times(&nodes[i], v).filter(|&o| with(o) && nodes[i].outputs.first() == Some(x_ty)).map(|o| (i, o)))
+        let product_of = |v: ValueId, ty: &TensorType, with: &dyn Fn(ValueId) -> bool| {
+            uses.readers(v).iter().copied().find_map(|i| times(&nodes[i], v).filter(|&o| with(o) && nodes[i].outputs.first() == Some(ty)).map(|o| (i, o)))
         };
-        let Some((scaling, _)) = product_of(uses.output(r), &|o| o == x) else { continue };
-        let (node, norm) = match product_of(uses.output(scaling), &|o| types[o as usize] == &width) {
-            Some((weighting, weight)) => (weighting, RmsNorm { x, weight: Some(weight), eps }),
-            None => (scaling, RmsNorm { x, weight: None, eps }),
+        // bf16 rows: `x` converted from them, the scaling (of `x` or of them, promoted to f32 as
+        // diffusers' is) converted back to their type.
+        let source = converted(x, DType::F32).map(|(rows, _)| rows);
+        let Some((scaling, _)) = product_of(uses.output(r), x_ty, &|o| o == x || Some(o) == source) else { continue };
+        let bf16 = source.and_then(|rows| {
+            let narrowing = uses.readers(uses.output(scaling)).iter().copied().find(|&i| converted(uses.output(i), DType::Bf16).is_some())?;
+            Some((rows, narrowing))
+        });
+        let (x, scaled, ty) = match bf16 {
+            Some((rows, narrowing)) => (rows, narrowing, types[rows as usize]),
+            None => (x, scaling, x_ty),
+        };
+        let width = TensorType::new(ty.dtype, vec![*ty.shape.last().unwrap_or(&1)]);
+        let norm = |weight| RmsNorm { x, weight, eps, bf16: bf16.is_some() };
+        let (node, norm) = match product_of(uses.output(scaled), ty, &|o| types[o as usize] == &width) {
+            Some((weighting, weight)) => (weighting, norm(Some(weight))),
+            None => (scaled, norm(None)),
         };
         if uses.only_products(uses.output(node), 0) {
             norms.insert(node, norm);
@@ -254,11 +288,12 @@ fn rms_norms(uses: &Uses) -> HashMap<usize, RmsNorm> {
 fn host_rms_norm<'a>(b: &Builder<'a>, target: &str, x: &Val<'a>, weight: Option<&Val<'a>>, eps: f64) -> R<Val<'a>> {
     let width = *x.shape().last().ok_or("an RMSNorm of a 0-d tensor")?;
     let weight = match weight {
-        Some(w) => b.reshape(w, &[width])?,
+        // A bf16 weight's values, exact in f32.
+        Some(w) => b.reshape(&b.convert(w, DType::F32)?, &[width])?,
         None => b.splat(Scalar::Float(1.0), &TensorType::new(DType::F32, vec![width]))?,
     };
     let eps = b.scalar(Scalar::Float(eps), DType::F32)?;
     let rows = [x.ty.numel() / width.max(1), width];
-    let y = b.host_call(target, &[&b.reshape(x, &rows)?, &weight, &eps], vec![TensorType::new(DType::F32, rows.to_vec())])?;
+    let y = b.host_call(target, &[&b.reshape(x, &rows)?, &weight, &eps], vec![TensorType::new(x.dtype(), rows.to_vec())])?;
     b.reshape(&y[0], x.shape())
 }

@@ -30,11 +30,14 @@ pub(super) struct LayerNorm {
 
 /// `y = x · rstd · weight`, `rstd = 1 / sqrt(mean(x²) + eps)` for each row of `x` `[rows, n]`
 /// (transformers' and diffusers' RMSNorm, rounded where theirs is: after `rstd`, after `x ·
-/// rstd`, after the weight).
+/// rstd`, after the weight; for bf16 rows, computed in f32, `x · rstd` rounded to bf16 before
+/// the weight and the result after it).
 pub(super) struct RmsNorm {
-    pub x: *const f32,
+    pub x: *const u8,
     pub weight: *const f32,
-    pub y: *mut f32,
+    pub y: *mut u8,
+    /// `x` and `y` bf16, not f32.
+    pub half: bool,
     pub rows: usize,
     pub n: usize,
     pub eps: f32,
@@ -65,9 +68,10 @@ impl Rows for RmsNorm {
 
     unsafe fn rows(&self, first: usize, count: usize) {
         let weight = std::slice::from_raw_parts(self.weight, self.n);
+        let bytes = if self.half { 2 } else { 4 };
         for r in first..first + count {
-            let x = std::slice::from_raw_parts(self.x.add(r * self.n), self.n);
-            x86::rms_row(x, weight, std::slice::from_raw_parts_mut(self.y.add(r * self.n), self.n), self.eps);
+            let (x, y) = (self.x.add(r * self.n * bytes), self.y.add(r * self.n * bytes));
+            x86::rms_row((x, y, self.half), self.n, weight, self.eps);
         }
     }
 }
@@ -119,14 +123,7 @@ mod x86 {
     pub(super) unsafe fn row((x, y, half): (*const u8, *mut u8, bool), n: usize, (weight, bias): (&[f32], &[f32]), eps: f32) -> (f32, f32) {
         let mask = |at: usize| lanes(n, at);
         let load = |p: &[f32], at: usize| _mm512_maskz_loadu_ps(mask(at), p.as_ptr().add(at));
-        let load_x = |at: usize| {
-            if half {
-                let halves = _mm256_maskz_loadu_epi16(mask(at), x.add(2 * at) as *const i16);
-                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(halves)))
-            } else {
-                _mm512_maskz_loadu_ps(mask(at), x.add(4 * at) as *const f32)
-            }
-        };
+        let load_x = |at: usize| load_row(x, half, n, at);
         let shift = _mm512_set1_ps(if n == 0 { 0.0 } else { _mm_cvtss_f32(_mm512_castps512_ps128(load_x(0))) });
         let mut sum = _mm512_setzero_ps();
         for at in (0..n).step_by(16) {
@@ -143,32 +140,53 @@ mod x86 {
         for at in (0..n).step_by(16) {
             let normalized = _mm512_mul_ps(_mm512_sub_ps(load_x(at), mean), scale);
             let out = _mm512_fmadd_ps(normalized, load(weight, at), load(bias, at));
-            if half {
-                _mm512_mask_cvtepi32_storeu_epi16(y.add(2 * at) as *mut i16, mask(at), rounded_bf16(out));
-            } else {
-                _mm512_mask_storeu_ps(y.add(4 * at) as *mut f32, mask(at), out);
-            }
+            store_row(y, half, n, at, out);
         }
         (_mm_cvtss_f32(_mm512_castps512_ps128(mean)), rstd)
     }
 
-    /// One row of an RMSNorm into `y`. The squares are summed unrounded, in four sums (a
-    /// 576-wide row is 36 vectors: one sum would wait on each add before it).
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn rms_row(x: &[f32], weight: &[f32], y: &mut [f32], eps: f32) {
-        let n = x.len();
+    /// One row of an RMSNorm into `y` (f32, or bf16 with `half` as `row`'s). The squares are
+    /// summed unrounded, in four sums (a 576-wide row is 36 vectors: one sum would wait on each
+    /// add before it).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn rms_row((x, y, half): (*const u8, *mut u8, bool), n: usize, weight: &[f32], eps: f32) {
         let mask = |at: usize| lanes(n, at);
-        let load = |p: &[f32], at: usize| _mm512_maskz_loadu_ps(mask(at), p.as_ptr().add(at));
         let mut sums = [_mm512_setzero_ps(); 4];
         for (i, at) in (0..n).step_by(16).enumerate() {
-            let v = load(x, at);
+            let v = load_row(x, half, n, at);
             sums[i % 4] = _mm512_fmadd_ps(v, v, sums[i % 4]);
         }
         let squares = _mm512_add_ps(_mm512_add_ps(sums[0], sums[1]), _mm512_add_ps(sums[2], sums[3]));
         let scale = _mm512_set1_ps(1.0 / (_mm512_reduce_add_ps(squares) / n as f32 + eps).sqrt());
         for at in (0..n).step_by(16) {
-            let out = _mm512_mul_ps(_mm512_mul_ps(load(x, at), scale), load(weight, at));
-            _mm512_mask_storeu_ps(y.as_mut_ptr().add(at), mask(at), out);
+            let mut normalized = _mm512_mul_ps(load_row(x, half, n, at), scale);
+            if half {
+                normalized = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(rounded_bf16(normalized)));
+            }
+            let out = _mm512_mul_ps(normalized, _mm512_maskz_loadu_ps(mask(at), weight.as_ptr().add(at)));
+            store_row(y, half, n, at, out);
+        }
+    }
+
+    /// Values `at..at + 16` (within `n`) of a row of f32s, or of bf16s widened (`half`).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn load_row(x: *const u8, half: bool, n: usize, at: usize) -> __m512 {
+        if half {
+            let halves = _mm256_maskz_loadu_epi16(lanes(n, at), x.add(2 * at) as *const i16);
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(halves)))
+        } else {
+            _mm512_maskz_loadu_ps(lanes(n, at), x.add(4 * at) as *const f32)
+        }
+    }
+
+    /// `out` into values `at..at + 16` (within `n`) of a row of f32s, or of bf16s rounded to
+    /// the nearest even (NaN kept NaN).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn store_row(y: *mut u8, half: bool, n: usize, at: usize, out: __m512) {
+        if half {
+            _mm512_mask_cvtepi32_storeu_epi16(y.add(2 * at) as *mut i16, lanes(n, at), rounded_bf16(out));
+        } else {
+            _mm512_mask_storeu_ps(y.add(4 * at) as *mut f32, lanes(n, at), out);
         }
     }
 }
@@ -248,7 +266,7 @@ mod tests {
             let x: Vec<f32> = (0..rows * n).map(|_| 4.0 * next()).collect();
             let weight: Vec<f32> = (0..n).map(|_| 1.0 + next()).collect();
             let mut y = vec![f32::NAN; rows * n];
-            let norm = RmsNorm { x: x.as_ptr(), weight: weight.as_ptr(), y: y.as_mut_ptr(), rows, n, eps: 1e-6 };
+            let norm = RmsNorm { x: x.as_ptr() as *const u8, weight: weight.as_ptr(), y: y.as_mut_ptr() as *mut u8, half: false, rows, n, eps: 1e-6 };
             let units = RowRuns(norm, 3.min(rows));
             (0..units.1).for_each(|u| unsafe { units.chunk(u) });
             for r in 0..rows {
@@ -262,6 +280,35 @@ mod tests {
         }
     }
 
+    /// bf16 RMSNorm rows (a bf16 weight, widened): `x · rstd` rounded to bf16, times the weight
+    /// rounded again, as transformers' bf16 RMSNorm; within a bf16 step of that computed with
+    /// f64's rstd (a rounding tie may fall the other way).
+    #[test]
+    fn bf16_rms_rounds_before_and_after_the_weight() {
+        if !super::super::gemm::available() {
+            return;
+        }
+        let mut next = super::super::uniform(11);
+        let (bf16, value) = (super::super::f32_to_bf16, super::super::bf16_to_f32);
+        for (rows, n) in [(5, 576), (3, 33), (2, 1), (40, 64)] {
+            let x: Vec<u16> = (0..rows * n).map(|_| bf16(4.0 * next())).collect();
+            let weight: Vec<f32> = (0..n).map(|_| value(bf16(1.0 + next()))).collect();
+            let mut y = vec![0u16; rows * n];
+            let norm = RmsNorm { x: x.as_ptr() as *const u8, weight: weight.as_ptr(), y: y.as_mut_ptr() as *mut u8, half: true, rows, n, eps: 1e-6 };
+            let units = RowRuns(norm, 2.min(rows));
+            (0..units.1).for_each(|u| unsafe { units.chunk(u) });
+            for r in 0..rows {
+                let row: Vec<f64> = x[r * n..(r + 1) * n].iter().map(|&v| f64::from(value(v))).collect();
+                let s = 1.0 / (row.iter().map(|v| v * v).sum::<f64>() / n as f64 + 1e-6).sqrt();
+                for j in 0..n {
+                    let want = value(bf16(value(bf16((row[j] * s) as f32)) * weight[j]));
+                    let got = value(y[r * n + j]);
+                    assert!((got - want).abs() <= want.abs() / 128.0, "{rows}x{n} at {r},{j}: {got} vs {want}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn rms_of_a_row_with_nan_or_infinity() {
         if !super::super::gemm::available() {
@@ -270,8 +317,8 @@ mod tests {
         let mut x: Vec<f32> = (0..3 * 20).map(|i| i as f32 - 7.0).collect();
         (x[3], x[20 + 5]) = (f32::NAN, f32::INFINITY);
         let weight = [2.0f32; 20];
-        let mut y = vec![0.5; 60];
-        let norm = RowRuns(RmsNorm { x: x.as_ptr(), weight: weight.as_ptr(), y: y.as_mut_ptr(), rows: 3, n: 20, eps: 1e-6 }, 1);
+        let mut y = vec![0.5f32; 60];
+        let norm = RowRuns(RmsNorm { x: x.as_ptr() as *const u8, weight: weight.as_ptr(), y: y.as_mut_ptr() as *mut u8, half: false, rows: 3, n: 20, eps: 1e-6 }, 1);
         unsafe { norm.chunk(0) };
         assert!(y[..20].iter().all(|v| v.is_nan()));
         assert!(y[25].is_nan() && y[20..40].iter().enumerate().all(|(j, &v)| j == 5 || v == 0.0));
