@@ -1024,6 +1024,23 @@ def test_an_rms_norm_read_by_elementwise_work_stays_xla_s():
 
 
 @needs_f32_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_a_large_rms_norm_read_by_elementwise_work_runs_our_kernel(dtype):
+    """SD3.5's query norm (`[2, 24, 256, 64]`, diffusers' form) read by elementwise work: from
+    2^16 values on it is our kernel (XLA's fusions of it were slower), as eager's to f32's or
+    bf16's rounding."""
+    torch.manual_seed(3)
+    norm = rms_norm("diffusers", 64).to(dtype)
+    rotated = lambda x, cos: norm(x) * cos
+    x, cos = torch.randn(2, 24, 256, 64, dtype=dtype), torch.randn(2, 24, 256, 64, dtype=dtype)
+    got, want, texts = run_and_texts(rotated, x, cos)
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+    kernel = RMS_NORM_KERNEL if dtype == torch.float32 else BF16_RMS_NORM_KERNEL
+    assert any(kernel in t for t in texts) == (dtype == torch.float32 or AVX512_BW)
+
+
+@needs_f32_kernels
 def test_an_rms_norm_row_with_nan_or_infinity_is_nan_as_in_eager(compiled):
     """A row with a NaN or an infinity is NaN after the product, the others as eager's (the
     kernel's own values there, NaN for ∞ · 0 and 0 for the rest of the row, are checked by its

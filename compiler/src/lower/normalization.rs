@@ -208,16 +208,22 @@ impl RmsNorms {
     }
 }
 
-/// The RMSNorms of `graph` whose result only products read (through views), by the node whose
-/// value is that result (the weight's product, or the scaling where no weight follows): of f32
-/// rows, or of bf16 rows as transformers' `LlamaRMSNorm` computes them (converted to f32, the
-/// scaling converted back to bf16 before a bf16 weight).
+/// Values from which an RMSNorm is our kernel whatever reads it: SD3.5 Medium's query and key
+/// norms (`[2, 24, 256, 64]` and `[2, 24, 333, 64]`, then concatenated for the attention) as
+/// XLA's fusions took 5 % more of its bf16 execute (146 against 138.5 ms), 2 % in f32.
+const LARGE_NORM: i64 = 1 << 16;
+
+/// The RMSNorms of `graph` whose result only products read (through views), or of `LARGE_NORM`
+/// values or more, by the node whose value is that result (the weight's product, or the scaling
+/// where no weight follows): of f32 rows, or of bf16 rows as transformers' `LlamaRMSNorm` and
+/// diffusers' `RMSNorm` compute them (converted to f32, the scaling converted back to bf16
+/// before a bf16 weight).
 ///
 /// That node is then lowered as our kernel over `x`; the ops before it are left to XLA, which
 /// drops those nothing else reads. A product is a thunk of its own, where XLA ran the norm as
-/// four (a batch-8 tiny Llama's call 2.82 → 2.61-2.70 ms); a norm read by elementwise work
-/// (diffusers' queries and keys, then rotated) stays XLA's, which fuses it into that work (our
-/// kernel there: a tiny Flux's call 1.20-1.24 → 1.27-1.38 ms).
+/// four (a batch-8 tiny Llama's call 2.82 → 2.61-2.70 ms); a small norm read by elementwise
+/// work (diffusers' queries and keys, then rotated) stays XLA's, which fuses it into that work
+/// (our kernel there: a tiny Flux's call 1.20-1.24 → 1.27-1.38 ms).
 fn rms_norms(uses: &Uses) -> HashMap<usize, RmsNorm> {
     let (nodes, types) = (&uses.graph.nodes, &uses.types);
     // `x` and `eps` of an `rsqrt(mean(x², -1) + eps)` over an f32 `x`.
@@ -277,7 +283,7 @@ fn rms_norms(uses: &Uses) -> HashMap<usize, RmsNorm> {
             Some((weighting, weight)) => (weighting, norm(Some(weight))),
             None => (scaled, norm(None)),
         };
-        if uses.only_products(uses.output(node), 0) {
+        if uses.only_products(uses.output(node), 0) || types[x as usize].numel() >= LARGE_NORM {
             norms.insert(node, norm);
         }
     }
