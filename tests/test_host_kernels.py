@@ -940,6 +940,41 @@ def test_bf16_layer_norm_runs_our_kernel(shape, compiled):
     assert (BF16_LAYER_NORM_KERNEL in _native.compile(graph_json, need_stablehlo=True).stablehlo) == AVX512_BW
 
 
+def modulated_calls(text: str, target: str) -> int:
+    """Calls of the LayerNorm kernel `target` in `text` with a factor and shift (six operands)."""
+    import re
+
+    return len(re.findall(r'custom_call"\((?:%[\w#]+, ){5}%[\w#]+\)[^\n]*"' + re.escape(target) + '"', text))
+
+
+@needs_f32_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", [(2, 128, 256), (1, 300, 264), (2, 8, 32)], ids=["sd35-like", "one-batch", "small"])
+def test_a_modulated_layer_norm_is_one_kernel_call(shape, dtype):
+    """diffusers' `AdaLayerNormZero` (`norm(x) * (1 + scale[:, None]) + shift[:, None]`) over
+    2^16 values or more is one call of our LayerNorm kernel with the factor and shift: f32 to
+    f32's rounding of eager's, bf16 equal to eager's but for rare ties (each step rounded as
+    eager's ops round); a small one stays the norm and XLA's loop (XLA's loops for the factor
+    and shift would cost a small call more than the modulation's)."""
+    from diffusers.models.normalization import AdaLayerNormZero
+
+    torch.manual_seed(sum(shape))
+    norm = AdaLayerNormZero(shape[-1]).to(dtype)
+    x, emb = (2.0 + torch.randn(shape)).to(dtype), torch.randn(shape[0], shape[-1]).to(dtype)
+    fn = lambda x, emb: norm(x, emb=emb)[0]
+    got, want, texts = run_and_texts(fn, x, emb)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        # A norm a step off eager's at a tie moves the sum after it by that step, which the
+        # shift's cancellation may make several of the sum's.
+        assert (got.double() - want.double()).abs().max() <= 2**-7 * want.double().abs().max()
+        assert (got != want).float().mean() <= 2e-3
+    target = LAYER_NORM_KERNEL if dtype == torch.float32 else BF16_LAYER_NORM_KERNEL
+    large = x.numel() >= 2**16 and (dtype == torch.float32 or AVX512_BW)
+    assert sum(modulated_calls(t, target) for t in texts) == int(large)
+
+
 @needs_f32_kernels
 def test_a_row_with_nan_or_infinity_normalizes_to_nan_as_in_eager():
     x = torch.randn(6, 40)

@@ -612,23 +612,44 @@ unsafe extern "C" fn bf16_layer_norm(frame: *mut FfiCallFrame) -> *mut c_void {
 }
 
 /// The LayerNorm handlers: `x` `[rows, N]` (f32, or bf16 with `half`), f32 `weight` and `bias`
-/// `[N]` and `eps` (0-d) into `y` `[rows, N]` (as `x`), each row's f32 mean and rstd `[rows]`,
-/// on XLA's threads.
+/// `[N]` and `eps` (0-d), and for a modulated norm f32 `factor` and `shift` `[batches, N]`
+/// (`layer_norm::Modulation`), into `y` `[rows, N]` (as `x`), each row's f32 mean and rstd
+/// `[rows]`, on XLA's threads.
 #[cfg(target_arch = "x86_64")]
 unsafe fn layer_norm(frame: &mut FfiCallFrame, target: &'static str, half: bool) -> *mut c_void {
     let expects = if half {
-        "expects bf16 x [rows, N], f32 weight and bias [N], f32 eps [], bf16 y [rows, N], f32 mean and rstd [rows]"
+        "expects bf16 x [rows, N], f32 weight and bias [N], f32 eps [] (then f32 factor and shift [batches, N]), bf16 y [rows, N], f32 mean and rstd [rows]"
     } else {
-        "expects f32 x [rows, N], weight and bias [N], eps [], y [rows, N], mean and rstd [rows]"
+        "expects f32 x [rows, N], weight and bias [N], eps [] (then factor and shift [batches, N]), y [rows, N], mean and rstd [rows]"
     };
-    let ([x, weight, bias, eps], [y, mean, rstd]) = match norm_buffers(frame, target, expects, half) {
-        Ok(buffers) => buffers,
-        Err(answer) => return answer,
-    };
-    let &[rows, n] = dims(x) else { return shapes_error(frame, target, expects, &[x, weight, bias, eps, y, mean, rstd]) };
-    if !(dims(y) == [rows, n] && dims(weight) == [n] && dims(bias) == [n] && eps.rank == 0 && dims(mean) == [rows] && dims(rstd) == [rows]) {
-        return shapes_error(frame, target, expects, &[x, weight, bias, eps, y, mean, rstd]);
+    if !executes(frame) {
+        return std::ptr::null_mut();
     }
+    let (args, [y, mean, rstd]): (Vec<&FfiBuffer>, _) = match frame.args.size {
+        6 => match norm_buffers::<6, 3>(frame, target, expects, half) {
+            Ok((args, rets)) => (args.to_vec(), rets),
+            Err(answer) => return answer,
+        },
+        _ => match norm_buffers::<4, 3>(frame, target, expects, half) {
+            Ok((args, rets)) => (args.to_vec(), rets),
+            Err(answer) => return answer,
+        },
+    };
+    let all: Vec<&FfiBuffer> = args.iter().copied().chain([y, mean, rstd]).collect();
+    let (x, weight, bias, eps) = (args[0], args[1], args[2], args[3]);
+    let &[rows, n] = dims(x) else { return shapes_error(frame, target, expects, &all) };
+    if !(dims(y) == [rows, n] && dims(weight) == [n] && dims(bias) == [n] && eps.rank == 0 && dims(mean) == [rows] && dims(rstd) == [rows]) {
+        return shapes_error(frame, target, expects, &all);
+    }
+    let modulation = match args[4..] {
+        [factor, shift] => match dims(factor) {
+            &[batches, width] if width == n && dims(shift) == [batches, n] && batches > 0 && rows % batches == 0 => {
+                Some(layer_norm::Modulation { factor: factor.data as *const f32, shift: shift.data as *const f32, per_batch: (rows / batches) as usize })
+            }
+            _ => return shapes_error(frame, target, expects, &all),
+        },
+        _ => None,
+    };
     let (rows, n) = (rows as usize, n as usize);
     let norm = layer_norm::LayerNorm {
         x: x.data as *const u8,
@@ -641,6 +662,7 @@ unsafe fn layer_norm(frame: &mut FfiCallFrame, target: &'static str, half: bool)
         rows,
         n,
         eps: *(eps.data as *const f32),
+        modulation,
     };
     run_norm(frame, target, norm)
 }

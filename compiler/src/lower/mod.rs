@@ -510,6 +510,7 @@ fn emit_body<'a>(
     // Composites found among the graph's ops, lowered as one kernel each.
     let uses = patterns::Uses::new(graph);
     let rms_norms = normalization::RmsNorms::of(&uses);
+    let modulated_norms = normalization::ModulatedNorms::of(&uses);
     let finished_products = epilogue::FinishedProducts::of(&uses);
     for (i, node) in graph.nodes.iter().enumerate() {
         let source = sources.get(i).cloned().flatten();
@@ -560,7 +561,11 @@ fn emit_body<'a>(
             kwargs,
             outputs: node.outputs.clone(),
         };
-        let composite = rms_norms.lower(i, &n.b, &values).or_else(|| finished_products.lower(i, &n.b, &values, node.outputs.first()?));
+        let out = node.outputs.first();
+        let composite = rms_norms
+            .lower(i, &n.b, &values)
+            .or_else(|| modulated_norms.lower(i, &n.b, &values, out?))
+            .or_else(|| finished_products.lower(i, &n.b, &values, out?));
         let produced = match composite {
             Some(lowered) => lowered,
             None => rule(n),

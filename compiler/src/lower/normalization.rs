@@ -1,6 +1,7 @@
 //! Layer, group and (inference) batch normalization, computed in f32 for half types with
-//! biased variance, returning PyTorch's saved mean / rstd as extra outputs; and RMSNorm, which
-//! reaches us as the ops it is written in, found among them (`rms_norms`).
+//! biased variance, returning PyTorch's saved mean / rstd as extra outputs; RMSNorm, which
+//! reaches us as the ops it is written in, found among them (`rms_norms`); and a diffusion
+//! transformer's modulated LayerNorm, found likewise (`modulated_norms`).
 
 use super::builder::{lowering_target, opmath, Builder, Scalar, Val, R};
 use crate::ir::{Arg, DType, Node, TensorType, ValueId};
@@ -74,30 +75,149 @@ fn layer_norm(n: NodeCtx<'_>) -> Res<'_> {
 /// plugin has it: f32 rows of the normalized dims (XLA:CPU ran five ops, each on its own thread
 /// hand-off, where the arithmetic of a small model's rows takes less than one).
 fn host_layer_norm<'a>(n: &NodeCtx<'a>, x: &Val<'a>, axis: usize, eps: f64) -> R<Option<Vec<Val<'a>>>> {
-    let host = lowering_target();
-    let target = match x.dtype() {
-        DType::F32 => host.host_layer_norm,
+    let width: i64 = x.shape()[axis..].iter().product();
+    let Some(target) = layer_norm_target(x.dtype()).filter(|_| width > 0 && x.ty.numel() > 0) else { return Ok(None) };
+    let b = &n.b;
+    let (weight, bias) = (n.opt_tensor(2, "weight")?, n.opt_tensor(3, "bias")?);
+    let outs = layer_norm_call(b, target, (x, width), (weight.as_ref(), bias.as_ref()), eps, None)?;
+    let shaped = |v: &Val<'a>, i| -> R<Val<'a>> { b.reshape(&b.convert(v, n.out(i)?.dtype)?, &n.out(i)?.shape) };
+    Ok(Some(vec![shaped(&outs[0], 0)?, shaped(&outs[1], 1)?, shaped(&outs[2], 2)?]))
+}
+
+/// Our LayerNorm kernel for rows of `dtype`, where the plugin has it.
+fn layer_norm_target(dtype: DType) -> Option<&'static str> {
+    match dtype {
+        DType::F32 => lowering_target().host_layer_norm,
         // bf16 rows computed in f32 and rounded once, as eager's (XLA's way: 3.4x eager's time
         // on SD3.5 Medium's `[2, 589, 1536]`).
-        DType::Bf16 => host.host_bf16_layer_norm,
+        DType::Bf16 => lowering_target().host_bf16_layer_norm,
         _ => None,
-    };
-    let width: i64 = x.shape()[axis..].iter().product();
-    let Some(target) = target.filter(|_| width > 0 && x.ty.numel() > 0) else { return Ok(None) };
-    let b = &n.b;
+    }
+}
+
+/// The LayerNorm kernel's call on `x`'s rows of `width` (its weight and bias as f32 `[width]`, 1
+/// and 0 where absent), modulated by a factor and shift `[batches, 1, width]` where given: the
+/// rows `[rows, width]` as `x`'s dtype, and their mean and rstd `[rows]`.
+fn layer_norm_call<'a>(
+    b: &Builder<'a>,
+    target: &str,
+    (x, width): (&Val<'a>, i64),
+    (weight, bias): (Option<&Val<'a>>, Option<&Val<'a>>),
+    eps: f64,
+    modulation: Option<(&Val<'a>, &Val<'a>)>,
+) -> R<Vec<Val<'a>>> {
     let rows = x.ty.numel() / width;
-    let param = |i, name, default| -> R<Val<'a>> {
-        match n.opt_tensor(i, name)? {
-            Some(p) => b.reshape(&b.convert(&p, DType::F32)?, &[width]),
+    let param = |p: Option<&Val<'a>>, default| -> R<Val<'a>> {
+        match p {
+            Some(p) => b.reshape(&b.convert(p, DType::F32)?, &[width]),
             None => b.splat(Scalar::Float(default), &TensorType::new(DType::F32, vec![width])),
         }
     };
-    let (weight, bias) = (param(2, "weight", 1.0)?, param(3, "bias", 0.0)?);
+    let (weight, bias) = (param(weight, 1.0)?, param(bias, 0.0)?);
     let eps = b.scalar(Scalar::Float(eps), DType::F32)?;
+    let mut operands = vec![b.reshape(x, &[rows, width])?, weight, bias, eps];
+    if let Some((factor, shift)) = modulation {
+        for per_batch in [factor, shift] {
+            operands.push(b.reshape(&b.convert(per_batch, DType::F32)?, &[per_batch.ty.numel() / width, width])?);
+        }
+    }
     let results = vec![TensorType::new(x.dtype(), vec![rows, width]), TensorType::new(DType::F32, vec![rows]), TensorType::new(DType::F32, vec![rows])];
-    let outs = b.host_call(target, &[&b.reshape(x, &[rows, width])?, &weight, &bias, &eps], results)?;
-    let shaped = |v: &Val<'a>, i| -> R<Val<'a>> { b.reshape(&b.convert(v, n.out(i)?.dtype)?, &n.out(i)?.shape) };
-    Ok(Some(vec![shaped(&outs[0], 0)?, shaped(&outs[1], 1)?, shaped(&outs[2], 2)?]))
+    b.host_call(target, &operands.iter().collect::<Vec<_>>(), results)
+}
+
+/// A LayerNorm over the last dim whose rows a diffusion transformer modulates, `norm(x) · factor
+/// + shift` with a `factor` and `shift` `[B, 1, N]` for `x` `[B, T, N]`: AdaLN's `norm(x) * (1 +
+/// scale[:, None]) + shift[:, None]` in SD3's, SD3.5's and Flux's blocks. XLA ran the
+/// modulation as a loop of its own over the norm's result, read back from memory (SD3.5
+/// Medium's bf16 `[2, 589, 1536]`: 343 µs for the norm, 341 more for the modulation). Only
+/// from `LARGE_NORM` values on: XLA computes the factor (`1 + scale`) and the shift each as a
+/// loop of its own for the kernel, where it had fused them into the modulation's, and a small
+/// model's call is mostly such loops (a tiny SD3's execute 653-678 → 728-748 µs).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct ModulatedNorm {
+    x: ValueId,
+    weight: Option<ValueId>,
+    bias: Option<ValueId>,
+    eps: f64,
+    factor: ValueId,
+    shift: ValueId,
+}
+
+/// The modulated norms of a graph lowered as our kernel, by the node holding each one's result
+/// (the shift's sum); the norm and product before it are left to XLA, which drops them.
+pub struct ModulatedNorms {
+    by_node: HashMap<usize, ModulatedNorm>,
+}
+
+impl ModulatedNorms {
+    /// The modulated norms of `uses`' graph where the plugin has our kernel for their rows.
+    pub fn of(uses: &Uses) -> Self {
+        let mut by_node = modulated_norms(uses);
+        by_node.retain(|_, norm| layer_norm_target(uses.types[norm.x as usize].dtype).is_some());
+        ModulatedNorms { by_node }
+    }
+
+    /// Node `i`'s value (of type `out`) as our kernel's, where it is a modulated norm's result;
+    /// `values`: those lowered so far.
+    pub fn lower<'a>(&self, i: usize, b: &Builder<'a>, values: &[Option<Val<'a>>], out: &TensorType) -> Option<R<Vec<Val<'a>>>> {
+        let norm = self.by_node.get(&i)?;
+        let operand = |v: ValueId| values.get(v as usize).cloned().flatten().ok_or_else(|| format!("%{v} is not a value"));
+        let lowered = || -> R<Vec<Val<'a>>> {
+            let x = operand(norm.x)?;
+            let target = layer_norm_target(x.dtype()).ok_or("no LayerNorm kernel for these rows")?;
+            let (weight, bias) = (norm.weight.map(operand).transpose()?, norm.bias.map(operand).transpose()?);
+            let modulation = (&operand(norm.factor)?, &operand(norm.shift)?);
+            let width = *x.shape().last().ok_or("a LayerNorm of a 0-d tensor")?;
+            let outs = layer_norm_call(b, target, (&x, width), (weight.as_ref(), bias.as_ref()), norm.eps, Some(modulation))?;
+            Ok(vec![b.reshape(&outs[0], &out.shape)?])
+        };
+        Some(lowered())
+    }
+}
+
+/// The modulated norms of `uses`' graph (`ModulatedNorm`) whose norm and product nothing else
+/// reads, by their last node.
+fn modulated_norms(uses: &Uses) -> HashMap<usize, ModulatedNorm> {
+    let (graph, nodes, types) = (uses.graph, &uses.graph.nodes, &uses.types);
+    // The two values of `op(a, b)`, in both orders.
+    let operands = |i: usize, op: &str| -> Option<[(ValueId, ValueId); 2]> {
+        match nodes[i].args[..] {
+            [Arg::Value(a), Arg::Value(b)] if nodes[i].op == op && nodes[i].kwargs.is_empty() => Some([(a, b), (b, a)]),
+            _ => None,
+        }
+    };
+    // Read by node `reader` alone, and not a graph output.
+    let sealed = |v: ValueId, reader: usize| uses.readers(v) == [reader] && !graph.outputs.contains(&v);
+    let mut found = HashMap::new();
+    for last in 0..nodes.len() {
+        let Some(pairs) = operands(last, "aten.add.Tensor") else { continue };
+        let modulated = pairs.into_iter().find_map(|(product, shift)| {
+            let times = uses.node_of(product, "aten.mul.Tensor")?;
+            operands(times, "aten.mul.Tensor")?.into_iter().find_map(|(normalized, factor)| {
+                let norm = uses.node_of(normalized, "aten.native_layer_norm.default")?;
+                let node = &nodes[norm];
+                let ty = types[normalized as usize];
+                let (&[batches, _, width], Some(Arg::List(dims))) = (ty.shape.as_slice(), node.args.get(1)) else { return None };
+                let per_batch = TensorType::new(ty.dtype, vec![batches, 1, width]);
+                let fits = uses.output(norm) == normalized && dims.len() == 1 && nodes[last].outputs.first() == Some(ty) && nodes[times].outputs.first() == Some(ty);
+                let large = ty.numel() >= LARGE_NORM;
+                let sealed = sealed(normalized, times) && sealed(product, last);
+                let x = value(node.args.first()?)?;
+                (fits && large && sealed && types[factor as usize] == &per_batch && types[shift as usize] == &per_batch).then_some(ModulatedNorm {
+                    x,
+                    weight: node.args.get(2).and_then(value),
+                    bias: node.args.get(3).and_then(value),
+                    eps: node.args.get(4).and_then(number).unwrap_or(1e-5),
+                    factor,
+                    shift,
+                })
+            })
+        });
+        if let Some(norm) = modulated {
+            found.insert(last, norm);
+        }
+    }
+    found
 }
 
 /// `native_group_norm(x, weight, bias, N, C, HxW, group, eps)`: statistics over each group of

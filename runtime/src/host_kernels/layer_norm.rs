@@ -13,7 +13,8 @@ use super::pool::Chunked;
 const VALUES_PER_CHUNK: usize = 1 << 17;
 
 /// `y = (x − mean) · rstd · weight + bias` for each row of `x` `[rows, n]`, with the row's mean
-/// and `rstd = 1 / sqrt(var + eps)` (biased variance) into `mean` and `rstd` `[rows]`.
+/// and `rstd = 1 / sqrt(var + eps)` (biased variance) into `mean` and `rstd` `[rows]`; then, with
+/// a `modulation`, `y · factor + shift`.
 pub(super) struct LayerNorm {
     pub x: *const u8,
     pub weight: *const f32,
@@ -26,6 +27,18 @@ pub(super) struct LayerNorm {
     pub rows: usize,
     pub n: usize,
     pub eps: f32,
+    pub modulation: Option<Modulation>,
+}
+
+/// A diffusion transformer's modulation of its norm (`norm(x) · (1 + scale) + shift`, the
+/// `1 + scale` computed before): `factor` and `shift` `[batches, n]`, a batch's rows `per_batch`
+/// consecutive rows of `y`. Each step rounds as eager's ops do (to bf16 for bf16 rows: the norm,
+/// its product by the factor, the sum).
+#[derive(Clone, Copy)]
+pub(super) struct Modulation {
+    pub factor: *const f32,
+    pub shift: *const f32,
+    pub per_batch: usize,
 }
 
 /// `y = x · rstd · weight`, `rstd = 1 / sqrt(mean(x²) + eps)` for each row of `x` `[rows, n]`
@@ -87,7 +100,11 @@ impl Rows for LayerNorm {
         let bytes = if self.half { 2 } else { 4 };
         for r in first..first + count {
             let (x, y) = (self.x.add(r * self.n * bytes), self.y.add(r * self.n * bytes));
-            let (mean, rstd) = x86::row((x, y, self.half), self.n, (weight, bias), self.eps);
+            let modulation = self.modulation.map(|m| {
+                let batch = r / m.per_batch.max(1);
+                (std::slice::from_raw_parts(m.factor.add(batch * self.n), self.n), std::slice::from_raw_parts(m.shift.add(batch * self.n), self.n))
+            });
+            let (mean, rstd) = x86::row((x, y, self.half), self.n, (weight, bias), modulation, self.eps);
             *self.mean.add(r) = mean;
             *self.rstd.add(r) = rstd;
         }
@@ -118,9 +135,16 @@ mod x86 {
     /// round away the mean's last bits (3x eager's error over rows of 35 about 50).
     ///
     /// `x` and `y` (`n` values) are f32, or bf16 with `half`: widened as loaded, `y` rounded to
-    /// the nearest even as stored (NaN kept NaN).
+    /// the nearest even as stored (NaN kept NaN). A `modulation`'s factor and shift (this row's)
+    /// follow the norm, a rounding after each (`Modulation`).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn row((x, y, half): (*const u8, *mut u8, bool), n: usize, (weight, bias): (&[f32], &[f32]), eps: f32) -> (f32, f32) {
+    pub(super) unsafe fn row(
+        (x, y, half): (*const u8, *mut u8, bool),
+        n: usize,
+        (weight, bias): (&[f32], &[f32]),
+        modulation: Option<(&[f32], &[f32])>,
+        eps: f32,
+    ) -> (f32, f32) {
         let mask = |at: usize| lanes(n, at);
         let load = |p: &[f32], at: usize| _mm512_maskz_loadu_ps(mask(at), p.as_ptr().add(at));
         let load_x = |at: usize| load_row(x, half, n, at);
@@ -139,7 +163,10 @@ mod x86 {
         let scale = _mm512_set1_ps(rstd);
         for at in (0..n).step_by(16) {
             let normalized = _mm512_mul_ps(_mm512_sub_ps(load_x(at), mean), scale);
-            let out = _mm512_fmadd_ps(normalized, load(weight, at), load(bias, at));
+            let mut out = _mm512_fmadd_ps(normalized, load(weight, at), load(bias, at));
+            if let Some((factor, shift)) = modulation {
+                out = _mm512_add_ps(kept(half, _mm512_mul_ps(kept(half, out), load(factor, at))), load(shift, at));
+            }
             store_row(y, half, n, at, out);
         }
         (_mm_cvtss_f32(_mm512_castps512_ps128(mean)), rstd)
@@ -159,12 +186,19 @@ mod x86 {
         let squares = _mm512_add_ps(_mm512_add_ps(sums[0], sums[1]), _mm512_add_ps(sums[2], sums[3]));
         let scale = _mm512_set1_ps(1.0 / (_mm512_reduce_add_ps(squares) / n as f32 + eps).sqrt());
         for at in (0..n).step_by(16) {
-            let mut normalized = _mm512_mul_ps(load_row(x, half, n, at), scale);
-            if half {
-                normalized = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(rounded_bf16(normalized)));
-            }
+            let normalized = kept(half, _mm512_mul_ps(load_row(x, half, n, at), scale));
             let out = _mm512_mul_ps(normalized, _mm512_maskz_loadu_ps(mask(at), weight.as_ptr().add(at)));
             store_row(y, half, n, at, out);
+        }
+    }
+
+    /// `v` as a row of f32s keeps it, or of bf16s (`half`): rounded to the nearest even.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn kept(half: bool, v: __m512) -> __m512 {
+        if half {
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(rounded_bf16(v)))
+        } else {
+            v
         }
     }
 
@@ -206,7 +240,7 @@ mod tests {
             let x: Vec<f32> = (0..rows * n).map(|_| 100.0 + next()).collect();
             let (weight, bias): (Vec<f32>, Vec<f32>) = (0..n).map(|_| (1.0 + next(), next())).unzip();
             let (mut y, mut mean, mut rstd) = (vec![f32::NAN; rows * n], vec![f32::NAN; rows], vec![f32::NAN; rows]);
-            let norm = LayerNorm { x: x.as_ptr() as *const u8, weight: weight.as_ptr(), bias: bias.as_ptr(), y: y.as_mut_ptr() as *mut u8, half: false, mean: mean.as_mut_ptr(), rstd: rstd.as_mut_ptr(), rows, n, eps: 1e-5 };
+            let norm = LayerNorm { x: x.as_ptr() as *const u8, weight: weight.as_ptr(), bias: bias.as_ptr(), y: y.as_mut_ptr() as *mut u8, half: false, mean: mean.as_mut_ptr(), rstd: rstd.as_mut_ptr(), rows, n, eps: 1e-5, modulation: None };
             let units = RowRuns(norm, 3.min(rows));
             (0..units.1).for_each(|u| unsafe { units.chunk(u) });
             for r in 0..rows {
@@ -237,7 +271,7 @@ mod tests {
             let x: Vec<u16> = (0..rows * n).map(|_| bf16(8.0 + 2.0 * next())).collect();
             let (weight, bias): (Vec<f32>, Vec<f32>) = (0..n).map(|_| (1.0 + next(), next())).unzip();
             let (mut y, mut mean, mut rstd) = (vec![0u16; rows * n], vec![f32::NAN; rows], vec![f32::NAN; rows]);
-            let norm = LayerNorm { x: x.as_ptr() as *const u8, weight: weight.as_ptr(), bias: bias.as_ptr(), y: y.as_mut_ptr() as *mut u8, half: true, mean: mean.as_mut_ptr(), rstd: rstd.as_mut_ptr(), rows, n, eps: 1e-6 };
+            let norm = LayerNorm { x: x.as_ptr() as *const u8, weight: weight.as_ptr(), bias: bias.as_ptr(), y: y.as_mut_ptr() as *mut u8, half: true, mean: mean.as_mut_ptr(), rstd: rstd.as_mut_ptr(), rows, n, eps: 1e-6, modulation: None };
             let units = RowRuns(norm, 2.min(rows));
             (0..units.1).for_each(|u| unsafe { units.chunk(u) });
             for r in 0..rows {
@@ -249,6 +283,44 @@ mod tests {
                     let want = (row[j] - m) * s * f64::from(weight[j]) + f64::from(bias[j]);
                     let got = f64::from(value(y[r * n + j]));
                     assert!((got - want).abs() <= want.abs() / 256.0 + 1e-4 * (1.0 + s), "{rows}x{n} at {r},{j}: {got} vs {want}");
+                }
+            }
+        }
+    }
+
+    /// A modulated norm (two batches of three rows) is the plain norm's rows, times the batch's
+    /// factor, plus its shift, each step rounded as the row's type: bit for bit, f32 and bf16.
+    #[test]
+    fn modulated_rows_are_the_norm_then_each_rounded_step() {
+        if !super::super::gemm::available() {
+            return;
+        }
+        let mut next = super::super::uniform(17);
+        let (bf16, value) = (super::super::f32_to_bf16, super::super::bf16_to_f32);
+        let (rows, n, batches) = (6, 40, 2);
+        let (weight, bias): (Vec<f32>, Vec<f32>) = (0..n).map(|_| (1.0 + next(), next())).unzip();
+        let (factor, shift): (Vec<f32>, Vec<f32>) = (0..batches * n).map(|_| (value(bf16(1.0 + next())), value(bf16(next())))).unzip();
+        for half in [false, true] {
+            let bytes = if half { 2 } else { 4 };
+            let x: Vec<u16> = (0..rows * n * bytes / 2).map(|_| bf16(3.0 * next())).collect();
+            let run = |modulation| {
+                let (mut y, mut mean, mut rstd) = (vec![0u16; rows * n * bytes / 2], vec![0f32; rows], vec![0f32; rows]);
+                let norm = LayerNorm { x: x.as_ptr() as *const u8, weight: weight.as_ptr(), bias: bias.as_ptr(), y: y.as_mut_ptr() as *mut u8, half, mean: mean.as_mut_ptr(), rstd: rstd.as_mut_ptr(), rows, n, eps: 1e-6, modulation };
+                let units = RowRuns(norm, 2);
+                (0..units.1).for_each(|u| unsafe { units.chunk(u) });
+                y
+            };
+            let (plain, modulated) = (run(None), run(Some(Modulation { factor: factor.as_ptr(), shift: shift.as_ptr(), per_batch: rows / batches })));
+            for r in 0..rows {
+                for j in 0..n {
+                    let (f, s) = (factor[r / 3 * n + j], shift[r / 3 * n + j]);
+                    if half {
+                        let want = bf16(value(bf16(value(plain[r * n + j]) * f)) + s);
+                        assert_eq!(modulated[r * n + j], want, "bf16 at {r},{j}");
+                    } else {
+                        let at = |y: &[u16], i: usize| f32::from_bits(u32::from(y[2 * i]) | u32::from(y[2 * i + 1]) << 16);
+                        assert_eq!(at(&modulated, r * n + j), at(&plain, r * n + j) * f + s, "f32 at {r},{j}");
+                    }
                 }
             }
         }
