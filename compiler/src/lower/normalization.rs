@@ -125,9 +125,9 @@ fn layer_norm_call<'a>(
     b.host_call(target, &operands.iter().collect::<Vec<_>>(), results)
 }
 
-/// A LayerNorm over the last dim whose rows a diffusion transformer modulates, `norm(x) · factor
-/// + shift` with a `factor` and `shift` `[B, 1, N]` for `x` `[B, T, N]`: AdaLN's `norm(x) * (1 +
-/// scale[:, None]) + shift[:, None]` in SD3's, SD3.5's and Flux's blocks. XLA ran the
+/// A LayerNorm over the last dim whose rows a diffusion transformer modulates, `norm(x) ·
+/// factor + shift` with a `factor` and `shift` `[B, 1, N]` for `x` `[B, T, N]`: AdaLN's
+/// `norm(x) * (1 + scale[:, None]) + shift[:, None]` in SD3's, SD3.5's and Flux's blocks. XLA ran the
 /// modulation as a loop of its own over the norm's result, read back from memory (SD3.5
 /// Medium's bf16 `[2, 589, 1536]`: 343 µs for the norm, 341 more for the modulation). Only
 /// from `LARGE_NORM` values on: XLA computes the factor (`1 + scale`) and the shift each as a
