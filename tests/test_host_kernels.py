@@ -1060,14 +1060,18 @@ def test_an_rms_norm_read_by_elementwise_work_stays_xla_s():
 
 @needs_f32_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_a_large_rms_norm_read_by_elementwise_work_runs_our_kernel(dtype):
+@pytest.mark.parametrize("heads_first", [False, True], ids=["rows", "transposed"])
+def test_a_large_rms_norm_read_by_elementwise_work_runs_our_kernel(dtype, heads_first):
     """SD3.5's query norm (`[2, 24, 256, 64]`, diffusers' form) read by elementwise work: from
     2^16 values on it is our kernel (XLA's fusions of it were slower), as eager's to f32's or
-    bf16's rounding."""
+    bf16's rounding. Of a product's rows with heads moved before tokens (`transpose(1, 2)`, as
+    diffusers' attention does), the kernel normalizes the rows as they are and the result is
+    transposed after."""
     torch.manual_seed(3)
     norm = rms_norm("diffusers", 64).to(dtype)
-    rotated = lambda x, cos: norm(x) * cos
-    x, cos = torch.randn(2, 24, 256, 64, dtype=dtype), torch.randn(2, 24, 256, 64, dtype=dtype)
+    rotated = lambda x, cos: norm(x.transpose(1, 2) if heads_first else x) * cos
+    x = torch.randn(2, 256, 24, 64, dtype=dtype) if heads_first else torch.randn(2, 24, 256, 64, dtype=dtype)
+    cos = torch.randn(2, 24, 256, 64, dtype=dtype)
     got, want, texts = run_and_texts(rotated, x, cos)
     tolerance = 1e-5 if dtype == torch.float32 else 2**-7
     torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
