@@ -145,11 +145,6 @@ fn finished_products(uses: &Uses) -> HashMap<usize, Finished> {
             (value(nodes[sigmoid].args.first()?)? == v).then(|| (v, vec![times, sigmoid], false))
         })
     };
-    // The value `v` converts to `dtype`, and the node converting it.
-    let converted = |v: ValueId, dtype: DType| -> Option<(ValueId, usize)> {
-        let node = defined(v, "aten._to_copy.default").or_else(|| defined(v, "prims.convert_element_type.default"))?;
-        (uses.types[v as usize].dtype == dtype).then_some((value(nodes[node].args.first()?)?, node))
-    };
     // `v`, the factor and the chain's nodes, where node `last` is `silu(v) · factor`, and
     // whether SiLU rounds once: one op, or a bf16 `v` converted to f32 for it and back after
     // (`aten.silu`'s decomposition in bf16).
@@ -162,11 +157,11 @@ fn finished_products(uses: &Uses) -> HashMap<usize, Finished> {
             if let Some((v, chain, rounds_once)) = silu(s) {
                 return Some((v, factor, chain, rounds_once));
             }
-            let (narrowed, narrow) = converted(s, DType::Bf16)?;
+            let (narrowed, narrow) = uses.converted(s, DType::Bf16)?;
             let (wide, mut chain, _) = silu(narrowed)?;
-            let (v, widen) = converted(wide, DType::F32)?;
+            let (v, widen) = uses.converted(wide, DType::F32)?;
             chain.extend([narrow, widen]);
-            (uses.types[v as usize].dtype == DType::Bf16).then_some((v, factor, chain, true))
+            Some((v, factor, chain, true))
         })
     };
     let mut found = HashMap::new();

@@ -377,14 +377,6 @@ fn rms_norms(uses: &Uses) -> HashMap<usize, RmsNorm> {
             _ => None,
         }
     };
-    // The bf16 value `v` is converted from to f32 (or to bf16 from f32), and the node converting it.
-    let converted = |v: ValueId, to: DType| -> Option<(ValueId, usize)> {
-        let node = uses.node_of(v, "aten._to_copy.default").or_else(|| uses.node_of(v, "prims.convert_element_type.default"))?;
-        let from = value(nodes[node].args.first()?)?;
-        let from_ty = types.get(from as usize)?;
-        let shaped = from_ty.shape == types[v as usize].shape && types[v as usize].dtype == to;
-        (shaped && from_ty.dtype == if to == DType::F32 { DType::Bf16 } else { DType::F32 }).then_some((from, node))
-    };
     // The value `v` permutes and the permutation, where it keeps the last dim last.
     let permuted = |v: ValueId| -> Option<(ValueId, Vec<usize>)> {
         let (node, swap) = match uses.node_of(v, "aten.transpose.int") {
@@ -418,10 +410,10 @@ fn rms_norms(uses: &Uses) -> HashMap<usize, RmsNorm> {
         };
         // bf16 rows: `x` converted from them, the scaling (of `x` or of them, promoted to f32 as
         // diffusers' is) converted back to their type.
-        let source = converted(x, DType::F32).map(|(rows, _)| rows);
+        let source = uses.converted(x, DType::F32).map(|(rows, _)| rows);
         let Some((scaling, _)) = product_of(uses.output(r), x_ty, &|o| o == x || Some(o) == source) else { continue };
         let bf16 = source.and_then(|rows| {
-            let narrowing = uses.readers(uses.output(scaling)).iter().copied().find(|&i| converted(uses.output(i), DType::Bf16).is_some())?;
+            let narrowing = uses.readers(uses.output(scaling)).iter().copied().find(|&i| uses.converted(uses.output(i), DType::Bf16).is_some())?;
             Some((rows, narrowing))
         });
         let (x, scaled, ty) = match bf16 {

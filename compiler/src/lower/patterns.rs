@@ -1,7 +1,7 @@
 //! What the passes that find a composite among a graph's ATen ops (RMSNorm, a product's GELU)
 //! ask of the graph: which node defines a value, which nodes read it, its type.
 
-use crate::ir::{Arg, Graph, TensorType, ValueId};
+use crate::ir::{Arg, DType, Graph, TensorType, ValueId};
 use std::collections::HashMap;
 
 /// A graph's values by the nodes that define and read them.
@@ -36,6 +36,21 @@ impl<'g> Uses<'g> {
     /// The node defining `v`, where it is an `op`.
     pub fn node_of(&self, v: ValueId, op: &str) -> Option<usize> {
         self.defined_by.get(v as usize).copied().flatten().filter(|&i| self.graph.nodes[i].op == op)
+    }
+
+    /// Where `v` is a bf16 value converted to f32 (`to` f32) or an f32 one converted to bf16
+    /// (`to` bf16), its shape kept (`_to_copy`, or `convert_element_type`): that value, and the
+    /// converting node.
+    pub fn converted(&self, v: ValueId, to: DType) -> Option<(ValueId, usize)> {
+        let node = self.node_of(v, "aten._to_copy.default").or_else(|| self.node_of(v, "prims.convert_element_type.default"))?;
+        let from = value(self.graph.nodes[node].args.first()?)?;
+        let (from_ty, ty) = (self.types.get(from as usize)?, self.types.get(v as usize)?);
+        let other = match to {
+            DType::F32 => DType::Bf16,
+            DType::Bf16 => DType::F32,
+            _ => return None,
+        };
+        (ty.dtype == to && from_ty.dtype == other && from_ty.shape == ty.shape).then_some((from, node))
     }
 
     /// Node `i`'s first value.

@@ -143,7 +143,7 @@ pub(super) unsafe fn rows((x, y, finish): (*const u8, Out, Epilogue), values: Va
 pub(super) mod x86 {
     use super::super::epilogue::x86::{gelu_tanh_of_bf16, silu_of_bf16};
     use super::super::epilogue::{Activation, Factor};
-    use super::super::vector_math::{lanes, rounded_bf16, transpose};
+    use super::super::vector_math::{lanes, rounded_bf16, through_bf16, transpose, widened_bf16};
     use super::super::Out;
     use super::{asm, Epilogue, Layout, Line, Range, Values, COLUMNS, L1_ROWS_BYTES, L2_SHARE_BYTES, STEP, TILE, TILE_LINES};
     use std::arch::x86_64::*;
@@ -476,8 +476,7 @@ pub(super) mod x86 {
                 Activation::Silu => v = silu_of_bf16(stored(out, v)),
             }
             if let Factor::Bf16(times) = finish.times {
-                let factor = _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, times.add(j) as *const i16)));
-                v = _mm512_mul_ps(stored(out, v), _mm512_castsi512_ps(factor));
+                v = _mm512_mul_ps(stored(out, v), widened_bf16(_mm256_maskz_loadu_epi16(mask, times.add(j) as *const i16)));
             }
             match out {
                 Out::F32(y) => _mm512_mask_storeu_ps(y.add(j), mask, v),
@@ -491,7 +490,7 @@ pub(super) mod x86 {
     unsafe fn stored(out: Out, v: __m512) -> __m512 {
         match out {
             Out::F32(_) => v,
-            Out::Bf16(_) => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(rounded_bf16(v))),
+            Out::Bf16(_) => through_bf16(v),
         }
     }
 

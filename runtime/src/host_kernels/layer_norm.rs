@@ -126,7 +126,7 @@ impl<T: Rows> Chunked for RowRuns<T> {
 }
 
 mod x86 {
-    use super::super::vector_math::{lanes, rounded_bf16};
+    use super::super::vector_math::{lanes, rounded_bf16, through_bf16, widened_bf16};
     use std::arch::x86_64::*;
 
     /// One row: its mean and rstd, and `y` normalized. The lanes are summed as a tree (one by one,
@@ -196,7 +196,7 @@ mod x86 {
     #[target_feature(enable = "avx512f")]
     unsafe fn kept(half: bool, v: __m512) -> __m512 {
         if half {
-            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(rounded_bf16(v)))
+            through_bf16(v)
         } else {
             v
         }
@@ -206,8 +206,7 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     unsafe fn load_row(x: *const u8, half: bool, n: usize, at: usize) -> __m512 {
         if half {
-            let halves = _mm256_maskz_loadu_epi16(lanes(n, at), x.add(2 * at) as *const i16);
-            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(halves)))
+            widened_bf16(_mm256_maskz_loadu_epi16(lanes(n, at), x.add(2 * at) as *const i16))
         } else {
             _mm512_maskz_loadu_ps(lanes(n, at), x.add(4 * at) as *const f32)
         }

@@ -22,6 +22,18 @@ pub(super) unsafe fn rounded_bf16(v: __m512) -> __m512i {
     _mm512_srli_epi32::<16>(_mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, quiet)))
 }
 
+/// `v` as a bf16 result keeps it (`rounded_bf16`), as f32s again.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn through_bf16(v: __m512) -> __m512 {
+    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(rounded_bf16(v)))
+}
+
+/// Sixteen bf16 values as f32s.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn widened_bf16(halves: __m256i) -> __m512 {
+    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(halves)))
+}
+
 /// The 16 × 16 transpose of `r` (row `i` of the result is lane `i` of every input).
 #[target_feature(enable = "avx512f")]
 pub(super) unsafe fn transpose(r: [__m512; 16]) -> [__m512; 16] {
