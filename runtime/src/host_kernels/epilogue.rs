@@ -215,6 +215,22 @@ mod tests {
         }
     }
 
+    /// Each of `-range..range` in steps of 0.01, and the special values, with `f`'s value of it.
+    #[cfg(target_arch = "x86_64")]
+    fn on_lanes(f: unsafe fn(std::arch::x86_64::__m512) -> std::arch::x86_64::__m512, range: f32) -> Vec<(f32, f32)> {
+        let steps = (range * 100.0) as i32;
+        let mut values: Vec<f32> = (-steps..steps).map(|i| i as f32 / 100.0).collect();
+        values.extend([f32::INFINITY, f32::NEG_INFINITY, f32::NAN, f32::MAX, -f32::MAX, 1e-30, -1e-30, 0.0, -0.0]);
+        let mut out = vec![];
+        for chunk in values.chunks(16) {
+            let mut lanes = [0f32; 16];
+            lanes[..chunk.len()].copy_from_slice(chunk);
+            let got: [f32; 16] = unsafe { std::mem::transmute(f(std::mem::transmute::<[f32; 16], std::arch::x86_64::__m512>(lanes))) };
+            out.extend(chunk.iter().copied().zip(got));
+        }
+        out
+    }
+
     /// The σ form of the GELU for bf16 results against f64's (in that form, which does not
     /// cancel): within a few f32 ulps and its argument's rounding, ±0 where eager's is, and on
     /// the special values as eager.
@@ -226,28 +242,21 @@ mod tests {
         }
         let two_u = |v: f64| 2.0 * 0.797_884_560_802_865_4 * v * (1.0 + 0.044715 * v * v);
         let exact = |v: f64| v / (1.0 + (-two_u(v)).exp());
-        let mut values: Vec<f32> = (-2000..2000).map(|i| i as f32 / 100.0).collect();
-        values.extend([f32::INFINITY, f32::NEG_INFINITY, f32::NAN, f32::MAX, -f32::MAX, 1e-30, -1e-30, 0.0, -0.0]);
-        for chunk in values.chunks(16) {
-            let mut lanes = [0f32; 16];
-            lanes[..chunk.len()].copy_from_slice(chunk);
-            let got: [f32; 16] = unsafe { std::mem::transmute(x86::gelu_tanh_of_bf16(std::mem::transmute::<[f32; 16], std::arch::x86_64::__m512>(lanes))) };
-            for (&v, &g) in chunk.iter().zip(&got) {
-                let (want, two_u) = (exact(f64::from(v)), two_u(f64::from(v)));
-                if v.is_nan() || v == f32::NEG_INFINITY {
-                    assert!(g.is_nan(), "{v} gave {g}");
-                } else if v > 0.0 && v.is_infinite() {
-                    assert_eq!(g, v);
-                } else if two_u < -f64::from(SATURATED_2U) - 1e-3 {
-                    assert_eq!(g.to_bits(), (-0.0f32).to_bits(), "at {v}");
-                } else if two_u < -f64::from(SATURATED_2U) + 1e-3 {
-                    assert!(g == 0.0 || (f64::from(g) - want).abs() <= 1e-3 * want.abs(), "at {v}");
-                } else {
-                    // Computing `2u` in f32 (four roundings) costs up to a few |2u| ulps of
-                    // e^{-2u}, as in eager's tanh(u).
-                    let error = (f64::from(g) - want).abs();
-                    assert!(error <= 4.0 * (1.0 + two_u.abs()) * f64::from(f32::EPSILON) * want.abs(), "at {v}: {g} against {want}");
-                }
+        for (v, g) in on_lanes(x86::gelu_tanh_of_bf16, 20.0) {
+            let (want, two_u) = (exact(f64::from(v)), two_u(f64::from(v)));
+            if v.is_nan() || v == f32::NEG_INFINITY {
+                assert!(g.is_nan(), "{v} gave {g}");
+            } else if v > 0.0 && v.is_infinite() {
+                assert_eq!(g, v);
+            } else if two_u < -f64::from(SATURATED_2U) - 1e-3 {
+                assert_eq!(g.to_bits(), (-0.0f32).to_bits(), "at {v}");
+            } else if two_u < -f64::from(SATURATED_2U) + 1e-3 {
+                assert!(g == 0.0 || (f64::from(g) - want).abs() <= 1e-3 * want.abs(), "at {v}");
+            } else {
+                // Computing `2u` in f32 (four roundings) costs up to a few |2u| ulps of
+                // e^{-2u}, as in eager's tanh(u).
+                let error = (f64::from(g) - want).abs();
+                assert!(error <= 4.0 * (1.0 + two_u.abs()) * f64::from(f32::EPSILON) * want.abs(), "at {v}: {g} against {want}");
             }
         }
     }
@@ -260,24 +269,17 @@ mod tests {
         if !std::arch::is_x86_feature_detected!("avx512f") {
             return;
         }
-        let mut values: Vec<f32> = (-9000..9000).map(|i| i as f32 / 100.0).collect();
-        values.extend([f32::INFINITY, f32::NEG_INFINITY, f32::NAN, f32::MAX, -f32::MAX, 1e-30, -1e-30, 0.0, -0.0]);
-        for chunk in values.chunks(16) {
-            let mut lanes = [0f32; 16];
-            lanes[..chunk.len()].copy_from_slice(chunk);
-            let got: [f32; 16] = unsafe { std::mem::transmute(x86::silu_of_bf16(std::mem::transmute::<[f32; 16], std::arch::x86_64::__m512>(lanes))) };
-            for (&v, &g) in chunk.iter().zip(&got) {
-                let want = f64::from(v) / (1.0 + (-f64::from(v)).exp());
-                if v.is_nan() || v == f32::NEG_INFINITY {
-                    assert!(g.is_nan(), "{v} gave {g}");
-                } else if v.is_infinite() || v == f32::MAX {
-                    assert_eq!(g, v);
-                } else if v < -80.0 {
-                    assert_eq!(g.to_bits(), (-0.0f32).to_bits(), "at {v}");
-                } else {
-                    let error = (f64::from(g) - want).abs();
-                    assert!(error <= 4.0 * (1.0 + f64::from(v.abs())) * f64::from(f32::EPSILON) * want.abs(), "at {v}: {g} against {want}");
-                }
+        for (v, g) in on_lanes(x86::silu_of_bf16, 90.0) {
+            let want = f64::from(v) / (1.0 + (-f64::from(v)).exp());
+            if v.is_nan() || v == f32::NEG_INFINITY {
+                assert!(g.is_nan(), "{v} gave {g}");
+            } else if v.is_infinite() || v == f32::MAX {
+                assert_eq!(g, v);
+            } else if v < -80.0 {
+                assert_eq!(g.to_bits(), (-0.0f32).to_bits(), "at {v}");
+            } else {
+                let error = (f64::from(g) - want).abs();
+                assert!(error <= 4.0 * (1.0 + f64::from(v.abs())) * f64::from(f32::EPSILON) * want.abs(), "at {v}: {g} against {want}");
             }
         }
     }
