@@ -635,18 +635,19 @@ unsafe fn layer_norm(frame: &mut FfiCallFrame, target: &'static str, half: bool)
             Err(answer) => return answer,
         },
     };
-    let all: Vec<&FfiBuffer> = args.iter().copied().chain([y, mean, rstd]).collect();
+    // Every buffer, for an error's message.
+    let all = || -> Vec<&FfiBuffer> { args.iter().copied().chain([y, mean, rstd]).collect() };
     let (x, weight, bias, eps) = (args[0], args[1], args[2], args[3]);
-    let &[rows, n] = dims(x) else { return shapes_error(frame, target, expects, &all) };
+    let &[rows, n] = dims(x) else { return shapes_error(frame, target, expects, &all()) };
     if !(dims(y) == [rows, n] && dims(weight) == [n] && dims(bias) == [n] && eps.rank == 0 && dims(mean) == [rows] && dims(rstd) == [rows]) {
-        return shapes_error(frame, target, expects, &all);
+        return shapes_error(frame, target, expects, &all());
     }
     let modulation = match args[4..] {
         [factor, shift] => match dims(factor) {
             &[batches, width] if width == n && dims(shift) == [batches, n] && batches > 0 && rows % batches == 0 => {
                 Some(layer_norm::Modulation { factor: factor.data as *const f32, shift: shift.data as *const f32, per_batch: (rows / batches) as usize })
             }
-            _ => return shapes_error(frame, target, expects, &all),
+            _ => return shapes_error(frame, target, expects, &all()),
         },
         _ => None,
     };

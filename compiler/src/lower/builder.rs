@@ -885,7 +885,7 @@ impl<'a> Builder<'a> {
     /// kernels (`tpu_dynamo_runtime::host_kernels`), where the process's plugin has them, with a
     /// `third` operand where the kernels take one (a bias `[N]`, or a factor shaped as the
     /// result): `None` otherwise or for another layout.
-    pub fn host_product(&self, kernels: Option<HostProduct>, a: &Val<'a>, b: &Val<'a>, third: Option<&Val<'a>>, contract: (&[i64], &[i64]), out: DType) -> R<Option<Val<'a>>> {
+    fn host_product(&self, kernels: Option<HostProduct>, a: &Val<'a>, b: &Val<'a>, third: Option<&Val<'a>>, contract: (&[i64], &[i64]), out: DType) -> R<Option<Val<'a>>> {
         let (b, _, b_contract) = fold_transpose(b, &[], contract.1);
         let lhs_last = a.rank() as i64 - 1;
         let (Some(kernels), 2, [lhs]) = (kernels, b.rank(), contract.0) else { return Ok(None) };

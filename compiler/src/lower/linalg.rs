@@ -126,12 +126,8 @@ fn matmul(n: NodeCtx<'_>) -> Res<'_> {
             // The bias `[N]` added by our product kernel, where it computes the product: to f32
             // results, or to a bf16 product's f32 sums before they are rounded once.
             let bias = n.tensor(0, "self")?;
-            let columns = b.shape()[b.rank() - 1];
-            let y = match (bias.shape() == [columns], out) {
-                (true, DType::F32) => bd.host_product_then(lowering_target().host_gemm_bias, &a, &b, &bias)?,
-                (true, DType::Bf16) if on_tiles => bd.host_product(lowering_target().host_bf16_gemm_bias, &a, &b, Some(&bias), contract, out)?,
-                _ => None,
-            };
+            let kernels = if out == DType::Bf16 { lowering_target().host_bf16_gemm_bias } else { lowering_target().host_gemm_bias };
+            let y = if bias.shape() == [b.shape()[b.rank() - 1]] { bd.host_product_then(kernels, &a, &b, &bias)? } else { None };
             if let Some(y) = y {
                 return Ok(vec![y]);
             }
