@@ -47,15 +47,17 @@ AVX512 = "avx512f" in Path("/proc/cpuinfo").read_text()
 # bf16 rows' loads and stores take AVX-512's word and 256-bit forms (every AVX-512 CPU but Xeon Phi).
 AVX512_BW = {"avx512bw", "avx512vl"} <= set(Path("/proc/cpuinfo").read_text().split())
 AMX = {"amx_bf16", "amx_tile"} <= set(Path("/proc/cpuinfo").read_text().split())
+# Where AMX is not, bf16 products (and attention) run in the tiles' layouts on AVX-512 BF16's vector dot products.
+BF16_PRODUCTS = AMX or {"avx512_bf16", "avx512bw", "avx512vl"} <= set(Path("/proc/cpuinfo").read_text().split())
 
 
 def test_the_embedded_plugin_runs_our_kernels():
     """On x86-64 with AVX2 (this CI's machines) the embedded plugin registers the bf16 ones,
-    with AVX-512 the f32 ones too, and with AMX bf16 products and attention on its tiles."""
+    with AVX-512 the f32 ones too, and with AMX or AVX-512 BF16 bf16 products and attention."""
     f32_kernels = F32_KERNELS + BIAS_KERNELS + GELU_KERNELS + SILU_KERNELS + ATTENTION_KERNELS + [LAYER_NORM_KERNEL, RMS_NORM_KERNEL]
     f32_kernels += [BF16_LAYER_NORM_KERNEL, BF16_RMS_NORM_KERNEL] if AVX512_BW else []
     assert host_kernels() == ["tpu_dynamo.bf16_matvec", "tpu_dynamo.bf16_vecmat"] + (f32_kernels if AVX512 else []) + (
-        BF16_TILE_KERNELS + BF16_TILE_BIAS_KERNELS + BF16_TILE_GELU_KERNELS + BF16_TILE_SILU_KERNELS + BF16_ATTENTION_KERNELS if tpu_dynamo.device_info()["amx"] else []
+        BF16_TILE_KERNELS + BF16_TILE_BIAS_KERNELS + BF16_TILE_GELU_KERNELS + BF16_TILE_SILU_KERNELS + BF16_ATTENTION_KERNELS if BF16_PRODUCTS else []
     )
 
 
@@ -236,7 +238,7 @@ def test_a_kept_bf16_weight_s_product_runs_on_the_tiles(rows, k, n, module, comp
     assert got.dtype == torch.bfloat16 and ((got.double() - exact).abs() <= step + k * 2.0**-24 * magnitudes).all()
     assert (got != want).sum() <= max(2, got.numel() // 500)
     kernels = BF16_TILE_BIAS_KERNELS if layer.bias is not None else BF16_TILE_KERNELS
-    assert kernel_calls(compiled, kernels) == int(tpu_dynamo.device_info()["amx"])
+    assert kernel_calls(compiled, kernels) == int(tpu_dynamo.device_info()["bf16_products"])
 
 
 @needs_f32_kernels
@@ -436,7 +438,7 @@ def test_a_bf16_tanh_gelu_after_a_kept_product_runs_on_the_tiles(shape, n, form,
     step = 2.0 ** (torch.floor(torch.log2(want.double().abs().clamp_min(1e-30))) - 7)
     assert ((got.double() - want.double()).abs() <= step + 1e-6).all()
     assert (got != want).sum() <= max(4, got.numel() // 200)
-    assert kernel_calls(compiled, BF16_TILE_GELU_KERNELS) == int(tpu_dynamo.device_info()["amx"])
+    assert kernel_calls(compiled, BF16_TILE_GELU_KERNELS) == int(tpu_dynamo.device_info()["bf16_products"])
 
 
 @needs_f32_kernels
@@ -449,7 +451,7 @@ def test_a_bf16_gelu_written_out_stays_xla_s_and_special_values_go_as_eager_s(co
     # A product a step off eager's (a tie summed in another order) moves the rounded ops after it.
     torch.testing.assert_close(got, want, rtol=2**-6, atol=1e-2)
     assert not any(target in t for t in texts for target in BF16_TILE_GELU_KERNELS)
-    assert any(target in t for t in texts for target in BF16_TILE_BIAS_KERNELS) == tpu_dynamo.device_info()["amx"]
+    assert any(target in t for t in texts for target in BF16_TILE_BIAS_KERNELS) == tpu_dynamo.device_info()["bf16_products"]
     mlp = gelu_mlp("diffusers", 256, 512).to(torch.bfloat16)
     x = torch.randn(128, 256, dtype=torch.bfloat16)
     x[1, 3] = float("nan")
@@ -461,7 +463,7 @@ def test_a_bf16_gelu_written_out_stays_xla_s_and_special_values_go_as_eager_s(co
     assert (close | (got == want) | (got.isnan() & want.isnan())).all()
     assert got[1].isnan().all() and got[:, 9].isnan().all() and (got[[0, 2], 7] == float("inf")).all()
     assert (got[[0, 2], 11] == 0).all() and torch.signbit(got[[0, 2], 11]).all()
-    assert kernel_calls(compiled, BF16_TILE_GELU_KERNELS) == int(tpu_dynamo.device_info()["amx"])
+    assert kernel_calls(compiled, BF16_TILE_GELU_KERNELS) == int(tpu_dynamo.device_info()["bf16_products"])
 
 
 def gated_mlp(form: str, k: int, n: int) -> torch.nn.Module:
@@ -521,7 +523,7 @@ def test_a_bf16_gated_mlp_s_silu_and_product_run_on_the_tiles(shape, n, form, co
         assert (bf16_steps(got, want) <= 2).all() and (got != want).sum() <= max(4, got.numel() // 100)
     else:
         assert (got.double() - exact).abs().max() <= 2 * (want.double() - exact).abs().max()
-    assert kernel_calls(compiled, BF16_TILE_SILU_KERNELS) == int(tpu_dynamo.device_info()["amx"])
+    assert kernel_calls(compiled, BF16_TILE_SILU_KERNELS) == int(tpu_dynamo.device_info()["bf16_products"])
 
 
 @needs_f32_kernels
@@ -538,7 +540,7 @@ def test_a_bf16_gated_mlp_s_nan_and_infinities_go_as_eager_s(compiled):
     assert (bf16_steps(got, want) <= 2).all()
     assert (got.isnan() == want.isnan()).all() and got[1].isnan().all() and got[:, 9].isnan().all()
     assert (got[:, 7].isinf() == want[:, 7].isinf()).all() and got[:, 7].isinf().sum() >= 100
-    assert kernel_calls(compiled, BF16_TILE_SILU_KERNELS) == int(tpu_dynamo.device_info()["amx"])
+    assert kernel_calls(compiled, BF16_TILE_SILU_KERNELS) == int(tpu_dynamo.device_info()["bf16_products"])
 
 
 @needs_f32_kernels
@@ -720,7 +722,7 @@ def test_half_attention_runs_our_kernel(dtype, compiled):
     exact, _ = exact_attention(q, k, v, True)
     step = 2e-2 if dtype == torch.bfloat16 else 2e-3
     assert (got.double() - exact).abs().max() <= step and (got.double() - want.double()).abs().max() <= step
-    on_tiles = dtype == torch.bfloat16 and tpu_dynamo.device_info()["amx"]
+    on_tiles = dtype == torch.bfloat16 and tpu_dynamo.device_info()["bf16_products"]
     assert kernel_calls(compiled, [(BF16_ATTENTION_KERNELS if on_tiles else ATTENTION_KERNELS)[1]]) == 1
 
 
@@ -759,7 +761,7 @@ def test_bf16_attention_runs_on_the_tiles(batch, heads, kv_heads, len_q, len_kv,
     with torch.no_grad():
         got, eager = compile_tpu(fn)(q, k, v), fn(q, k, v)
     check_bf16_attention(got, eager, exact_attention(q, k, v, causal), v)
-    on_tiles = tpu_dynamo.device_info()["amx"]
+    on_tiles = tpu_dynamo.device_info()["bf16_products"]
     assert kernel_calls(compiled, [(BF16_ATTENTION_KERNELS if on_tiles else ATTENTION_KERNELS)[causal]]) == 1
 
 
@@ -790,7 +792,7 @@ def test_masked_bf16_attention_runs_on_the_tiles(mask_shape, causal, compiled):
     check_bf16_attention(got, eager, exact, v)
     if len_q > 1:
         assert got[0][0, :, 3].eq(0).all() and got[1][0, :, 3].eq(0).all()
-    assert kernel_calls(compiled, [(BF16_ATTENTION_KERNELS if tpu_dynamo.device_info()["amx"] else ATTENTION_KERNELS)[causal]]) == 1
+    assert kernel_calls(compiled, [(BF16_ATTENTION_KERNELS if tpu_dynamo.device_info()["bf16_products"] else ATTENTION_KERNELS)[causal]]) == 1
 
 
 @needs_f32_kernels

@@ -228,6 +228,7 @@ fn cache_key(canonical: &[u8], target: &Target, plugin: Option<&PluginIdentity>)
     // The rest of the identity is in `Plugin::identity()`.
     let (file_hash, platform_version, cpu_features) =
         plugin.map_or(("", "", ""), |p| (&*p.library_hash, &*p.platform_version, &*p.cpu_features));
+    let lowering = tpu_dynamo_compiler::lower::lowering_target();
     KeyBuilder::new()
         .field(canonical)
         .field(target.client.plugin().identity().as_bytes())
@@ -239,7 +240,7 @@ fn cache_key(canonical: &[u8], target: &Target, plugin: Option<&PluginIdentity>)
         .field(format!("{:?}", CompileOptions::default()).as_bytes())
         .field(target.compiler_env.as_bytes())
         .field(target.host_kernels.join(",").as_bytes())
-        .field(format!("{:?}", tpu_dynamo_compiler::lower::lowering_target().host_gemm_tiles_budget).as_bytes())
+        .field(format!("{:?}", (lowering.host_gemm_tiles_budget, lowering.host_f32_gemm_on_tiles)).as_bytes())
         .field(CACHE_VERSION.as_bytes())
         .finish()
 }

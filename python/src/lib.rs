@@ -81,6 +81,7 @@ fn device_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("host_kernels", t.host_kernels.clone())?;
     let f32_products = t.host_kernels.contains(&tpu_dynamo_runtime::host_kernels::F32_MATMUL_NT_TARGET);
     d.set_item("amx", f32_products && tpu_dynamo_runtime::host_kernels::products_on_tiles())?;
+    d.set_item("bf16_products", t.host_kernels.contains(&tpu_dynamo_runtime::host_kernels::BF16_MATMUL_NT_TARGET))?;
     Ok(d)
 }
 

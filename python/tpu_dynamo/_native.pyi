@@ -106,7 +106,8 @@ def reset_stats() -> None: ...
 def supported_ops() -> list[str]: ...
 def device_info() -> dict[str, str | list[str] | bool]:
     """The plugin, platform and devices in use; `host_kernels`, our kernels it runs; `amx`,
-    whether our f32 products run on AMX tiles."""
+    whether our f32 products run on AMX tiles; `bf16_products`, whether our bf16 product and
+    attention kernels run (on AMX tiles, or on AVX-512 BF16's vector dot products)."""
 def cache_info() -> dict[str, str | int | None]:
     """The disk cache as configured now: dir, mode, max_bytes, entries and bytes (executables),
     graphs and graph_bytes (converted graphs), warning."""

@@ -14,6 +14,8 @@
 
 mod amx;
 mod attention;
+#[cfg(target_arch = "x86_64")]
+mod bf16_dots;
 mod epilogue;
 mod gemm;
 #[cfg(target_arch = "x86_64")]
@@ -186,7 +188,7 @@ pub fn register(plugin: &Plugin) -> Vec<&'static str> {
         if std::arch::is_x86_feature_detected!("avx512bw") && std::arch::is_x86_feature_detected!("avx512vl") {
             handlers.extend([(BF16_LAYER_NORM_TARGET, bf16_layer_norm as *const c_void), (BF16_RMS_NORM_TARGET, bf16_rms_norm as *const c_void)]);
         }
-        if amx::available() {
+        if amx::bf16_products() {
             handlers.extend([(BF16_MATMUL_NT_TARGET, bf16_matmul_nt as *const c_void), (BF16_MATMUL_NN_TARGET, bf16_matmul_nn as *const c_void)]);
             handlers.extend([(BF16_MATMUL_NT_BIAS_TARGET, bf16_matmul_nt_bias as *const c_void), (BF16_MATMUL_NN_BIAS_TARGET, bf16_matmul_nn_bias as *const c_void)]);
             handlers.extend([
@@ -484,7 +486,7 @@ unsafe fn handle(frame: &mut FfiCallFrame, target: &'static str, layout: Layout,
         let (k, n, rows) = (k as usize, n as usize, rows as usize);
         // The tiles' targets (a bias and GELU are applied on the tiles' way out only); the
         // matrix-vector ones below.
-        if (epilogue.is_some() || [BF16_MATMUL_NT_TARGET, BF16_MATMUL_NN_TARGET].contains(&target)) && amx::available() {
+        if (epilogue.is_some() || [BF16_MATMUL_NT_TARGET, BF16_MATMUL_NN_TARGET].contains(&target)) && amx::bf16_products() {
             let (xla, threads) = XlaPool::with_threads(frame);
             let ran = std::panic::catch_unwind(|| {
                 let (product, chunks) = gemm::Gemm::new((x.data as *const u8, w.data as *const u8, out), amx::Values::Bf16, (rows, n, k), layout, threads, epilogue);

@@ -1297,9 +1297,12 @@ pub struct LoweringTarget {
     /// The same over bf16 rows into bf16.
     pub host_bf16_layer_norm: Option<&'static str>,
     pub host_bf16_rms_norm: Option<&'static str>,
-    /// Where the product kernels run on AMX tiles: the bytes of weights' pieces the runtime keeps
-    /// for them (`weights_kept_on_tiles`).
+    /// Where the product kernels run in the tiles' layouts (bf16 ones on AMX tiles or AVX-512
+    /// BF16's vectors): the bytes of weights' pieces the runtime keeps for them
+    /// (`weights_kept_on_tiles`).
     pub host_gemm_tiles_budget: Option<u64>,
+    /// Whether f32 products run on AMX tiles too, from three bf16 pieces of each value.
+    pub host_f32_gemm_on_tiles: bool,
 }
 
 pub static LOWERING_TARGET: RwLock<LoweringTarget> = RwLock::new(LoweringTarget {
@@ -1320,6 +1323,7 @@ pub static LOWERING_TARGET: RwLock<LoweringTarget> = RwLock::new(LoweringTarget 
     host_rms_norm: None,
     host_bf16_rms_norm: None,
     host_gemm_tiles_budget: None,
+    host_f32_gemm_on_tiles: false,
 });
 
 pub fn lowering_target() -> LoweringTarget {
@@ -1359,7 +1363,8 @@ const HOST_GEMM_MIN_ROWS: i64 = 64;
 const TILES_MIN_COLUMNS: i64 = 64;
 
 /// Per graph input, whether our product kernels may take a product with it as the weight that
-/// only AMX's tiles run faster than XLA: an f32 one of a long contraction, or a bf16 one. They
+/// only the tiles' layouts run faster than XLA: an f32 one of a long contraction (on AMX's
+/// tiles only, `f32_on_tiles`), or a bf16 one. They
 /// run those from the weight's bf16 pieces, kept between calls, which only a parameter's
 /// matrix is sure to be: a buffer may be one a compiled step updates in place, and a constant
 /// may be a value computed from weights (`hoist.py`), both read as they are, not kept (under
@@ -1372,8 +1377,9 @@ const TILES_MIN_COLUMNS: i64 = 64;
 /// (`host_gemm_tiles_budget`), none is: an f32 product routed here whose pieces found the budget
 /// spent would run on the vector kernel, slower than XLA's at these K, a bf16 one would pack its
 /// pieces on every call.
-pub fn weights_kept_on_tiles(inputs: &[Input], budget: Option<u64>) -> Vec<bool> {
-    let matrix = |i: &Input| i.kind == InputKind::Parameter && matches!(i.ty.dtype, DType::F32 | DType::Bf16) && i.ty.rank() == 2;
+pub fn weights_kept_on_tiles(inputs: &[Input], budget: Option<u64>, f32_on_tiles: bool) -> Vec<bool> {
+    let kept_dtype = |dtype| dtype == DType::Bf16 || (f32_on_tiles && dtype == DType::F32);
+    let matrix = |i: &Input| i.kind == InputKind::Parameter && kept_dtype(i.ty.dtype) && i.ty.rank() == 2;
     // Three bf16 pieces per f32 value, a bf16 value its own.
     let pieces_bytes: i64 = inputs.iter().filter(|i| matrix(i)).map(|i| if i.ty.dtype == DType::F32 { 6 } else { 2 } * i.ty.numel()).sum();
     let fits = budget.is_some_and(|budget| pieces_bytes as u64 <= budget);
@@ -1483,8 +1489,8 @@ mod tests {
     use super::*;
     use DType::*;
 
-    /// Only parameters' f32 and bf16 matrices, and none where their pieces (6 and 2 bytes a
-    /// value) pass the budget.
+    /// Only parameters' f32 and bf16 matrices (bf16 ones only where f32 products are not on
+    /// AMX tiles), and none where their pieces (6 and 2 bytes a value) pass the budget.
     #[test]
     fn weights_kept_on_tiles_are_parameters_matrices_within_the_budget() {
         let input = |dtype, shape: Vec<i64>, kind| Input { ty: TensorType::new(dtype, shape), kind };
@@ -1497,9 +1503,10 @@ mod tests {
             input(Bf16, vec![64, 64], InputKind::Constant),
         ];
         let pieces = 6 * 768 * 3072 + 2 * 768 * 768;
-        assert_eq!(weights_kept_on_tiles(&inputs, Some(pieces)), [false, true, false, true, false, false]);
-        assert_eq!(weights_kept_on_tiles(&inputs, Some(pieces - 1)), [false; 6]);
-        assert_eq!(weights_kept_on_tiles(&inputs, None), [false; 6]);
+        assert_eq!(weights_kept_on_tiles(&inputs, Some(pieces), true), [false, true, false, true, false, false]);
+        assert_eq!(weights_kept_on_tiles(&inputs, Some(pieces - 1), true), [false; 6]);
+        assert_eq!(weights_kept_on_tiles(&inputs, None, true), [false; 6]);
+        assert_eq!(weights_kept_on_tiles(&inputs, Some(2 * 768 * 768), false), [false, false, false, true, false, false]);
     }
 
     #[test]

@@ -389,7 +389,8 @@ fn resolve<'a>(arg: &Arg, values: &[Option<Val<'a>>]) -> R<A<'a>> {
 /// Lowers `graph` to a module whose `@main` takes the graph inputs and returns its outputs.
 /// `sources[i]` is node i's user source line, used only in error messages.
 pub fn lower(graph: &Graph, sources: &[Option<String>]) -> Result<Lowered, LowerError> {
-    let kept_on_tiles = builder::weights_kept_on_tiles(&graph.inputs, lowering_target().host_gemm_tiles_budget);
+    let target = lowering_target();
+    let kept_on_tiles = builder::weights_kept_on_tiles(&graph.inputs, target.host_gemm_tiles_budget, target.host_f32_gemm_on_tiles);
     let ctx = Context::new();
     ctx.set_allow_unregistered_dialects(true);
     DialectHandle::func().register_dialect(&ctx);

@@ -10,6 +10,9 @@
 //! Only finite operands take this form: an infinite `x` would meet `w`'s zero pieces (`∞ · 0`)
 //! where the f32 product has none. The tiles flush subnormal pieces and products to zero, which
 //! moves results only for operands below ~1e-33.
+//!
+//! bf16 products (one piece each) run in the same layouts on CPUs without the tiles too, on
+//! AVX-512 BF16's vector dot products (`bf16_dots`).
 
 use super::epilogue::Epilogue;
 use super::gemm::{Line, Lines, COLUMNS};
@@ -23,7 +26,7 @@ use std::ops::Range;
 use std::sync::OnceLock;
 
 /// Rows (and result columns) of a tile, and the bf16 values of K a tile row holds.
-const TILE: usize = 16;
+pub(super) const TILE: usize = 16;
 pub(super) const STEP: usize = 32;
 /// Lines in one tile (16 rows of 64 bytes).
 const TILE_LINES: usize = 16;
@@ -31,6 +34,11 @@ const TILE_LINES: usize = 16;
 const L1_ROWS_BYTES: usize = 24 << 10;
 /// Bytes of pieces (half of L2's 2 MiB) that stay in L2 while the other operand's pass by.
 pub(super) const L2_SHARE_BYTES: usize = 1 << 20;
+/// The same for the vector dot products (`bf16_dots`), 16 times slower than the tiles: a group
+/// of x's rows this large comes from L3 fast enough for them, and each group reads a large
+/// weight once more (on Zen 4, L2 1 MiB: `[1178, 6144] x [6144, 1536]` in groups of 1 MiB 76-80
+/// ms, of 2 MiB 61, XLA's 70-75; `[1178, 1536] x [1536, 6144]` 62-75 → 54-58, XLA's 56-58).
+const VECTOR_GROUP_BYTES: usize = 2 << 20;
 
 /// Whether products run on the tiles here: the CPU has AMX-BF16 and Linux granted this process
 /// the tile registers' state (it must ask; `TPU_DYNAMO_AMX=0` keeps the vector kernel).
@@ -52,6 +60,17 @@ pub(super) fn available() -> bool {
         #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
         false
     })
+}
+
+/// Whether bf16 products run in the tiles' layouts here: on the tiles, or else on AVX-512
+/// BF16's vector dot products (`bf16_dots`), which `x86::products` takes where the tiles are not.
+pub(super) fn bf16_products() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        available() || super::bf16_dots::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// What an operand holds: f32 values, each the sum of three bf16 pieces, or bf16 values, one
@@ -95,7 +114,7 @@ pub(super) fn packed_lines(n: usize, k: usize, values: Values) -> usize {
 ///
 /// # Safety
 /// `w` must cover `[n, k]` (`RowPerOutput`) or `[k, n]` (`RowPerInput`) of `values`, and
-/// `available()` be true.
+/// `bf16_products()` be true.
 pub(super) unsafe fn pack(w: *const u8, (n, k): (usize, usize), layout: Layout, values: Values) -> Option<Vec<Line>> {
     #[cfg(target_arch = "x86_64")]
     {
@@ -121,7 +140,7 @@ thread_local! {
 ///
 /// # Safety
 /// `x` `[m, k]` and `y` `[m, n]` must cover these rows, `pieces` be `pack`'s result for `w`, and
-/// `available()` be true.
+/// `available()` be true (`bf16_products()` for bf16 `values`).
 #[cfg(target_arch = "x86_64")]
 pub(super) unsafe fn rows((x, y, finish): (*const u8, Out, Epilogue), values: Values, (n, k): (usize, usize), pieces: &[Line], first_row: usize, rows: usize, blocks: Range<usize>) -> bool {
     SCRATCH.with(|scratch| {
@@ -144,8 +163,8 @@ pub(super) mod x86 {
     use super::super::epilogue::x86::{gelu_tanh_of_bf16, silu_of_bf16};
     use super::super::epilogue::{Activation, Factor};
     use super::super::vector_math::{lanes, rounded_bf16, through_bf16, transpose, widened_bf16};
-    use super::super::Out;
-    use super::{asm, Epilogue, Layout, Line, Range, Values, COLUMNS, L1_ROWS_BYTES, L2_SHARE_BYTES, STEP, TILE, TILE_LINES};
+    use super::super::{bf16_dots, Out};
+    use super::{asm, Epilogue, Layout, Line, Range, Values, COLUMNS, L1_ROWS_BYTES, L2_SHARE_BYTES, STEP, TILE, TILE_LINES, VECTOR_GROUP_BYTES};
     use std::arch::x86_64::*;
     use std::mem::transmute;
 
@@ -220,15 +239,19 @@ pub(super) mod x86 {
         blocks: Range<usize>,
         partial: &mut [f32],
     ) {
-        // Palette 1, all eight tiles 16 rows of 64 bytes.
-        let mut config = Line([0.0; 16]);
-        let bytes = config.0.as_mut_ptr() as *mut u8;
-        *bytes = 1;
-        for t in 0..8 {
-            *(bytes.add(16 + 2 * t) as *mut u16) = 64;
-            *bytes.add(48 + t) = TILE as u8;
+        let tiles = super::available();
+        debug_assert!(tiles || values == Values::Bf16, "f32 pieces are the tiles' only");
+        if tiles {
+            // Palette 1, all eight tiles 16 rows of 64 bytes.
+            let mut config = Line([0.0; 16]);
+            let bytes = config.0.as_mut_ptr() as *mut u8;
+            *bytes = 1;
+            for t in 0..8 {
+                *(bytes.add(16 + 2 * t) as *mut u16) = 64;
+                *bytes.add(48 + t) = TILE as u8;
+            }
+            asm!("ldtilecfg [{0}]", in(reg) bytes, options(nostack, readonly, preserves_flags));
         }
-        asm!("ldtilecfg [{0}]", in(reg) bytes, options(nostack, readonly, preserves_flags));
         let a_stride = 2 * lda;
         let piece_bytes = 2 * tall * lda;
         let tile_rows_bytes = TILE * a_stride;
@@ -240,7 +263,11 @@ pub(super) mod x86 {
         // a thread, 4.4-4.9 in groups).
         let block_step_lines = values.block_step_tiles() * TILE_LINES;
         let weight_bytes = blocks.len() * steps * block_step_lines * 64;
-        let group_bytes = if weight_bytes > L2_SHARE_BYTES { L2_SHARE_BYTES } else { L1_ROWS_BYTES };
+        let group_bytes = match (weight_bytes > L2_SHARE_BYTES, tiles) {
+            (true, true) => L2_SHARE_BYTES,
+            (true, false) => VECTOR_GROUP_BYTES,
+            (false, _) => L1_ROWS_BYTES,
+        };
         let group = (group_bytes / (2 * TILE * values.pieces() * a_stride)).max(1) * 2 * TILE;
         for group_first in (0..rows).step_by(group) {
             for block in blocks.clone() {
@@ -260,6 +287,13 @@ pub(super) mod x86 {
                             _mm_prefetch::<_MM_HINT_T0>(times.wrapping_add(r * n) as *const i8);
                             _mm_prefetch::<_MM_HINT_T0>(times.wrapping_add(r * n + cols - 1) as *const i8);
                         }
+                    }
+                    if !tiles {
+                        let x = (a as *const u8).add(2 * tiled(first, 0, lda));
+                        let w = pieces.add(block * pieces_steps * block_step_lines) as *const u8;
+                        bf16_dots::block_sums(x, tile_rows_bytes, (w, block_step_lines * 64), steps, valid, partial.as_mut_ptr());
+                        write_rows((out, n), partial.as_ptr(), (valid, cols), &finish);
+                        continue;
                     }
                     asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem, preserves_flags));
                     for step in 0..steps {
@@ -341,7 +375,9 @@ pub(super) mod x86 {
                 }
             }
         }
-        asm!("tilerelease", options(nostack, nomem, preserves_flags));
+        if tiles {
+            asm!("tilerelease", options(nostack, nomem, preserves_flags));
+        }
     }
 
     /// The index that `_mm512_permutex2var_epi16(a, index, b)` takes to put u16 `slot(i)` of
@@ -556,13 +592,13 @@ mod tests {
         out
     }
 
-    /// bf16 operands on the tiles, with f32 sums as the exact (f64) sums of the bf16 values
+    /// bf16 operands on the tiles (or AVX-512 BF16's vectors), with f32 sums as the exact (f64) sums of the bf16 values
     /// allow, and rounded once to bf16 for a bf16 result (a bias added to the f32 sums first;
     /// a GELU after it reading the rounded value, rounded again; SiLU likewise, then times a
     /// bf16 factor and rounded again), on shapes off the tiles and a weight past L2's share.
     #[test]
     fn bf16_products_sum_in_f32_and_round_once() {
-        if !available() {
+        if !bf16_products() {
             return;
         }
         let mut next = super::super::uniform(13);
@@ -618,7 +654,7 @@ mod tests {
     /// The vector packing, bit for bit the reference's, for K and N on and off the tiles.
     #[test]
     fn pack_places_every_piece_as_the_reference_does() {
-        if !available() {
+        if !bf16_products() {
             return;
         }
         let mut next = super::super::uniform(5);

@@ -86,7 +86,7 @@ impl Gemm {
     /// took 335-382 µs against XLA's 327-341, in two runs of rows 272.
     ///
     /// A bf16 product runs on the tiles from its weight's pieces, kept or else packed for this
-    /// call (bf16 values are their own pieces), so `amx::available()` must hold for one.
+    /// call (bf16 values are their own pieces), so `amx::bf16_products()` must hold for one.
     pub fn new(
         (x, w, y): (*const u8, *const u8, Out),
         values: Values,

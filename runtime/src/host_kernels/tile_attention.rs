@@ -20,10 +20,10 @@ use std::cell::RefCell;
 /// Queries per block: the two row tiles a tile product round takes.
 const BLOCK: usize = 32;
 
-/// Whether it runs here: AMX's tiles, and AVX-512's bf16 conversions (every CPU with the one
-/// has the other, but each is asked).
+/// Whether it runs here: bf16 products in the tiles' layouts (on AMX's tiles or AVX-512 BF16's
+/// vectors), and AVX-512's bf16 conversions (every CPU with AMX has them, but each is asked).
 pub(super) fn available() -> bool {
-    amx::available() && std::arch::is_x86_feature_detected!("avx512bf16")
+    amx::bf16_products() && std::arch::is_x86_feature_detected!("avx512bf16")
 }
 
 /// One attention of bf16 `q`, `k`, `v` into bf16 `out` and f32 `lse`, as `Attention` (but for

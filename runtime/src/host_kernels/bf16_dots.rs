@@ -1,0 +1,60 @@
+//! bf16 products in the tiles' layouts on AVX-512 BF16's `vdpbf16ps`, where a CPU has no AMX
+//! (AMD since Zen 4, Intel's Cooper Lake): every bf16 kernel built on `amx::x86::products` (the
+//! products with their bias, GELU or SiLU on the way out, attention) runs there too.
+//!
+//! A weight tile's row (`amx::pack`: one pair of K for 16 columns) is one vector; a pair of x's
+//! K (`amx::x86::split`'s rows), broadcast, multiplies it into 16 f32 sums. Summed in f32 from
+//! exact products, with subnormals flushed, as the tiles sum.
+
+use super::amx::{STEP, TILE};
+use std::arch::x86_64::*;
+use std::mem::transmute;
+
+/// Rows whose sums one pass keeps in registers: 8 rows by a block's 32 columns are 16 of
+/// AVX-512's 32 vectors, enough independent sums to keep one `vdpbf16ps` starting each cycle.
+const ROWS: usize = 8;
+/// Bytes of one tile: 16 rows of 64.
+const TILE_BYTES: usize = TILE * 64;
+
+/// Whether this CPU has the instructions (and those `amx::x86`'s packing and rows use).
+pub(super) fn available() -> bool {
+    std::arch::is_x86_feature_detected!("avx512bf16")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+        && std::arch::is_x86_feature_detected!("avx512vl")
+}
+
+/// The f32 sums of `rows` (at most 32) split rows of x by one column block of the weight, into
+/// `partial` (`[32, 32]`, row-major), what the tiles' four sums hold after a block's steps.
+///
+/// `x` is the first row's tile at step 0 (a row tile's steps `TILE_BYTES` apart, the second
+/// row tile `second_tile` bytes after the first); `w` is the block's first step (its two
+/// halves `TILE_BYTES` apart, steps `step_bytes` apart).
+///
+/// # Safety
+/// Both operands must cover `steps` steps, rows up to the next multiple of `ROWS` included (the
+/// split rows are zero past the last), and the CPU must be `available()`.
+#[target_feature(enable = "avx512f,avx512bf16")]
+pub(super) unsafe fn block_sums(x: *const u8, second_tile: usize, (w, step_bytes): (*const u8, usize), steps: usize, rows: usize, partial: *mut f32) {
+    for first in (0..rows).step_by(ROWS) {
+        let x = x.add((first / TILE) * second_tile + (first % TILE) * 64);
+        let mut sums = [[_mm512_setzero_ps(); 2]; ROWS];
+        for pair in 0..steps * TILE {
+            // Pair `pair % 16` of K in step `pair / 16`.
+            let (step, pair) = (pair / TILE, pair % TILE);
+            let w = w.add(step * step_bytes + pair * 64);
+            let halves: [__m512bh; 2] = [0, 1].map(|h| transmute(_mm512_loadu_si512(w.add(h * TILE_BYTES) as *const __m512i)));
+            let x = x.add(step * TILE_BYTES + pair * 4);
+            for (r, row) in sums.iter_mut().enumerate() {
+                let pair: __m512bh = transmute(_mm512_set1_epi32((x.add(r * 64) as *const i32).read_unaligned()));
+                for (sum, &half) in row.iter_mut().zip(&halves) {
+                    *sum = _mm512_dpbf16_ps(*sum, half, pair);
+                }
+            }
+        }
+        for (r, row) in sums.iter().enumerate() {
+            for (h, &sum) in row.iter().enumerate() {
+                _mm512_storeu_ps(partial.add((first + r) * 2 * TILE + h * TILE), sum);
+            }
+        }
+    }
+}
