@@ -38,16 +38,16 @@ pub(super) unsafe fn block_sums(x: *const u8, second_tile: usize, (w, step_bytes
     for first in (0..rows).step_by(ROWS) {
         let x = x.add((first / TILE) * second_tile + (first % TILE) * 64);
         let mut sums = [[_mm512_setzero_ps(); 2]; ROWS];
-        for pair in 0..steps * TILE {
-            // Pair `pair % 16` of K in step `pair / 16`.
-            let (step, pair) = (pair / TILE, pair % TILE);
-            let w = w.add(step * step_bytes + pair * 64);
-            let halves: [__m512bh; 2] = [0, 1].map(|h| transmute(_mm512_loadu_si512(w.add(h * TILE_BYTES) as *const __m512i)));
-            let x = x.add(step * TILE_BYTES + pair * 4);
-            for (r, row) in sums.iter_mut().enumerate() {
-                let pair: __m512bh = transmute(_mm512_set1_epi32((x.add(r * 64) as *const i32).read_unaligned()));
-                for (sum, &half) in row.iter_mut().zip(&halves) {
-                    *sum = _mm512_dpbf16_ps(*sum, half, pair);
+        for step in 0..steps {
+            let (w, x) = (w.add(step * step_bytes), x.add(step * TILE_BYTES));
+            // A step's 16 pairs of K unrolled: every address a constant offset from `w` and `x`.
+            for pair in 0..TILE {
+                let halves: [__m512bh; 2] = [0, 1].map(|h| transmute(_mm512_loadu_si512(w.add(h * TILE_BYTES + pair * 64) as *const __m512i)));
+                for (r, row) in sums.iter_mut().enumerate() {
+                    let pair: __m512bh = transmute(_mm512_set1_epi32((x.add(r * 64 + pair * 4) as *const i32).read_unaligned()));
+                    for (sum, &half) in row.iter_mut().zip(&halves) {
+                        *sum = _mm512_dpbf16_ps(*sum, half, pair);
+                    }
                 }
             }
         }
