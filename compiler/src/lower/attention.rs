@@ -9,7 +9,8 @@
 //! CPU flash kernel accumulates.
 //!
 //! Where the process's plugin has our attention kernel (XLA:CPU on a CPU with AVX-512; for bf16
-//! on AMX tiles, one with AMX), the whole op is one call of it instead (`host_attention`).
+//! in AMX tiles' layouts, one with AMX or AVX-512 BF16), the whole op is one call of it instead
+//! (`host_attention`).
 
 use super::builder::{broadcast_shapes, lowering_target, opmath, Builder, Combiner, Scalar, Val, R};
 use super::reduction::{exponentials, zero_rows};
@@ -115,7 +116,7 @@ fn flash_attention_for_cpu(n: NodeCtx<'_>) -> Res<'_> {
 /// (`tpu_dynamo_runtime::host_kernels`, `targets` without a mask and with the causal one)
 /// where a head's keys fit its scratch: one kernel where XLA:CPU runs two products and a
 /// softmax, each writing all the scores out. f32 `q` comes scaled (half inputs widened); bf16
-/// `q`, `k` and `v` go as they are, with the f32 `scale`, to AMX tiles. A float mask (in f32)
+/// `q`, `k` and `v` go as they are, with the f32 `scale`, to the tiles' kernel. A float mask (in f32)
 /// reaches it as a bias `[B or 1, H or 1, L, S]` added to the scores; a padded graph's true key
 /// count as a 0-d i64, past which it reads neither keys, values nor mask (padding may hold
 /// anything).

@@ -306,8 +306,8 @@ pub struct Builder<'a> {
     pub ctx: &'a Context,
     block: &'a Block<'a>,
     loc: Location<'a>,
-    /// Per argument of `block`, whether it is a weight our product kernel keeps as AMX tiles
-    /// (`weights_kept_on_tiles`).
+    /// Per argument of `block`, whether it is a weight our product kernel keeps in AMX tiles'
+    /// layout (`weights_kept_on_tiles`).
     kept_on_tiles: &'a [bool],
 }
 
@@ -1053,8 +1053,8 @@ impl<'a> Builder<'a> {
         self.xla_dot_general(a, b, batch, contract, out)
     }
 
-    /// Whether `dot_general(a, b)` is bf16 rows times a bf16 weight kept on AMX tiles, which our
-    /// kernel multiplies there (from as few rows and flops as f32 ones), summing in f32 and
+    /// Whether `dot_general(a, b)` is bf16 rows times a bf16 weight kept as tiles, which our
+    /// kernel multiplies on AMX or AVX-512 BF16 (from as few rows and flops as f32 ones), summing in f32 and
     /// rounding once to a bf16 result itself: then a bf16 product needs no f32 one converted.
     pub fn bf16_product_on_tiles(&self, a: &Val<'a>, b: &Val<'a>, batch: (&[i64], &[i64]), contract: (&[i64], &[i64]), out: DType) -> bool {
         let rows = bf16_rows_times_matrix(a, b, batch, contract, out);
@@ -1273,7 +1273,7 @@ pub struct LoweringTarget {
     pub host_matvec: Option<HostProduct>,
     /// The same for f32 products of a few MFLOP, split over the host's cores.
     pub host_gemm: Option<HostProduct>,
-    /// The same for bf16 rows times a weight kept on AMX tiles (`weights_kept_on_tiles`), and
+    /// The same for bf16 rows times a weight kept as tiles (`weights_kept_on_tiles`), and
     /// adding a bf16 bias `[N]` to the f32 sums before rounding.
     pub host_bf16_gemm: Option<HostProduct>,
     pub host_bf16_gemm_bias: Option<HostProduct>,
@@ -1289,7 +1289,7 @@ pub struct LoweringTarget {
     /// The custom call targets of a host kernel for f32 attention without a mask and with
     /// the causal one, where the plugin has them registered.
     pub host_attention: Option<(&'static str, &'static str)>,
-    /// The same for bf16 attention on AMX tiles.
+    /// The same for bf16 attention in the tiles' layouts (AMX or AVX-512 BF16).
     pub host_bf16_attention: Option<(&'static str, &'static str)>,
     /// The custom call targets of host kernels for f32 LayerNorm and RMSNorm over the last dim.
     pub host_layer_norm: Option<&'static str>,

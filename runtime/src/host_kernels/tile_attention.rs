@@ -1,4 +1,5 @@
-//! bf16 attention on AMX's tiles, computed as PyTorch's CPU flash kernel computes it for bf16:
+//! bf16 attention on AMX's tiles (elsewhere on AVX-512 BF16's vector dot products in the same
+//! layouts, `bf16_dots`), computed as PyTorch's CPU flash kernel computes it for bf16:
 //! the scores `q kᵀ` summed in f32 from bf16 products, scaled (and a mask added) in f32, their
 //! exponentials summed in f32 and rounded to bf16 for the product by `v` (summed in f32), which
 //! is divided by the row's sum at the end and rounded once. The f32 kernel (`attention`) took
