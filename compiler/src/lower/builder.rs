@@ -1054,8 +1054,9 @@ impl<'a> Builder<'a> {
     }
 
     /// Whether `dot_general(a, b)` is bf16 rows times a bf16 weight kept as tiles, which our
-    /// kernel multiplies on AMX or AVX-512 BF16 (from as few rows and flops as f32 ones), summing in f32 and
-    /// rounding once to a bf16 result itself: then a bf16 product needs no f32 one converted.
+    /// kernel multiplies on AMX or AVX-512 BF16 (from as few rows and flops as f32 ones),
+    /// summing in f32 and rounding once to a bf16 result itself: then a bf16 product needs no
+    /// f32 one converted.
     pub fn bf16_product_on_tiles(&self, a: &Val<'a>, b: &Val<'a>, batch: (&[i64], &[i64]), contract: (&[i64], &[i64]), out: DType) -> bool {
         let rows = bf16_rows_times_matrix(a, b, batch, contract, out);
         lowering_target().host_bf16_gemm.is_some()
@@ -1489,8 +1490,8 @@ mod tests {
     use super::*;
     use DType::*;
 
-    /// Only parameters' f32 and bf16 matrices (bf16 ones only where f32 products are not on
-    /// AMX tiles), and none where their pieces (6 and 2 bytes a value) pass the budget.
+    /// Only parameters' f32 and bf16 matrices (f32 ones only where AMX runs f32 products), and
+    /// none where their pieces (6 and 2 bytes a value) pass the budget.
     #[test]
     fn weights_kept_on_tiles_are_parameters_matrices_within_the_budget() {
         let input = |dtype, shape: Vec<i64>, kind| Input { ty: TensorType::new(dtype, shape), kind };
