@@ -6,7 +6,7 @@
 //! K (`amx::x86::split`'s rows), broadcast, multiplies it into 16 f32 sums. Summed in f32 from
 //! exact products, with subnormals flushed, as the tiles sum.
 
-use super::amx::{STEP, TILE};
+use super::amx::TILE;
 use std::arch::x86_64::*;
 use std::mem::transmute;
 
@@ -54,6 +54,44 @@ pub(super) unsafe fn block_sums(x: *const u8, second_tile: usize, (w, step_bytes
         for (r, row) in sums.iter().enumerate() {
             for (h, &sum) in row.iter().enumerate() {
                 _mm512_storeu_ps(partial.add((first + r) * 2 * TILE + h * TILE), sum);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::amx::{self, x86::split, Values};
+    use super::super::{f32_to_bf16, uniform, Layout};
+    use super::*;
+
+    /// One column block's sums against f64 for row counts on and off `ROWS` and K off the
+    /// steps (also where AMX would take them: this engine is what a CPU without it runs).
+    #[test]
+    fn block_sums_are_the_f32_sums_of_the_bf16_products() {
+        if !available() {
+            return;
+        }
+        let mut next = uniform(5);
+        let value = |b: u16| f64::from(f32::from_bits(u32::from(b) << 16));
+        for (rows, k) in [(32, 64), (27, 70), (8, 33), (3, 1usize)] {
+            let (n, steps) = (2 * TILE, k.div_ceil(amx::STEP));
+            let x: Vec<u16> = (0..rows * k).map(|_| f32_to_bf16(next() * 3.0)).collect();
+            let w: Vec<u16> = (0..n * k).map(|_| f32_to_bf16(next())).collect();
+            let pieces = unsafe { amx::pack(w.as_ptr() as *const u8, (n, k), Layout::RowPerOutput, Values::Bf16) }.unwrap();
+            let lda = steps * amx::STEP;
+            let mut a = vec![0u16; 2 * TILE * lda];
+            let mut partial = vec![f32::NAN; 2 * TILE * 2 * TILE];
+            unsafe {
+                assert!(split(x.as_ptr() as *const u8, Values::Bf16, k, rows, &mut a, 2 * TILE * lda, lda));
+                block_sums(a.as_ptr() as *const u8, 2 * TILE * lda, (pieces.as_ptr() as *const u8, 2 * TILE_BYTES), steps, rows, partial.as_mut_ptr());
+            }
+            for i in 0..rows {
+                for j in 0..n {
+                    let want: f64 = (0..k).map(|kk| value(x[i * k + kk]) * value(w[j * k + kk])).sum();
+                    let got = f64::from(partial[i * n + j]);
+                    assert!((got - want).abs() <= 1e-6 * (k as f64).sqrt() * 3.0, "{rows}x{k} at {i},{j}: {got} vs {want}");
+                }
             }
         }
     }
