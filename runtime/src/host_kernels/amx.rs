@@ -62,6 +62,18 @@ pub(super) fn available() -> bool {
     })
 }
 
+/// Rows that a thread's share of a product on the tiles' layouts is a multiple of: a pair of
+/// row tiles on AMX, one pass of the vector engine's sums elsewhere (`[1178, ..]` rows then split
+/// 592 / 586 between two threads, not 608 / 570; `[589, 1536] x [1536, 1536]` in bf16 7.6-8.0 →
+/// 6.8-7.1 ms).
+pub(super) fn rows_unit() -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if !available() {
+        return super::bf16_dots::ROWS;
+    }
+    2 * TILE
+}
+
 /// Whether bf16 products run in the tiles' layouts here: on the tiles, or else on AVX-512
 /// BF16's vector dot products (`bf16_dots`), which `x86::products` takes where the tiles are not.
 pub(super) fn bf16_products() -> bool {

@@ -12,7 +12,7 @@ use std::mem::transmute;
 
 /// Rows whose sums one pass keeps in registers: 8 rows by a block's 32 columns are 16 of
 /// AVX-512's 32 vectors, enough independent sums to keep one `vdpbf16ps` starting each cycle.
-const ROWS: usize = 8;
+pub(super) const ROWS: usize = 8;
 /// Bytes of one tile: 16 rows of 64.
 const TILE_BYTES: usize = TILE * 64;
 

@@ -120,7 +120,7 @@ impl Gemm {
         let flops = 2 * m * n * k;
         let few_rows_on_tiles = tiles && m < TILES_SPLIT_MIN_ROWS && flops <= TILES_FEW_ROWS_ALONE_MAX_FLOPS;
         let parts = if flops <= ALONE_MAX_FLOPS || few_rows_on_tiles { 1 } else { parts };
-        let unit = if tiles { 32 } else { ROWS }; // two rows of AMX tiles
+        let unit = if tiles { amx::rows_unit() } else { ROWS };
         let blocks = n.div_ceil(COLUMNS).max(1);
         // Split by columns where the weight's pieces are past L2's share and all the rows' within
         // it: each thread then reads its share of the weight once, where by rows each would read
