@@ -62,7 +62,7 @@ pub(super) unsafe fn block_sums(x: *const u8, second_tile: usize, (w, step_bytes
 #[cfg(test)]
 mod tests {
     use super::super::amx::{self, x86::split, Values};
-    use super::super::{f32_to_bf16, uniform, Layout};
+    use super::super::{bf16_to_f32, f32_to_bf16, uniform, Layout};
     use super::*;
 
     /// One column block's sums against f64 for row counts on and off `ROWS` and K off the
@@ -73,7 +73,7 @@ mod tests {
             return;
         }
         let mut next = uniform(5);
-        let value = |b: u16| f64::from(f32::from_bits(u32::from(b) << 16));
+        let value = |b: u16| f64::from(bf16_to_f32(b));
         for (rows, k) in [(32, 64), (27, 70), (8, 33), (3, 1usize)] {
             let (n, steps) = (2 * TILE, k.div_ceil(amx::STEP));
             let x: Vec<u16> = (0..rows * k).map(|_| f32_to_bf16(next() * 3.0)).collect();

@@ -228,6 +228,20 @@ mod x86 {
 mod tests {
     use super::*;
 
+    /// Every row of `norm`, in `runs` runs one after another.
+    fn run_all<T: Rows>(norm: T, runs: usize) {
+        let units = RowRuns(norm, runs);
+        (0..units.1).for_each(|u| unsafe { units.chunk(u) });
+    }
+
+    /// A LayerNorm of `x` into `y` (`[rows, n]`, bf16 with `half`) in `runs` runs: each row's
+    /// mean and rstd.
+    fn layer_norm((x, y, half): (*const u8, *mut u8, bool), (weight, bias): (&[f32], &[f32]), (rows, n, eps): (usize, usize, f32), modulation: Option<Modulation>, runs: usize) -> (Vec<f32>, Vec<f32>) {
+        let (mut mean, mut rstd) = (vec![f32::NAN; rows], vec![f32::NAN; rows]);
+        run_all(LayerNorm { x, weight: weight.as_ptr(), bias: bias.as_ptr(), y, half, mean: mean.as_mut_ptr(), rstd: rstd.as_mut_ptr(), rows, n, eps, modulation }, runs);
+        (mean, rstd)
+    }
+
     /// Rows of several widths (off the 16 lanes too) with a large common offset, against f64.
     #[test]
     fn agrees_with_f64() {
@@ -238,10 +252,8 @@ mod tests {
         for (rows, n) in [(7, 64), (3, 33), (2, 1), (300, 48)] {
             let x: Vec<f32> = (0..rows * n).map(|_| 100.0 + next()).collect();
             let (weight, bias): (Vec<f32>, Vec<f32>) = (0..n).map(|_| (1.0 + next(), next())).unzip();
-            let (mut y, mut mean, mut rstd) = (vec![f32::NAN; rows * n], vec![f32::NAN; rows], vec![f32::NAN; rows]);
-            let norm = LayerNorm { x: x.as_ptr() as *const u8, weight: weight.as_ptr(), bias: bias.as_ptr(), y: y.as_mut_ptr() as *mut u8, half: false, mean: mean.as_mut_ptr(), rstd: rstd.as_mut_ptr(), rows, n, eps: 1e-5, modulation: None };
-            let units = RowRuns(norm, 3.min(rows));
-            (0..units.1).for_each(|u| unsafe { units.chunk(u) });
+            let mut y = vec![f32::NAN; rows * n];
+            let (mean, rstd) = layer_norm((x.as_ptr() as *const u8, y.as_mut_ptr() as *mut u8, false), (&weight, &bias), (rows, n, 1e-5), None, 3.min(rows));
             for r in 0..rows {
                 let row: Vec<f64> = x[r * n..(r + 1) * n].iter().map(|&v| f64::from(v)).collect();
                 let m = row.iter().sum::<f64>() / n as f64;
@@ -269,10 +281,8 @@ mod tests {
         for (rows, n) in [(5, 64), (3, 33), (2, 1), (40, 1536)] {
             let x: Vec<u16> = (0..rows * n).map(|_| bf16(8.0 + 2.0 * next())).collect();
             let (weight, bias): (Vec<f32>, Vec<f32>) = (0..n).map(|_| (1.0 + next(), next())).unzip();
-            let (mut y, mut mean, mut rstd) = (vec![0u16; rows * n], vec![f32::NAN; rows], vec![f32::NAN; rows]);
-            let norm = LayerNorm { x: x.as_ptr() as *const u8, weight: weight.as_ptr(), bias: bias.as_ptr(), y: y.as_mut_ptr() as *mut u8, half: true, mean: mean.as_mut_ptr(), rstd: rstd.as_mut_ptr(), rows, n, eps: 1e-6, modulation: None };
-            let units = RowRuns(norm, 2.min(rows));
-            (0..units.1).for_each(|u| unsafe { units.chunk(u) });
+            let mut y = vec![0u16; rows * n];
+            let (mean, rstd) = layer_norm((x.as_ptr() as *const u8, y.as_mut_ptr() as *mut u8, true), (&weight, &bias), (rows, n, 1e-6), None, 2.min(rows));
             for r in 0..rows {
                 let row: Vec<f64> = x[r * n..(r + 1) * n].iter().map(|&v| f64::from(value(v))).collect();
                 let m = row.iter().sum::<f64>() / n as f64;
@@ -303,10 +313,8 @@ mod tests {
             let bytes = if half { 2 } else { 4 };
             let x: Vec<u16> = (0..rows * n * bytes / 2).map(|_| bf16(3.0 * next())).collect();
             let run = |modulation| {
-                let (mut y, mut mean, mut rstd) = (vec![0u16; rows * n * bytes / 2], vec![0f32; rows], vec![0f32; rows]);
-                let norm = LayerNorm { x: x.as_ptr() as *const u8, weight: weight.as_ptr(), bias: bias.as_ptr(), y: y.as_mut_ptr() as *mut u8, half, mean: mean.as_mut_ptr(), rstd: rstd.as_mut_ptr(), rows, n, eps: 1e-6, modulation };
-                let units = RowRuns(norm, 2);
-                (0..units.1).for_each(|u| unsafe { units.chunk(u) });
+                let mut y = vec![0u16; rows * n * bytes / 2];
+                layer_norm((x.as_ptr() as *const u8, y.as_mut_ptr() as *mut u8, half), (&weight, &bias), (rows, n, 1e-6), modulation, 2);
                 y
             };
             let (plain, modulated) = (run(None), run(Some(Modulation { factor: factor.as_ptr(), shift: shift.as_ptr(), per_batch: rows / batches })));
@@ -338,8 +346,7 @@ mod tests {
             let weight: Vec<f32> = (0..n).map(|_| 1.0 + next()).collect();
             let mut y = vec![f32::NAN; rows * n];
             let norm = RmsNorm { x: x.as_ptr() as *const u8, weight: weight.as_ptr(), y: y.as_mut_ptr() as *mut u8, half: false, rows, n, eps: 1e-6 };
-            let units = RowRuns(norm, 3.min(rows));
-            (0..units.1).for_each(|u| unsafe { units.chunk(u) });
+            run_all(norm, 3.min(rows));
             for r in 0..rows {
                 let row: Vec<f64> = x[r * n..(r + 1) * n].iter().map(|&v| f64::from(v)).collect();
                 let s = 1.0 / (row.iter().map(|v| v * v).sum::<f64>() / n as f64 + 1e-6).sqrt();
@@ -366,8 +373,7 @@ mod tests {
             let weight: Vec<f32> = (0..n).map(|_| value(bf16(1.0 + next()))).collect();
             let mut y = vec![0u16; rows * n];
             let norm = RmsNorm { x: x.as_ptr() as *const u8, weight: weight.as_ptr(), y: y.as_mut_ptr() as *mut u8, half: true, rows, n, eps: 1e-6 };
-            let units = RowRuns(norm, 2.min(rows));
-            (0..units.1).for_each(|u| unsafe { units.chunk(u) });
+            run_all(norm, 2.min(rows));
             for r in 0..rows {
                 let row: Vec<f64> = x[r * n..(r + 1) * n].iter().map(|&v| f64::from(value(v))).collect();
                 let s = 1.0 / (row.iter().map(|v| v * v).sum::<f64>() / n as f64 + 1e-6).sqrt();
