@@ -3,7 +3,7 @@
 //! reaches us as the ops it is written in, found among them (`rms_norms`); and a diffusion
 //! transformer's modulated LayerNorm, found likewise (`modulated_norms`).
 
-use super::builder::{lowering_target, opmath, Builder, Scalar, Val, R};
+use super::builder::{lowering_target, norm_dim, opmath, Builder, Scalar, Val, R};
 use crate::ir::{Arg, DType, Node, TensorType, ValueId};
 use std::collections::HashMap;
 use super::patterns::{number, value, Uses};
@@ -327,9 +327,11 @@ impl RmsNorms {
         let operand = |v: ValueId| values.get(v as usize).cloned().flatten().ok_or_else(|| format!("%{v} is not a value"));
         let lowered = || -> R<Vec<Val<'a>>> {
             let weight = norm.weight.map(operand).transpose()?;
+            let rows = norm.permuted.as_ref().map_or(norm.x, |(source, _)| *source);
+            let normalized = host_rms_norm(b, target, &operand(rows)?, weight.as_ref(), norm.eps)?;
             Ok(vec![match &norm.permuted {
-                Some((source, perm)) => b.transpose(&host_rms_norm(b, target, &operand(*source)?, weight.as_ref(), norm.eps)?, perm)?,
-                None => host_rms_norm(b, target, &operand(norm.x)?, weight.as_ref(), norm.eps)?,
+                Some((_, perm)) => b.transpose(&normalized, perm)?,
+                None => normalized,
             }])
         };
         Some(lowered())
@@ -385,11 +387,7 @@ fn rms_norms(uses: &Uses) -> HashMap<usize, RmsNorm> {
         };
         let source = value(nodes[node].args.first()?)?;
         let rank = types.get(source as usize)?.rank();
-        let dim = |a: &Arg| -> Option<usize> {
-            let d = number(a)? as i64;
-            let d = if d < 0 { d + rank as i64 } else { d };
-            (0..rank as i64).contains(&d).then_some(d as usize)
-        };
+        let dim = |a: &Arg| norm_dim(number(a)? as i64, rank).ok();
         let perm: Vec<usize> = if swap {
             let mut perm: Vec<usize> = (0..rank).collect();
             perm.swap(dim(nodes[node].args.get(1)?)?, dim(nodes[node].args.get(2)?)?);
