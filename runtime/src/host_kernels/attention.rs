@@ -168,7 +168,7 @@ impl Chunked for Attention {
         let Unit { head, b, h, kv, queries } = self.plan.unit(s, unit);
         let (keys, values) = (self.k.add(kv * s.len_kv * s.dim), self.v.add(kv * s.len_kv * s.dim));
         let (first, last) = (queries.start, queries.end);
-        let stride = s.len_kv.next_multiple_of(16);
+        let stride = scores_stride(s.len_kv);
         SCRATCH.with(|scratch| {
             let scratch = &mut *scratch.borrow_mut();
             if scratch.holds != (self.plan.id, b, kv) {
@@ -218,6 +218,15 @@ impl Chunked for Attention {
             }
         });
     }
+}
+
+/// The distance between a block's rows of `len` f32 scores: whole cache lines, an odd number
+/// of them. Rows a multiple of 4 KiB apart (1024 keys) fall in one set of L1's eight ways, and
+/// the twelve rows a tile writes and the values' product reads then evict each other: `[1, 8,
+/// 1024, 8]` (a tiny UNet's heads) 3.9-4.1 → 3.5-3.7 ms, the tiny UNet's call 25.9-27.3 →
+/// 23.3-25.8 ms; `[1, 8, 1024, 64]` 12.4-12.9 → 12.1-12.8 (AMD EPYC, Zen 4).
+pub(super) fn scores_stride(len: usize) -> usize {
+    (len.div_ceil(16) | 1) * 16
 }
 
 /// `max + ln(sum)` of each row's `(max, sum)` into `lse`, 0 where every key is hidden (`max` is

@@ -12,7 +12,7 @@
 
 use super::amx::{self, x86::*, Values, STEP};
 use super::epilogue::Epilogue;
-use super::attention::{logsumexps, normalize, visible_keys, Bias, Plan, Shape, Unit};
+use super::attention::{logsumexps, normalize, scores_stride, visible_keys, Bias, Plan, Shape, Unit};
 use super::gemm::{Lines, COLUMNS};
 use super::pool::Chunked;
 use super::{Layout, Out};
@@ -90,7 +90,7 @@ impl Chunked for TileAttention {
         let Unit { head, b, h, kv, queries } = self.plan.unit(s, unit);
         let (dim_steps, key_steps) = (s.dim.div_ceil(STEP), self.valid.div_ceil(STEP));
         // A block's scores, a row per query: every column block of keys the tiles write.
-        let stride = key_steps * STEP;
+        let stride = scores_stride(key_steps * STEP);
         SCRATCH.with(|scratch| {
             let Scratch { holds, keys, values, rows: tile_rows, scores, sums, partial } = &mut *scratch.borrow_mut();
             let keys = keys.u16s(amx::packed_lines(self.valid, s.dim, Values::Bf16) * 2 * COLUMNS);
