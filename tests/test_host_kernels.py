@@ -666,13 +666,15 @@ def test_a_weight_read_as_a_user_input_is_never_taken_from_stale_panels():
 
 # (batch, heads, kv heads, queries, keys, head size, causal): the tiny Llama's and GPT-2's
 # attention at batch 1 and 8, Flux's and SD3's (no mask), a long causal prompt with grouped
-# heads, a real model's head size, causal with fewer keys than queries and more, one query, and
-# sizes off the kernel's blocks (12 queries, 32 keys, 16-wide heads).
+# heads, a real model's head size, causal with fewer keys than queries and more, one query,
+# sizes off the kernel's blocks (12 queries, 32 keys, 16-wide heads), and heads of 4 and 12
+# values (their values' product in groups of four keys, the last group partial).
 ATTENTION_SHAPES = [
     (1, 4, 2, 128, 128, 16, True), (8, 4, 4, 128, 128, 16, True), (1, 2, 2, 1536, 1536, 16, False),
     (2, 4, 4, 288, 288, 8, False), (1, 4, 2, 600, 600, 16, True), (1, 9, 3, 256, 256, 64, True),
     (1, 2, 1, 50, 20, 40, True), (1, 2, 2, 20, 50, 72, True), (1, 4, 2, 1, 70, 16, False),
-    (2, 3, 3, 13, 45, 8, False), (2, 3, 3, 13, 45, 33, True),
+    (2, 3, 3, 13, 45, 8, False), (2, 3, 3, 13, 45, 33, True), (1, 8, 4, 70, 70, 4, True),
+    (1, 2, 2, 37, 1025, 12, False),
 ]
 ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
