@@ -186,12 +186,19 @@ unsafe fn exponentials_into_tiles(row: *const f32, (scale, added): (f32, Option<
     let max = if nan != 0 { f32::NAN } else { _mm512_reduce_max_ps(max) };
     let shift = _mm512_set1_ps(max);
     let mut sum = _mm512_setzero_ps();
+    // A step's 32 exponentials rounded to the nearest even by one instruction (which flushes
+    // values below 2^-126 to zero, as the tiles' products would) into the tiles' row.
+    macro_rules! into_tiles {
+        ($kk:expr, $low:expr, $high:expr) => {
+            _mm512_storeu_si512(tiles.add(tiled(r, $kk, lda)) as *mut __m512i, std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh($high, $low)))
+        };
+    }
     let whole_steps = visible - visible % STEP;
     for kk in (0..whole_steps).step_by(STEP) {
         let low = exp(_mm512_sub_ps(scores!(kk, !0), shift));
         let high = exp(_mm512_sub_ps(scores!(kk + 16, !0), shift));
         sum = _mm512_add_ps(_mm512_add_ps(sum, low), high);
-        _mm512_storeu_si512(tiles.add(tiled(r, kk, lda)) as *mut __m512i, std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(high, low)));
+        into_tiles!(kk, low, high);
     }
     for kk in (whole_steps..lda).step_by(STEP) {
         let mut halves = [_mm512_setzero_ps(); 2];
@@ -200,10 +207,7 @@ unsafe fn exponentials_into_tiles(row: *const f32, (scale, added): (f32, Option<
             *e = _mm512_maskz_mov_ps(mask, exp(_mm512_sub_ps(scores!(at, mask), shift)));
             sum = _mm512_add_ps(sum, *e);
         }
-        let [low, high] = halves;
-        // Rounded to the nearest even by one instruction (which flushes values below 2^-126 to
-        // zero, as the tiles' products would).
-        _mm512_storeu_si512(tiles.add(tiled(r, kk, lda)) as *mut __m512i, std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(high, low)));
+        into_tiles!(kk, halves[0], halves[1]);
     }
     (max, _mm512_reduce_add_ps(sum))
 }
