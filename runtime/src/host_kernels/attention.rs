@@ -182,6 +182,8 @@ impl Chunked for Attention {
                 scratch.grouped = 0;
             }
             let narrow = grouped_values(s);
+            // A head's values in groups of keys (`pack_groups`), where they are read so.
+            let value_groups = if narrow { scratch.groups.floats(self.valid.div_ceil(GROUP) * s.dim.div_ceil(GROUP) * 16).as_mut_ptr() } else { std::ptr::null_mut() };
             let key_panels = scratch.panels.floats(s.len_kv.div_ceil(COLUMNS) * s.dim * COLUMNS);
             let scores = scratch.scores.floats(ROWS * stride).as_mut_ptr();
             let mut r0 = first;
@@ -218,10 +220,9 @@ impl Chunked for Attention {
                     #[cfg(target_arch = "x86_64")]
                     {
                         let groups = seen.div_ceil(GROUP);
-                        let packed = scratch.groups.floats(self.valid.div_ceil(GROUP) * s.dim.div_ceil(GROUP) * 16).as_mut_ptr();
-                        x86::pack_groups(values, s.dim, (scratch.grouped..groups, self.valid), packed);
+                        x86::pack_groups(values, s.dim, (scratch.grouped..groups, self.valid), value_groups);
                         scratch.grouped = scratch.grouped.max(groups);
-                        x86::grouped_product((scores, stride), packed, seen, (out, s.dim), rows);
+                        x86::grouped_product((scores, stride), value_groups, seen, (out, s.dim), rows);
                     }
                 } else {
                     for c in (0..s.dim).step_by(COLUMNS) {
