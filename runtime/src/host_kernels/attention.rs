@@ -318,7 +318,7 @@ unsafe fn exponentials(row: *mut f32, visible: usize, len: usize) -> (f32, f32) 
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::vector_math::{exp, lanes};
+    use super::super::vector_math::{lanes, softmax_exp};
     use super::GROUP;
     use std::arch::x86_64::*;
 
@@ -452,12 +452,12 @@ mod x86 {
         let shift = _mm512_set1_ps(max);
         let mut sum = _mm512_setzero_ps();
         for at in (0..whole).step_by(16) {
-            let e = exp(_mm512_sub_ps(_mm512_loadu_ps(row.add(at)), shift));
+            let e = softmax_exp(_mm512_sub_ps(_mm512_loadu_ps(row.add(at)), shift));
             _mm512_storeu_ps(row.add(at), e);
             sum = _mm512_add_ps(sum, e);
         }
         if tail != 0 {
-            let e = exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row.add(whole)), shift));
+            let e = softmax_exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row.add(whole)), shift));
             _mm512_mask_storeu_ps(row.add(whole), tail, e);
             sum = _mm512_mask_add_ps(sum, tail, sum, e);
         }

@@ -147,7 +147,7 @@ impl Chunked for TileAttention {
 /// scaling, the softmax and the rounding each passed over the block's scores.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 unsafe fn exponentials_into_tiles(row: *const f32, (scale, added): (f32, Option<*const f32>), visible: usize, (tiles, r, lda): (*mut u16, usize, usize)) -> (f32, f32) {
-    use super::vector_math::{exp, lanes};
+    use super::vector_math::{lanes, softmax_exp};
     use std::arch::x86_64::*;
     let factor = _mm512_set1_ps(scale);
     // A macro and loops, not closures: those were not inlined (a call a vector, half the time here).
@@ -195,8 +195,8 @@ unsafe fn exponentials_into_tiles(row: *const f32, (scale, added): (f32, Option<
     }
     let whole_steps = visible - visible % STEP;
     for kk in (0..whole_steps).step_by(STEP) {
-        let low = exp(_mm512_sub_ps(scores!(kk, !0), shift));
-        let high = exp(_mm512_sub_ps(scores!(kk + 16, !0), shift));
+        let low = softmax_exp(_mm512_sub_ps(scores!(kk, !0), shift));
+        let high = softmax_exp(_mm512_sub_ps(scores!(kk + 16, !0), shift));
         sum = _mm512_add_ps(_mm512_add_ps(sum, low), high);
         into_tiles!(kk, low, high);
     }
@@ -204,7 +204,7 @@ unsafe fn exponentials_into_tiles(row: *const f32, (scale, added): (f32, Option<
         let mut halves = [_mm512_setzero_ps(); 2];
         for (half, e) in halves.iter_mut().enumerate() {
             let (at, mask) = (kk + 16 * half, lanes(visible, kk + 16 * half));
-            *e = _mm512_maskz_mov_ps(mask, exp(_mm512_sub_ps(scores!(at, mask), shift)));
+            *e = _mm512_maskz_mov_ps(mask, softmax_exp(_mm512_sub_ps(scores!(at, mask), shift)));
             sum = _mm512_add_ps(sum, *e);
         }
         into_tiles!(kk, halves[0], halves[1]);
