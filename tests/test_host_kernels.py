@@ -3,7 +3,7 @@ the weight stored `[N, K]` (`nn.Linear`) or `[K, N]` (GPT-2's `Conv1D`, `x @ W`)
 times a weight (a linear layer at one token, a decode step's), f32 products of short
 contractions split over XLA's threads (on AMX tiles where the CPU has them; with their bias, and
 a tanh GELU after it, or a gated MLP's SiLU and product, applied by the kernel), f32 attention without a mask or with the causal
-one, and f32 LayerNorm and RMSNorm."""
+one, f32 3×3 convolutions, and f32 LayerNorm and RMSNorm."""
 import gc
 import os
 import subprocess
@@ -38,6 +38,7 @@ BIAS_KERNELS = ["tpu_dynamo.f32_matmul_nt_bias", "tpu_dynamo.f32_matmul_nn_bias"
 GELU_KERNELS = ["tpu_dynamo.f32_matmul_nt_bias_gelu_tanh", "tpu_dynamo.f32_matmul_nn_bias_gelu_tanh"]
 SILU_KERNELS = ["tpu_dynamo.f32_matmul_nt_silu_times", "tpu_dynamo.f32_matmul_nn_silu_times"]
 ATTENTION_KERNELS = ["tpu_dynamo.f32_attention", "tpu_dynamo.f32_causal_attention"]
+CONV_KERNEL = "tpu_dynamo.f32_conv3x3"
 BF16_ATTENTION_KERNELS = ["tpu_dynamo.bf16_attention", "tpu_dynamo.bf16_causal_attention"]
 LAYER_NORM_KERNEL = "tpu_dynamo.f32_layer_norm"
 BF16_LAYER_NORM_KERNEL = "tpu_dynamo.bf16_layer_norm"
@@ -54,7 +55,7 @@ BF16_PRODUCTS = AMX or {"avx512_bf16", "avx512bw", "avx512vl"} <= set(Path("/pro
 def test_the_embedded_plugin_runs_our_kernels():
     """On x86-64 with AVX2 (this CI's machines) the embedded plugin registers the bf16 ones,
     with AVX-512 the f32 ones too, and with AMX or AVX-512 BF16 bf16 products and attention."""
-    f32_kernels = F32_KERNELS + BIAS_KERNELS + GELU_KERNELS + SILU_KERNELS + ATTENTION_KERNELS + [LAYER_NORM_KERNEL, RMS_NORM_KERNEL]
+    f32_kernels = F32_KERNELS + BIAS_KERNELS + GELU_KERNELS + SILU_KERNELS + ATTENTION_KERNELS + [CONV_KERNEL, LAYER_NORM_KERNEL, RMS_NORM_KERNEL]
     f32_kernels += [BF16_LAYER_NORM_KERNEL, BF16_RMS_NORM_KERNEL] if AVX512_BW else []
     assert host_kernels() == ["tpu_dynamo.bf16_matvec", "tpu_dynamo.bf16_vecmat"] + (f32_kernels if AVX512 else []) + (
         BF16_TILE_KERNELS + BF16_TILE_BIAS_KERNELS + BF16_TILE_GELU_KERNELS + BF16_TILE_SILU_KERNELS + BF16_ATTENTION_KERNELS if BF16_PRODUCTS else []
@@ -139,6 +140,64 @@ def check_f32_product(fn, args, target, compiled):
     assert ((got.double() - exact).abs() <= k * 2.0**-24 * magnitudes + 1e-30).all()
     ((graph_json, _),) = compiled
     assert target in _native.compile(graph_json, need_stablehlo=True).stablehlo
+
+
+# (N, C, O, H, W): the tiny UNet's convolutions (its input's 4 channels, 32 at 32×32, 64 at 16×16),
+# images narrower than a vector and off its 16 positions, output channels off the kernel's 12.
+CONVS = [(1, 4, 32, 32, 32), (1, 32, 32, 32, 32), (1, 64, 64, 16, 16), (2, 8, 13, 8, 8), (1, 3, 5, 5, 7), (2, 20, 30, 9, 40)]
+
+
+@needs_f32_kernels
+@pytest.mark.parametrize("n, c, o, h, w", CONVS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_an_f32_3x3_convolution_runs_our_kernel(n, c, o, h, w, bias, compiled):
+    """Within f32 summation's rounding (C·9 · 2^-24 of the sum of the terms' magnitudes) of the
+    exact (f64) convolution, padding 1 as zeros."""
+    torch.manual_seed(n * c + o * h + w)
+    args = (torch.randn(n, c, h, w), torch.randn(o, c, 3, 3), torch.randn(o) if bias else None)
+    conv = lambda x, wt, b: torch.nn.functional.conv2d(x, wt, b, padding=1)
+    with torch.no_grad():
+        got = compile_tpu(conv)(*args)
+    double = lambda f: tuple(None if a is None else f(a.double()) for a in args)
+    exact, magnitudes = conv(*double(lambda a: a)), conv(*double(torch.abs))
+    assert got.dtype == torch.float32 and got.shape == exact.shape
+    assert ((got.double() - exact).abs() <= c * 9 * 2.0**-24 * magnitudes + 1e-30).all()
+    assert kernel_calls(compiled, [CONV_KERNEL]) == 1
+
+
+@needs_f32_kernels
+@pytest.mark.parametrize(
+    "form",
+    [dict(stride=2, padding=1), dict(padding=0), dict(padding=1, dilation=2), dict(padding=1, groups=2), dict(padding=2, kernel=5)],
+)
+def test_other_f32_convolutions_stay_xla_s(form, compiled):
+    """Strided, unpadded, dilated and grouped 3×3 convolutions, and 5×5 ones, are not the kernel's."""
+    form = dict(form)
+    k, groups = form.pop("kernel", 3), form.get("groups", 1)
+    torch.manual_seed(k)
+    x, wt = torch.randn(1, 8, 16, 16), torch.randn(8, 8 // groups, k, k)
+    conv = lambda x, wt: torch.nn.functional.conv2d(x, wt, **form)
+    with torch.no_grad():
+        got, want = compile_tpu(conv)(x, wt), conv(x, wt)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert kernel_calls(compiled, [CONV_KERNEL]) == 0
+
+
+@needs_f32_kernels
+def test_a_convolution_s_nan_and_infinity_reach_the_outputs_they_touch(compiled):
+    """A NaN input makes every output whose window holds it NaN, an infinite one ±inf (NaN where
+    infinities of both signs meet), as eager's; the others stay finite and agree."""
+    torch.manual_seed(3)
+    x, wt = torch.randn(1, 4, 20, 20), torch.randn(6, 4, 3, 3)
+    x[0, 1, 0, 5], x[0, 2, 10, 19], x[0, 3, 12, 3] = float("nan"), float("inf"), -float("inf")
+    conv = lambda x, wt: torch.nn.functional.conv2d(x, wt, padding=1)
+    with torch.no_grad():
+        got, want = compile_tpu(conv)(x, wt), conv(x, wt)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+    assert got.isnan().any() and got.isinf().any()
+    finite = want.isfinite()
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-5)
+    assert kernel_calls(compiled, [CONV_KERNEL]) == 1
 
 
 # (rows, K, N): a tiny Llama's projections at batch 1 and 8, GPT-2's MLP, an LM head, the fewest

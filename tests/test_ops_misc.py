@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.utils._pytree import tree_leaves
 
+import tpu_dynamo
 from conftest import compile_tpu
 
 fft = torch.fft
@@ -500,7 +501,7 @@ def test_a_convolution_whose_windows_are_small_is_one_product(case, dtype):
     session"). Every spatial rank, stride, padding and dilation, windows stacked or tiling the
     input (cropped where they do not cover it); eager's values within 1e-5 (f32) or bf16's own
     tolerance, and the StableHLO holds a convolution only where overlapping windows would
-    outgrow both."""
+    outgrow both (and our kernel does not take it)."""
     _name, x_shape, w_shape, stride, padding, dilation, as_product = case
     torch.manual_seed(0)
     x, w, bias = rand(*x_shape).to(dtype), rand(*w_shape).to(dtype), rand(w_shape[0]).to(dtype)
@@ -518,7 +519,11 @@ def test_a_convolution_whose_windows_are_small_is_one_product(case, dtype):
     else:
         torch.testing.assert_close(got, want)
     (text,) = modules
-    assert ("stablehlo.convolution" in text) != as_product
+    # A 3×3 one of stride 1 and padding 1 in f32 goes to our kernel where the plugin has it.
+    ours = (w_shape[2:], stride, padding, dilation, dtype) == ((3, 3), 1, 1, 1, torch.float32) and not as_product
+    ours = ours and "tpu_dynamo.f32_conv3x3" in tpu_dynamo.device_info()["host_kernels"]
+    assert ("stablehlo.convolution" in text) != (as_product or ours)
+    assert ('"tpu_dynamo.f32_conv3x3"' in text) == ours
 
 
 # (name, input shape, output channels, padding, with bias, computed by Winograd's F(2x2, 3x3))

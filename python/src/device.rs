@@ -243,6 +243,7 @@ pub fn target() -> Result<Arc<Target>, Error> {
         host_gemm_silu_times: pair(host_kernels::F32_MATMUL_NT_SILU_TIMES_TARGET, host_kernels::F32_MATMUL_NN_SILU_TIMES_TARGET),
         host_attention: both(host_kernels::F32_ATTENTION_TARGET, host_kernels::F32_CAUSAL_ATTENTION_TARGET),
         host_bf16_attention: both(host_kernels::BF16_ATTENTION_TARGET, host_kernels::BF16_CAUSAL_ATTENTION_TARGET),
+        host_conv3x3: one(host_kernels::F32_CONV3X3_TARGET),
         host_layer_norm: one(host_kernels::F32_LAYER_NORM_TARGET),
         host_bf16_layer_norm: one(host_kernels::BF16_LAYER_NORM_TARGET),
         host_rms_norm: one(host_kernels::F32_RMS_NORM_TARGET),

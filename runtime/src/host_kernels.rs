@@ -16,6 +16,7 @@ mod amx;
 mod attention;
 #[cfg(target_arch = "x86_64")]
 mod bf16_dots;
+mod conv;
 mod epilogue;
 mod gemm;
 #[cfg(target_arch = "x86_64")]
@@ -66,6 +67,8 @@ pub const F32_CAUSAL_ATTENTION_TARGET: &str = "tpu_dynamo.f32_causal_attention";
 /// The same for bf16 attention on AMX tiles, `q` unscaled and the scale given.
 pub const BF16_ATTENTION_TARGET: &str = "tpu_dynamo.bf16_attention";
 pub const BF16_CAUSAL_ATTENTION_TARGET: &str = "tpu_dynamo.bf16_causal_attention";
+/// The custom call target of an f32 convolution of 3×3 windows, stride 1, padding 1 (NCHW, OIHW).
+pub const F32_CONV3X3_TARGET: &str = "tpu_dynamo.f32_conv3x3";
 /// The custom call target of f32 LayerNorm over the last dim.
 pub const F32_LAYER_NORM_TARGET: &str = "tpu_dynamo.f32_layer_norm";
 /// The same over bf16 rows into bf16 results (computed in f32, rounded once), as eager's.
@@ -182,6 +185,7 @@ pub fn register(plugin: &Plugin) -> Vec<&'static str> {
             (F32_MATMUL_NN_SILU_TIMES_TARGET, f32_matmul_nn_silu_times as *const c_void),
         ]);
         handlers.extend([(F32_ATTENTION_TARGET, f32_attention as *const c_void), (F32_CAUSAL_ATTENTION_TARGET, f32_causal_attention as *const c_void)]);
+        handlers.push((F32_CONV3X3_TARGET, f32_conv3x3 as *const c_void));
         #[cfg(target_arch = "x86_64")]
         handlers.extend([(F32_LAYER_NORM_TARGET, f32_layer_norm as *const c_void), (F32_RMS_NORM_TARGET, f32_rms_norm as *const c_void)]);
         #[cfg(target_arch = "x86_64")]
@@ -601,6 +605,36 @@ unsafe fn attend(frame: &mut FfiCallFrame, target: &'static str, causal: bool) -
     let inputs = (q.data as *const f32, k.data as *const f32, v.data as *const f32);
     let (job, units, parts) = attention::Attention::new(inputs, (bias, valid), (results.0 as *mut f32, results.1), shape, causal, threads);
     answer(frame, target, std::panic::catch_unwind(|| run_units(xla, job, units, parts - 1)))
+}
+
+/// The convolution handler: f32 `x` `[N, C, H, W]` and `w` `[O, C, 3, 3]` into `y` `[N, O, H,
+/// W]` (stride 1, padding 1), on XLA's threads.
+unsafe extern "C" fn f32_conv3x3(frame: *mut FfiCallFrame) -> *mut c_void {
+    let (frame, target) = (&mut *frame, F32_CONV3X3_TARGET);
+    if !executes(frame) {
+        return std::ptr::null_mut();
+    }
+    if frame.args.size != 2 || frame.rets.size != 1 {
+        return error(frame, target, "expects x and w, and one result");
+    }
+    let (x, w, y) = (&**frame.args.items, &**frame.args.items.add(1), &**frame.rets.items);
+    let (xd, wd, yd) = (dims(x), dims(w), dims(y));
+    let shape = match (xd, wd) {
+        (&[batch, channels, height, width], &[outputs, wc, 3, 3]) if wc == channels && yd == [batch, outputs, height, width] => {
+            let [batch, channels, outputs, height, width] = [batch, channels, outputs, height, width].map(|d| d as usize);
+            Some(conv::Shape { batch, channels, outputs, height, width })
+        }
+        _ => None,
+    };
+    let (Some(shape), true) = (shape, [x, w, y].iter().all(|b| b.dtype == XLA_FFI_F32)) else {
+        return error(frame, target, &format!("expects f32 x [N, C, H, W], w [O, C, 3, 3] and y [N, O, H, W], got {xd:?}, {wd:?}, {yd:?}"));
+    };
+    let (xla, threads) = XlaPool::with_threads(frame);
+    let ran = std::panic::catch_unwind(|| {
+        let (job, units) = conv::Conv::new((x.data as *const f32, w.data as *const f32, y.data as *mut f32), shape, threads);
+        run_units(xla, job, units, threads.saturating_sub(1));
+    });
+    answer(frame, target, ran)
 }
 
 #[cfg(target_arch = "x86_64")]

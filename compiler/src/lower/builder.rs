@@ -1292,6 +1292,9 @@ pub struct LoweringTarget {
     pub host_attention: Option<(&'static str, &'static str)>,
     /// The same for bf16 attention in the tiles' layouts (AMX or AVX-512 BF16).
     pub host_bf16_attention: Option<(&'static str, &'static str)>,
+    /// The custom call target of a host kernel for f32 convolutions of 3×3 windows, stride 1,
+    /// padding 1.
+    pub host_conv3x3: Option<&'static str>,
     /// The custom call targets of host kernels for f32 LayerNorm and RMSNorm over the last dim.
     pub host_layer_norm: Option<&'static str>,
     pub host_rms_norm: Option<&'static str>,
@@ -1319,6 +1322,7 @@ pub static LOWERING_TARGET: RwLock<LoweringTarget> = RwLock::new(LoweringTarget 
     host_gemm_silu_times: None,
     host_attention: None,
     host_bf16_attention: None,
+    host_conv3x3: None,
     host_layer_norm: None,
     host_bf16_layer_norm: None,
     host_rms_norm: None,
@@ -1399,7 +1403,7 @@ impl<'a> Builder<'a> {
         let k: i64 = contract.0.iter().map(|&d| a.shape()[d as usize]).product();
         let n: i64 = free_sizes(b, batch.1, contract.1).iter().product();
         let flops = 2 * a.ty.numel() * n;
-        let sized = k <= HOST_GEMM_MAX_K && HOST_GEMM_FLOPS.contains(&flops);
+        let sized = k <= std::env::var("TMP_MAXK").ok().and_then(|v| v.parse().ok()).unwrap_or(HOST_GEMM_MAX_K) && HOST_GEMM_FLOPS.contains(&flops);
         let on_tiles = || flops >= *HOST_GEMM_FLOPS.start() && n >= TILES_MIN_COLUMNS && self.kept_on_tiles(b, batch.1, contract.1);
         rows >= HOST_GEMM_MIN_ROWS && (sized || on_tiles())
     }

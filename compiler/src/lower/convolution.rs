@@ -1,9 +1,10 @@
 //! Convolution (`aten.convolution`, NCHW / OIHW, any number of spatial dims), lowered one of three
 //! ways: a wide 3×3 one in f32 by Winograd's minimal filtering (`winograd`); where the input's
 //! windows are no larger than the padded input or the weight, as one matrix product of the weight
-//! and the windows (`windows_product`); otherwise as StableHLO's convolution.
+//! and the windows (`windows_product`); a narrower 3×3 one in f32 (stride 1, padding 1) by our
+//! host kernel (`host_conv3x3`); otherwise as StableHLO's convolution.
 
-use super::builder::{i64_array, opmath, padding_attr, Builder, Scalar, Val, R};
+use super::builder::{i64_array, lowering_target, opmath, padding_attr, Builder, Scalar, Val, R};
 use super::{NodeCtx, Registry, Res};
 use crate::ir::{DType, TensorType};
 
@@ -90,7 +91,7 @@ fn convolution(n: NodeCtx<'_>) -> Res<'_> {
                 opmath(out),
             )?)
         } else {
-            None
+            host_conv3x3(b, &x, &w, &shape, (&window_strides, &pads, &dilation), out)?
         };
         if let Some(y) = y {
             return finish(&n, y, out);
@@ -127,6 +128,33 @@ fn finish<'a>(n: &NodeCtx<'a>, y: Val<'a>, out: DType) -> Res<'a> {
         None => y,
     };
     Ok(vec![b.convert(&y, out)?])
+}
+
+/// The convolution by our host kernel (`tpu_dynamo_runtime::host_kernels`), where the plugin
+/// has it: f32, 2-D, 3×3 windows, stride 1, padding 1, undilated (a UNet's and a VAE's
+/// convolutions below Winograd's width). XLA:CPU ran those at a third to a half of eager's rate;
+/// the kernel computes them where the input lies, without the windows written out.
+fn host_conv3x3<'a>(
+    b: &Builder<'a>,
+    x: &Val<'a>,
+    w: &Val<'a>,
+    out_shape: &[i64],
+    (stride, pads, dilation): (&[i64], &[(i64, i64)], &[i64]),
+    out: DType,
+) -> R<Option<Val<'a>>> {
+    let Some(target) = lowering_target().host_conv3x3 else { return Ok(None) };
+    let fits = x.rank() == 4
+        && w.shape()[2..] == [3, 3]
+        && stride == [1, 1]
+        && pads == [(1, 1), (1, 1)]
+        && dilation == [1, 1]
+        && x.dtype() == DType::F32
+        && w.dtype() == DType::F32
+        && out == DType::F32;
+    if !fits {
+        return Ok(None);
+    }
+    Ok(Some(b.host_call(target, &[x, w], vec![TensorType::new(DType::F32, out_shape.to_vec())])?.remove(0)))
 }
 
 /// Output positions over all images: `N·P` of the `[N, O, *P]` output shape.
