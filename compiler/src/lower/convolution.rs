@@ -77,7 +77,7 @@ fn convolution(n: NodeCtx<'_>) -> Res<'_> {
     }
     if !transposed && groups == 1 {
         let out_spatial = &shape[2..];
-        let y = if winograd_pays(&x, &w, &shape, &window_strides, &dilation, out) {
+        let y = if winograd_pays(&x, &w, &shape, (&window_strides, &pads, &dilation), out) {
             Some(winograd(b, &x, &w, &pads, out_spatial)?)
         } else if windows_are_small(&x, &w, &shape, &window_strides, &dilation, &pads) {
             Some(windows_product(
@@ -332,27 +332,36 @@ fn stacked_windows<'a>(
 /// (128 positions at batch 2) the windows' product is faster (21 against 24 ms).
 const WINOGRAD_MIN_CHANNELS: i64 = 128;
 const WINOGRAD_MIN_POSITIONS: i64 = 512;
+/// Output positions up to which our convolution kernel (`host_conv3x3`, where the plugin has it)
+/// computes a convolution of `WINOGRAD_MIN_CHANNELS` in place of Winograd's transforms (µs, ours
+/// against Winograd's, eager): `[1, 128, 32, 32]` 1545 / 2149 (1469), at batch 2 3161 / 5091
+/// (2833); on 64×64 the two are even (6260 / 5347-6894), and from 192 channels Winograd leads
+/// (`[1, 192, 32, 32]` 3583 / 3231).
+const DIRECT_MAX_POSITIONS: i64 = 2048;
 
 /// Whether `winograd` computes this convolution (no groups, not transposed): 2-D, 3×3, stride 1,
 /// undilated, in f32 (in half types the transformed input and weight would be rounded to them
 /// before the products, an error the direct convolution does not make), wide enough and with
-/// enough positions to pay for the transforms.
+/// enough positions to pay for the transforms, and not at the narrowest width with few positions
+/// where our kernel takes it (`DIRECT_MAX_POSITIONS`).
 fn winograd_pays(
     x: &Val<'_>,
     w: &Val<'_>,
     out_shape: &[i64],
-    stride: &[i64],
-    dilation: &[i64],
+    (stride, pads, dilation): (&[i64], &[(i64, i64)], &[i64]),
     out: DType,
 ) -> bool {
     let positions = output_positions(out_shape);
-    x.rank() == 4
+    let channels = x.shape()[1].min(w.shape()[0]);
+    let direct = lowering_target().host_conv3x3.is_some() && pads == [(1, 1), (1, 1)] && channels == WINOGRAD_MIN_CHANNELS && positions <= DIRECT_MAX_POSITIONS;
+    !direct
+        && x.rank() == 4
         && w.shape()[2..] == [3, 3]
         && stride == [1, 1]
         && dilation == [1, 1]
         && x.dtype() == DType::F32
         && out == DType::F32
-        && x.shape()[1].min(w.shape()[0]) >= WINOGRAD_MIN_CHANNELS
+        && channels >= WINOGRAD_MIN_CHANNELS
         && positions >= WINOGRAD_MIN_POSITIONS
 }
 
