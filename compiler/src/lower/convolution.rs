@@ -131,9 +131,10 @@ fn finish<'a>(n: &NodeCtx<'a>, y: Val<'a>, out: DType) -> Res<'a> {
 }
 
 /// The convolution by our host kernel (`tpu_dynamo_runtime::host_kernels`), where the plugin
-/// has it: f32, 2-D, 3×3 windows, stride 1, padding 1, undilated (a UNet's and a VAE's
-/// convolutions below Winograd's width). XLA:CPU ran those at a third to a half of eager's rate;
-/// the kernel computes them where the input lies, without the windows written out.
+/// has it: f32, 2-D, 3×3 windows, stride 1, padding 1, undilated (a small UNet's, a ResNet's
+/// first stages', a VAE's or UNet's ends', below Winograd's width). XLA:CPU ran those at a
+/// quarter to all of eager's rate; the kernel computes them where the input lies, without the
+/// windows written out, 1.15-3× faster (bench/RESULTS.md, "Forty-fourth session").
 fn host_conv3x3<'a>(
     b: &Builder<'a>,
     x: &Val<'a>,

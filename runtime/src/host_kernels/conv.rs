@@ -1,6 +1,8 @@
-//! f32 convolutions of 3×3 windows, stride 1, padding 1 (NCHW input, OIHW weight): a UNet's and
-//! a VAE's narrower ones, which XLA:CPU ran at a third to a half of eager's rate (55-105 against
-//! 108-177 GFLOP/s on two cores, the tiny UNet's `[1, 32..96, 32, 32]` and `[1, 64, 16, 16]`).
+//! f32 convolutions of 3×3 windows, stride 1, padding 1 (NCHW input, OIHW weight): a small UNet's,
+//! a ResNet's first stages', a VAE's or UNet's ends', narrower than Winograd's. XLA:CPU ran those
+//! at a quarter to all of eager's rate (calls, µs: `[1, 4, 32, 32] → 32` 187 against 48, `[1, 96,
+//! 32, 32] → 32` 545 against 320, `[1, 64, 16, 16]` 205 against 198); this kernel, 1.15-3× faster
+//! than XLA's, at about 90 % of a core's peak.
 //!
 //! Computed where the values lie, as our product's tile computes rows times a panel: twelve
 //! output channels by two vectors of sixteen output positions stay in registers while each
