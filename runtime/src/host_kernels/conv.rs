@@ -10,13 +10,19 @@
 //! vector load). The padding is the loads' masks: a tap's lanes whose inputs lie past the
 //! image's edges load zeros.
 
-use super::gemm::{ALONE_MAX_FLOPS, ROWS};
+use super::gemm::ROWS;
 use super::pool::Chunked;
 
 /// Output positions per vector.
 const LANES: usize = 16;
 /// Units of work per thread: a worker that wakes late leaves the others its share.
 const UNITS_PER_THREAD: usize = 4;
+/// Convolutions up to this many flops run on the calling thread alone (the products' bound is a
+/// fourth of it): split, the tiny UNet's first and last (2.4 MFLOP, ~37 µs alone) took 75 and
+/// 24-40 µs in its call, XLA's worker waking late, and its whole call ran 0.86-0.95× with them
+/// alone (in turns, four runs); convolutions up to 32 MFLOP alone gained less (0.94×), all of them
+/// alone nothing (0.99×).
+const ALONE_MAX_FLOPS: usize = 8 << 20;
 
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Shape {
