@@ -2,8 +2,8 @@
 //! through the plugin's PJRT FFI extension when a client is created.
 //!
 //! f32 attention as one kernel (`attention`), f32 3×3 convolutions (`conv`), f32 LayerNorm and
-//! RMSNorm as one each (`layer_norm`), and two products, each with the matrix stored `[N, K]` (`nn.Linear`'s
-//! weight) or `[K, N]` (GPT-2's `Conv1D`): f32 products of short contractions split over XLA's
+//! RMSNorm as one each (`layer_norm`), and two products, each with the matrix stored `[N, K]`
+//! (`nn.Linear`'s weight) or `[K, N]` (GPT-2's `Conv1D`): f32 products of short contractions split over XLA's
 //! threads (`gemm`, on AMX tiles where the CPU has them: `amx`, which also take bf16 rows times a
 //! resident bf16 matrix), and here a bf16 vector times a bf16 matrix,
 //! the products of every decode step of a bf16 model. XLA:CPU's own ways run at half the rate

@@ -1403,7 +1403,7 @@ impl<'a> Builder<'a> {
         let k: i64 = contract.0.iter().map(|&d| a.shape()[d as usize]).product();
         let n: i64 = free_sizes(b, batch.1, contract.1).iter().product();
         let flops = 2 * a.ty.numel() * n;
-        let sized = k <= std::env::var("TMP_MAXK").ok().and_then(|v| v.parse().ok()).unwrap_or(HOST_GEMM_MAX_K) && HOST_GEMM_FLOPS.contains(&flops);
+        let sized = k <= HOST_GEMM_MAX_K && HOST_GEMM_FLOPS.contains(&flops);
         let on_tiles = || flops >= *HOST_GEMM_FLOPS.start() && n >= TILES_MIN_COLUMNS && self.kept_on_tiles(b, batch.1, contract.1);
         rows >= HOST_GEMM_MIN_ROWS && (sized || on_tiles())
     }

@@ -471,10 +471,10 @@ mod tests {
     use super::*;
 
     /// Every shape class (grouped heads, causal with more keys than queries and fewer, query
-    /// and key counts off the blocks, head sizes off the vectors, heads of 4-16 values in groups of keys), with and without a mask's
-    /// bias (per batch entry, shared by the heads; about a third of the keys hidden, and all of
-    /// them from query 1 of the first entry) and the last keys past a padded graph's count,
-    /// against f64 on the same inputs.
+    /// and key counts off the blocks, head sizes off the vectors, heads of 4-12 values in groups
+    /// of keys), with and without a mask's bias (per batch entry, shared by the heads; about a
+    /// third of the keys hidden, and all of them from query 1 of the first entry) and the last
+    /// keys past a padded graph's count, against f64 on the same inputs.
     #[test]
     fn agrees_with_f64() {
         let mut uniform = super::super::uniform(11);
