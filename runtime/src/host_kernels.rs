@@ -49,6 +49,12 @@ pub const BF16_MATMUL_NN_BIAS_GELU_TANH_TARGET: &str = "tpu_dynamo.bf16_matmul_n
 /// The same with SiLU of the rounded sums, times a bf16 factor shaped as the result (Llama's MLP).
 pub const BF16_MATMUL_NT_SILU_TIMES_TARGET: &str = "tpu_dynamo.bf16_matmul_nt_silu_times";
 pub const BF16_MATMUL_NN_SILU_TIMES_TARGET: &str = "tpu_dynamo.bf16_matmul_nn_silu_times";
+/// The custom call targets of a bf16 convolution as a product on AMX tiles: its windows `[N·P,
+/// T·C]` (a row per output position: the T kernel offsets' C channels each, offset-major) times
+/// its weight as it lies, `[O, C, *kernel]` (T = the kernel's positions), and the same adding a
+/// bias `[O]` to the f32 sums before they are rounded.
+pub const BF16_CONV_WINDOWS_TARGET: &str = "tpu_dynamo.bf16_conv_windows";
+pub const BF16_CONV_WINDOWS_BIAS_TARGET: &str = "tpu_dynamo.bf16_conv_windows_bias";
 /// The custom call targets of an f32 product with a matrix stored `[N, K]` and `[K, N]`.
 pub const F32_MATMUL_NT_TARGET: &str = "tpu_dynamo.f32_matmul_nt";
 pub const F32_MATMUL_NN_TARGET: &str = "tpu_dynamo.f32_matmul_nn";
@@ -201,6 +207,7 @@ pub fn register(plugin: &Plugin) -> Vec<&'static str> {
                 (BF16_MATMUL_NT_SILU_TIMES_TARGET, bf16_matmul_nt_silu_times as *const c_void),
                 (BF16_MATMUL_NN_SILU_TIMES_TARGET, bf16_matmul_nn_silu_times as *const c_void),
             ]);
+            handlers.extend([(BF16_CONV_WINDOWS_TARGET, bf16_conv_windows as *const c_void), (BF16_CONV_WINDOWS_BIAS_TARGET, bf16_conv_windows_bias as *const c_void)]);
             #[cfg(target_arch = "x86_64")]
             if tile_attention::available() {
                 handlers.extend([(BF16_ATTENTION_TARGET, bf16_attention as *const c_void), (BF16_CAUSAL_ATTENTION_TARGET, bf16_causal_attention as *const c_void)]);
@@ -405,6 +412,8 @@ product_handlers! {
     bf16_matmul_nn_bias_gelu_tanh: BF16_MATMUL_NN_BIAS_GELU_TANH_TARGET, RowPerInput, XLA_FFI_BF16, Some(Activation::GeluTanh);
     bf16_matmul_nt_silu_times: BF16_MATMUL_NT_SILU_TIMES_TARGET, RowPerOutput, XLA_FFI_BF16, Some(Activation::Silu);
     bf16_matmul_nn_silu_times: BF16_MATMUL_NN_SILU_TIMES_TARGET, RowPerInput, XLA_FFI_BF16, Some(Activation::Silu);
+    bf16_conv_windows: BF16_CONV_WINDOWS_TARGET, RowPerOutput, XLA_FFI_BF16, None;
+    bf16_conv_windows_bias: BF16_CONV_WINDOWS_BIAS_TARGET, RowPerOutput, XLA_FFI_BF16, Some(Activation::Identity);
     f32_matmul_nt: F32_MATMUL_NT_TARGET, RowPerOutput, XLA_FFI_F32, None;
     f32_matmul_nn: F32_MATMUL_NN_TARGET, RowPerInput, XLA_FFI_F32, None;
     f32_matmul_nt_bias: F32_MATMUL_NT_BIAS_TARGET, RowPerOutput, XLA_FFI_F32, Some(Activation::Identity);
@@ -431,8 +440,20 @@ unsafe fn handle(frame: &mut FfiCallFrame, target: &'static str, layout: Layout,
     }
     let (x, w, y) = (&**frame.args.items, &**frame.args.items.add(1), &**frame.rets.items);
     let (xd, wd, yd) = (dims(x), dims(w), dims(y));
-    let (Some((&k, lead)), &[rows_w, cols_w]) = (xd.split_last(), wd) else {
-        return error(frame, target, &format!("expects x [.., K] and a matrix w, got {xd:?} and {wd:?}"));
+    // A convolution's weight `[O, C, *kernel]` is the matrix `[O, T·C]` with K's order changed
+    // (`taps`: the kernel's T positions; `gemm::tap_major`).
+    let convolution = [BF16_CONV_WINDOWS_TARGET, BF16_CONV_WINDOWS_BIAS_TARGET].contains(&target);
+    let (w_matrix, taps) = match (convolution, wd) {
+        (false, &[rows_w, cols_w]) => (Some((rows_w, cols_w)), 1),
+        (true, &[outputs, channels, ref kernel @ ..]) if !kernel.is_empty() => {
+            let taps: i64 = kernel.iter().product();
+            (Some((outputs, channels * taps)), taps as usize)
+        }
+        _ => (None, 1),
+    };
+    let (Some((&k, lead)), Some((rows_w, cols_w))) = (xd.split_last(), w_matrix) else {
+        let expects = if convolution { "windows x [.., K] and a weight w [O, C, *kernel]" } else { "x [.., K] and a matrix w" };
+        return error(frame, target, &format!("expects {expects}, got {xd:?} and {wd:?}"));
     };
     let (n, kw) = if layout == Layout::RowPerOutput { (rows_w, cols_w) } else { (cols_w, rows_w) };
     let rows: i64 = lead.iter().product();
@@ -475,7 +496,7 @@ unsafe fn handle(frame: &mut FfiCallFrame, target: &'static str, layout: Layout,
         let (xla, threads) = XlaPool::with_threads(frame);
         std::panic::catch_unwind(|| {
             let operands = (x.data as *const u8, w.data as *const u8, Out::F32(y.data as *mut f32));
-            let (product, chunks) = gemm::Gemm::new(operands, amx::Values::F32, shape, layout, threads, epilogue);
+            let (product, chunks) = gemm::Gemm::new(operands, amx::Values::F32, shape, (layout, 1), threads, epilogue);
             run_units(xla, product, chunks, threads);
         })
     } else {
@@ -490,10 +511,11 @@ unsafe fn handle(frame: &mut FfiCallFrame, target: &'static str, layout: Layout,
         let (k, n, rows) = (k as usize, n as usize, rows as usize);
         // The tiles' targets (a bias and GELU are applied on the tiles' way out only); the
         // matrix-vector ones below.
-        if (epilogue.is_some() || [BF16_MATMUL_NT_TARGET, BF16_MATMUL_NN_TARGET].contains(&target)) && amx::bf16_products() {
+        if (epilogue.is_some() || convolution || [BF16_MATMUL_NT_TARGET, BF16_MATMUL_NN_TARGET].contains(&target)) && amx::bf16_products() {
             let (xla, threads) = XlaPool::with_threads(frame);
             let ran = std::panic::catch_unwind(|| {
-                let (product, chunks) = gemm::Gemm::new((x.data as *const u8, w.data as *const u8, out), amx::Values::Bf16, (rows, n, k), layout, threads, epilogue);
+                let operands = (x.data as *const u8, w.data as *const u8, out);
+                let (product, chunks) = gemm::Gemm::new(operands, amx::Values::Bf16, (rows, n, k), (layout, taps), threads, epilogue);
                 run_units(xla, product, chunks, threads);
             });
             return answer(frame, target, ran);

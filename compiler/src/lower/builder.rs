@@ -1058,10 +1058,16 @@ impl<'a> Builder<'a> {
     /// summing in f32 and rounding once to a bf16 result itself: then a bf16 product needs no
     /// f32 one converted.
     pub fn bf16_product_on_tiles(&self, a: &Val<'a>, b: &Val<'a>, batch: (&[i64], &[i64]), contract: (&[i64], &[i64]), out: DType) -> bool {
-        let rows = bf16_rows_times_matrix(a, b, batch, contract, out);
+        bf16_rows_times_matrix(a, b, batch, contract, out).is_some_and(|rows| self.bf16_rows_on_tiles(rows, b, batch.1, contract.1))
+    }
+
+    /// Whether `rows` bf16 rows times the bf16 weight `w` (with its batch and contracting dims)
+    /// is a product our kernel takes on the tiles: enough rows and flops, and `w` kept there.
+    pub fn bf16_rows_on_tiles(&self, rows: i64, w: &Val<'a>, batch: &[i64], contract: &[i64]) -> bool {
         lowering_target().host_bf16_gemm.is_some()
-            && rows.is_some_and(|rows| rows >= HOST_GEMM_MIN_ROWS && 2 * rows * b.ty.numel() >= *HOST_GEMM_FLOPS.start())
-            && self.kept_on_tiles(b, batch.1, contract.1)
+            && rows >= HOST_GEMM_MIN_ROWS
+            && 2 * rows * w.ty.numel() >= *HOST_GEMM_FLOPS.start()
+            && self.kept_on_tiles(w, batch, contract)
     }
 
     /// `dot_general` as XLA's own product, never one of our host kernels.
@@ -1295,6 +1301,9 @@ pub struct LoweringTarget {
     /// The custom call target of a host kernel for f32 convolutions of 3×3 windows, stride 1,
     /// padding 1.
     pub host_conv3x3: Option<&'static str>,
+    /// The custom call targets of bf16 convolutions' windows times their weight kept on the
+    /// tiles, without and with a bias.
+    pub host_bf16_conv: Option<(&'static str, &'static str)>,
     /// The custom call targets of host kernels for f32 LayerNorm and RMSNorm over the last dim.
     pub host_layer_norm: Option<&'static str>,
     pub host_rms_norm: Option<&'static str>,
@@ -1323,6 +1332,7 @@ pub static LOWERING_TARGET: RwLock<LoweringTarget> = RwLock::new(LoweringTarget 
     host_attention: None,
     host_bf16_attention: None,
     host_conv3x3: None,
+    host_bf16_conv: None,
     host_layer_norm: None,
     host_bf16_layer_norm: None,
     host_rms_norm: None,
@@ -1384,7 +1394,10 @@ const TILES_MIN_COLUMNS: i64 = 64;
 /// pieces on every call.
 pub fn weights_kept_on_tiles(inputs: &[Input], budget: Option<u64>, f32_on_tiles: bool) -> Vec<bool> {
     let kept_dtype = |dtype| dtype == DType::Bf16 || (f32_on_tiles && dtype == DType::F32);
-    let matrix = |i: &Input| i.kind == InputKind::Parameter && kept_dtype(i.ty.dtype) && i.ty.rank() == 2;
+    // A bf16 convolution's weight (`[O, C, *kernel]`) is read as the matrix `[O, C·K]`.
+    let matrix = |i: &Input| {
+        i.kind == InputKind::Parameter && kept_dtype(i.ty.dtype) && (i.ty.rank() == 2 || (i.ty.dtype == DType::Bf16 && i.ty.rank() > 2))
+    };
     // Three bf16 pieces per f32 value, a bf16 value its own.
     let pieces_bytes: i64 = inputs.iter().filter(|i| matrix(i)).map(|i| if i.ty.dtype == DType::F32 { 6 } else { 2 } * i.ty.numel()).sum();
     let fits = budget.is_some_and(|budget| pieces_bytes as u64 <= budget);
@@ -1494,8 +1507,9 @@ mod tests {
     use super::*;
     use DType::*;
 
-    /// Only parameters' f32 and bf16 matrices (f32 ones only where AMX runs f32 products), and
-    /// none where their pieces (6 and 2 bytes a value) pass the budget.
+    /// Only parameters' f32 and bf16 matrices (f32 ones only where AMX runs f32 products) and
+    /// bf16 convolutions' weights, and none where their pieces (6 and 2 bytes a value) pass the
+    /// budget.
     #[test]
     fn weights_kept_on_tiles_are_parameters_matrices_within_the_budget() {
         let input = |dtype, shape: Vec<i64>, kind| Input { ty: TensorType::new(dtype, shape), kind };
@@ -1506,12 +1520,16 @@ mod tests {
             input(Bf16, vec![768, 768], InputKind::Parameter),
             input(F32, vec![64, 64], InputKind::Buffer),
             input(Bf16, vec![64, 64], InputKind::Constant),
+            input(Bf16, vec![32, 16, 3, 3], InputKind::Parameter),
+            input(F32, vec![32, 16, 3, 3], InputKind::Parameter),
         ];
-        let pieces = 6 * 768 * 3072 + 2 * 768 * 768;
-        assert_eq!(weights_kept_on_tiles(&inputs, Some(pieces), true), [false, true, false, true, false, false]);
-        assert_eq!(weights_kept_on_tiles(&inputs, Some(pieces - 1), true), [false; 6]);
-        assert_eq!(weights_kept_on_tiles(&inputs, None, true), [false; 6]);
-        assert_eq!(weights_kept_on_tiles(&inputs, Some(2 * 768 * 768), false), [false, false, false, true, false, false]);
+        let pieces = 6 * 768 * 3072 + 2 * 768 * 768 + 2 * 32 * 16 * 9;
+        let kept = [false, true, false, true, false, false, true, false];
+        assert_eq!(weights_kept_on_tiles(&inputs, Some(pieces), true), kept);
+        assert_eq!(weights_kept_on_tiles(&inputs, Some(pieces - 1), true), [false; 8]);
+        assert_eq!(weights_kept_on_tiles(&inputs, None, true), [false; 8]);
+        let bf16_only = [false, false, false, true, false, false, true, false];
+        assert_eq!(weights_kept_on_tiles(&inputs, Some(2 * 768 * 768 + 2 * 32 * 16 * 9), false), bf16_only);
     }
 
     #[test]

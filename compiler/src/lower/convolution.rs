@@ -1,8 +1,9 @@
-//! Convolution (`aten.convolution`, NCHW / OIHW, any number of spatial dims), lowered one of three
+//! Convolution (`aten.convolution`, NCHW / OIHW, any number of spatial dims), lowered one of five
 //! ways: a wide 3×3 one in f32 by Winograd's minimal filtering (`winograd`); where the input's
 //! windows are no larger than the padded input or the weight, as one matrix product of the weight
-//! and the windows (`windows_product`); a narrower 3×3 one in f32 (stride 1, padding 1) by our
-//! host kernel (`host_conv3x3`); otherwise as StableHLO's convolution.
+//! and the windows (`windows_product`); a wide one in bf16 as its windows times its weight on our
+//! product kernel's tiles (`bf16_windows_on_tiles`); a narrower 3×3 one in f32 (stride 1, padding
+//! 1) by our host kernel (`host_conv3x3`); otherwise as StableHLO's convolution.
 
 use super::builder::{i64_array, lowering_target, opmath, padding_attr, Builder, Scalar, Val, R};
 use super::{NodeCtx, Registry, Res};
@@ -90,6 +91,8 @@ fn convolution(n: NodeCtx<'_>) -> Res<'_> {
                 out_spatial,
                 opmath(out),
             )?)
+        } else if let Some(y) = bf16_windows_on_tiles(&n, &x, &w, (&window_strides, &pads, &dilation), &shape, out)? {
+            return Ok(vec![y]);
         } else {
             host_conv3x3(b, &x, &w, &shape, (&window_strides, &pads, &dilation), out)?
         };
@@ -294,33 +297,132 @@ fn stacked_windows<'a>(
     out_spatial: &[i64],
 ) -> R<Val<'a>> {
     let (channels, batch) = (x.shape()[0], x.shape()[1]);
-    let spatial = kernel.len();
     let positions = batch * out_spatial.iter().product::<i64>();
     let offsets: i64 = kernel.iter().product();
     let windows = (0..offsets)
-        .map(|k| {
-            let (mut start, mut limit, mut strides) =
-                (vec![0, 0], vec![channels, batch], vec![1, 1]);
-            let mut rest = k;
-            let mut at = vec![0; spatial];
-            for d in (0..spatial).rev() {
-                at[d] = rest % kernel[d];
-                rest /= kernel[d];
-            }
-            for d in 0..spatial {
-                let first = at[d] * dilation[d];
-                start.push(first);
-                limit.push(first + (out_spatial[d] - 1) * stride[d] + 1);
-                strides.push(stride[d]);
-            }
-            b.reshape(
-                &b.slice(x, &start, &limit, &strides)?,
-                &[channels, 1, positions],
-            )
-        })
+        .map(|k| b.reshape(&offset_slice(b, x, 2, k, kernel, stride, dilation, out_spatial)?, &[channels, 1, positions]))
         .collect::<R<Vec<_>>>()?;
     let windows = b.concat(&windows.iter().collect::<Vec<_>>(), 1)?;
     b.reshape(&windows, &[channels * offsets, positions])
+}
+
+/// What kernel offset `k` (row-major over `kernel`) reads of the padded `x`, whose spatial dims
+/// start at dim `first`: the strided slice with `out_spatial` there, one value per output
+/// position.
+#[allow(clippy::too_many_arguments)]
+fn offset_slice<'a>(
+    b: &Builder<'a>,
+    x: &Val<'a>,
+    first: usize,
+    k: i64,
+    kernel: &[i64],
+    stride: &[i64],
+    dilation: &[i64],
+    out_spatial: &[i64],
+) -> R<Val<'a>> {
+    let spatial = kernel.len();
+    let (mut start, mut limit, mut strides) = (vec![0; x.rank()], x.shape().to_vec(), vec![1; x.rank()]);
+    let mut rest = k;
+    for d in (0..spatial).rev() {
+        let at = first + d;
+        start[at] = rest % kernel[d] * dilation[d];
+        rest /= kernel[d];
+        limit[at] = start[at] + (out_spatial[d] - 1) * stride[d] + 1;
+        strides[at] = stride[d];
+    }
+    b.slice(x, &start, &limit, &strides)
+}
+
+/// The bytes of a bf16 convolution's windows that `bf16_windows_on_tiles` writes out at once at
+/// most: larger ones are taken in bands of output rows, each band's windows written and then
+/// multiplied (a VAE decoder's `[1, 128, 512, 512]` would need 604 MB at once). SD1.5's `[2, 320,
+/// 64, 64]` 3×3 in bands of 8 MiB: 55 ms, of 16: 59 (XLA's 76, eager's 40); bands of 2 MiB
+/// re-read the weight too often (`[2, 320, 32, 32]`: 23 ms against 13).
+const BF16_WINDOWS_BAND_BYTES: i64 = 8 << 20;
+/// Output channels from which the windows' product pays for writing the windows out and
+/// splitting them into the tiles' layout (ms, ours against XLA's, eager's): `[1, 128, 64, 64]` →
+/// 128 8.1 / 7.6 (4.1), `[1, 256, 128, 128]` → 256 82 / 96 (55), `[2, 320, 32, 32]` → 320 13 / 21
+/// (9).
+const BF16_WINDOWS_MIN_OUTPUTS: i64 = 256;
+
+/// A bf16 convolution (no groups, not transposed) as our product kernel's `windows[N·P, T·C] ×
+/// weight[O, C, *kernel]` on the tiles (AMX, or AVX-512 BF16's vectors), the weight kept there as
+/// it lies (`weights_kept_on_tiles`; the kernel reads its K in the windows' order), the bias
+/// added to the f32 sums before their one rounding, as eager's oneDNN does. XLA:CPU computes a
+/// bf16 convolution in f32, at its f32 product's rate (SD1.5's `[2, 320, 32, 32]` 3×3: 21 ms,
+/// eager 9, this 14). `None` where the product is not one our kernel takes on the tiles.
+fn bf16_windows_on_tiles<'a>(
+    n: &NodeCtx<'a>,
+    x: &Val<'a>,
+    w: &Val<'a>,
+    (stride, pads, dilation): (&[i64], &[(i64, i64)], &[i64]),
+    out_shape: &[i64],
+    out: DType,
+) -> R<Option<Val<'a>>> {
+    let b = &n.b;
+    let bias = n.opt_tensor(2, "bias")?;
+    let target = lowering_target().host_bf16_conv.map(|(plain, biased)| if bias.is_some() { biased } else { plain });
+    let (Some(target), [DType::Bf16, DType::Bf16, DType::Bf16]) = (target, [x.dtype(), w.dtype(), out]) else {
+        return Ok(None);
+    };
+    let (batch, channels, out_channels) = (x.shape()[0], x.shape()[1], w.shape()[0]);
+    let (kernel, out_spatial) = (&w.shape()[2..], &out_shape[2..]);
+    let contract: Vec<i64> = (1..w.rank() as i64).collect();
+    let bias_fits = |bias: &Val<'a>| bias.shape() == [out_channels] && matches!(bias.dtype(), DType::Bf16 | DType::F32);
+    let positions = output_positions(out_shape);
+    let wide = out_channels >= BF16_WINDOWS_MIN_OUTPUTS;
+    if !(wide && bias.as_ref().is_none_or(bias_fits) && b.bf16_rows_on_tiles(positions, w, &[], &contract)) {
+        return Ok(None);
+    }
+    // Padded, with the channels last: each kernel offset then reads runs of channels.
+    let spatial = kernel.len();
+    let zero = b.scalar(Scalar::Int(0), x.dtype())?;
+    let low: Vec<i64> = [0, 0].into_iter().chain(pads.iter().map(|p| p.0)).collect();
+    let high: Vec<i64> = [0, 0].into_iter().chain(pads.iter().map(|p| p.1)).collect();
+    let to_last: Vec<usize> = [0].into_iter().chain(2..2 + spatial).chain([1]).collect();
+    let x = b.transpose(&b.pad(x, &zero, &low, &high, &vec![0; spatial + 2])?, &to_last)?;
+    let row_bytes = 2 * (positions / out_spatial[0]) * channels * kernel.iter().product::<i64>();
+    let band = (BF16_WINDOWS_BAND_BYTES / row_bytes).clamp(1, out_spatial[0]);
+    let bands = (0..out_spatial[0])
+        .step_by(band as usize)
+        .map(|first| {
+            let rows = band.min(out_spatial[0] - first);
+            let reach = (rows - 1) * stride[0] + dilation[0] * (kernel[0] - 1) + 1;
+            let x = b.slice_dim(&x, 1, first * stride[0], first * stride[0] + reach, 1)?;
+            let band_spatial: Vec<i64> = [rows].into_iter().chain(out_spatial[1..].iter().copied()).collect();
+            let windows = windows_by_position(b, &x, kernel, stride, dilation, &band_spatial)?;
+            let operands: Vec<&Val<'a>> = [&windows, w].into_iter().chain(bias.as_ref()).collect();
+            let result = TensorType::new(DType::Bf16, vec![windows.shape()[0], out_channels]);
+            let y = b.host_call(target, &operands, vec![result])?.remove(0);
+            let by_position: Vec<i64> = [batch].into_iter().chain(band_spatial).chain([out_channels]).collect();
+            b.reshape(&y, &by_position)
+        })
+        .collect::<R<Vec<_>>>()?;
+    // [N, *P, O] -> [N, O, *P]
+    let y = if bands.len() == 1 { bands[0].clone() } else { b.concat(&bands.iter().collect::<Vec<_>>(), 1)? };
+    let perm: Vec<usize> = [0, spatial + 1].into_iter().chain(1..=spatial).collect();
+    Ok(Some(b.transpose(&y, &perm)?))
+}
+
+/// `[N·P, T·C]` windows of the padded `x` `[N, *S, C]`: a row per output position (`P` of
+/// them), its window's values offset by offset, each offset's `C` channels together.
+fn windows_by_position<'a>(
+    b: &Builder<'a>,
+    x: &Val<'a>,
+    kernel: &[i64],
+    stride: &[i64],
+    dilation: &[i64],
+    out_spatial: &[i64],
+) -> R<Val<'a>> {
+    let (batch, channels) = (x.shape()[0], x.shape()[x.rank() - 1]);
+    let offsets: i64 = kernel.iter().product();
+    let one_offset: Vec<i64> = [batch].into_iter().chain(out_spatial.iter().copied()).chain([1, channels]).collect();
+    let slices = (0..offsets)
+        .map(|k| b.reshape(&offset_slice(b, x, 1, k, kernel, stride, dilation, out_spatial)?, &one_offset))
+        .collect::<R<Vec<_>>>()?;
+    let windows = b.concat(&slices.iter().collect::<Vec<_>>(), kernel.len() + 1)?;
+    let positions = batch * out_spatial.iter().product::<i64>();
+    b.reshape(&windows, &[positions, channels * offsets])
 }
 
 /// Channels (in and out) and output positions (all images) from which a 3×3 convolution is

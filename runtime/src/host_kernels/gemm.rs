@@ -91,16 +91,20 @@ impl Gemm {
         (x, w, y): (*const u8, *const u8, Out),
         values: Values,
         (m, n, k): (usize, usize, usize),
-        layout: Layout,
+        (layout, taps): (Layout, usize),
         parts: usize,
         epilogue: Option<Epilogue>,
     ) -> (Self, usize) {
-        let key = |pieces| (w as usize, n, k, layout == Layout::RowPerOutput, pieces);
+        let key = |pieces| (w as usize, n, k, layout == Layout::RowPerOutput, taps, pieces);
         let floats = n.div_ceil(COLUMNS) * k * COLUMNS;
         let read = n * k * values.bytes();
         // SAFETY: `w` covers `[n, k]` (the caller's contract) for the packing to read.
         let panels = || unchanging::panels(key(None), (read, floats), || unsafe { pack_all(w as *const f32, (n, k), layout, floats) });
-        let pieces = || unsafe { amx::pack(w, (n, k), layout, values) }.unwrap_or_default();
+        let pieces = || unsafe {
+            let reordered = (taps > 1).then(|| tap_major(w as *const u16, (n, k), taps));
+            amx::pack(reordered.as_ref().map_or(w, |r| r.as_ptr() as *const u8), (n, k), layout, values)
+        };
+        let pieces = || pieces().unwrap_or_default();
         let kept_pieces = || unchanging::panels(key(Some(values)), (read, amx::packed_lines(n, k, values) * 16), pieces);
         let kept = if floats == 0 {
             None
@@ -422,6 +426,26 @@ mod x86 {
     }
 }
 
+/// A bf16 convolution's weight `[n, C, T]` (OIHW: the T kernel offsets of each channel) as `[n,
+/// T, C]`, the order of its windows' values (each offset's channels together, read off an input
+/// with its channels last): `k = C·T`.
+///
+/// # Safety
+/// `w` must cover `[n, k]` bf16 values.
+unsafe fn tap_major(w: *const u16, (n, k): (usize, usize), taps: usize) -> Vec<u16> {
+    let channels = k / taps;
+    let w = std::slice::from_raw_parts(w, n * k);
+    let mut reordered = vec![0; n * k];
+    for (row, into) in w.chunks_exact(k).zip(reordered.chunks_exact_mut(k)) {
+        for (c, offsets) in row.chunks_exact(taps).enumerate() {
+            for (t, &v) in offsets.iter().enumerate() {
+                into[t * channels + c] = v;
+            }
+        }
+    }
+    reordered
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -436,7 +460,7 @@ mod tests {
             for layout in [Layout::RowPerOutput, Layout::RowPerInput] {
                 let mut y = vec![f32::NAN; m * n];
                 let operands = (x.as_ptr() as *const u8, w.as_ptr() as *const u8, Out::F32(y.as_mut_ptr()));
-                let (gemm, chunks) = Gemm::new(operands, Values::F32, (m, n, k), layout, 3, None);
+                let (gemm, chunks) = Gemm::new(operands, Values::F32, (m, n, k), (layout, 1), 3, None);
                 (0..chunks).for_each(|c| unsafe { gemm.chunk(c) });
                 for i in 0..m {
                     for j in 0..n {
@@ -445,6 +469,37 @@ mod tests {
                         let got = f64::from(y[i * n + j]);
                         assert!((got - want).abs() <= 1e-5 * (k as f64).sqrt(), "{m}x{n}x{k} at {i},{j}: {got} vs {want}");
                     }
+                }
+            }
+        }
+    }
+
+    /// A convolution's OIHW weight times its windows with each kernel offset's channels together
+    /// (`tap_major`): the f32 sums of `x[i, t·C + c] · w[j, c, t]`, for 1, 3×3 and 2×2 offsets.
+    #[test]
+    fn convolution_weights_read_offset_major() {
+        if !amx::bf16_products() {
+            return;
+        }
+        let mut next = super::super::uniform(5);
+        let bf16 = |v: f32| super::super::f32_to_bf16(v);
+        let value = |b: u16| f64::from(f32::from_bits(u32::from(b) << 16));
+        for (m, n, channels, taps) in [(70, 40, 16, 9), (33, 96, 5, 4), (64, 64, 48, 1)] {
+            let k = channels * taps;
+            let x: Vec<u16> = (0..m * k).map(|_| bf16(next())).collect();
+            let w: Vec<u16> = (0..n * k).map(|_| bf16(next())).collect();
+            let mut y = vec![f32::NAN; m * n];
+            let operands = (x.as_ptr() as *const u8, w.as_ptr() as *const u8, Out::F32(y.as_mut_ptr()));
+            let (gemm, chunks) = Gemm::new(operands, Values::Bf16, (m, n, k), (Layout::RowPerOutput, taps), 2, None);
+            (0..chunks).for_each(|c| unsafe { gemm.chunk(c) });
+            for i in 0..m {
+                for j in 0..n {
+                    let want: f64 = (0..channels)
+                        .flat_map(|c| (0..taps).map(move |t| (c, t)))
+                        .map(|(c, t)| value(x[i * k + t * channels + c]) * value(w[(j * channels + c) * taps + t]))
+                        .sum();
+                    let got = f64::from(y[i * n + j]);
+                    assert!((got - want).abs() <= 1e-5 * (k as f64).sqrt(), "{m}x{n}, {channels}x{taps} at {i},{j}: {got} vs {want}");
                 }
             }
         }

@@ -33,9 +33,10 @@ pub fn budget() -> usize {
     })
 }
 
-/// A product's panels of one weight: its address, `n`, `k`, whether it is stored `[N, K]`, and
-/// the values whose AMX pieces they are (`amx::pack`), `None` for f32 panels.
-pub(super) type PanelKey = (usize, usize, usize, bool, Option<Values>);
+/// A product's panels of one weight: its address, `n`, `k`, whether it is stored `[N, K]`, the
+/// kernel offsets of a convolution's weight whose K it reorders (`gemm::tap_major`; 1 for a
+/// matrix), and the values whose AMX pieces they are (`amx::pack`), `None` for f32 panels.
+pub(super) type PanelKey = (usize, usize, usize, bool, usize, Option<Values>);
 
 struct Range {
     end: usize,
@@ -153,7 +154,7 @@ mod tests {
     }
 
     fn kept(start: usize) -> bool {
-        panels((start, 32, 1, true, None), (128, 32), || vec![Line([0.0; 16]); 2]).is_some()
+        panels((start, 32, 1, true, 1, None), (128, 32), || vec![Line([0.0; 16]); 2]).is_some()
     }
 
     #[test]
@@ -163,7 +164,7 @@ mod tests {
         let declared = declare(b, 4096);
         let mut packs = 0;
         for _ in 0..3 {
-            panels((b + 1024, 32, 1, true, None), (128, 32), || {
+            panels((b + 1024, 32, 1, true, 1, None), (128, 32), || {
                 packs += 1;
                 vec![Line([1.0; 16]); 2]
             })
@@ -189,9 +190,9 @@ mod tests {
     fn a_newer_declaration_displaces_and_survives_the_older_one() {
         let b = base(3);
         let old = declare(b, 4096);
-        let first = panels((b, 32, 1, true, None), (128, 32), || vec![Line([1.0; 16]); 2]).unwrap();
+        let first = panels((b, 32, 1, true, 1, None), (128, 32), || vec![Line([1.0; 16]); 2]).unwrap();
         let new = declare(b, 4096);
-        let second = panels((b, 32, 1, true, None), (128, 32), || vec![Line([2.0; 16]); 2]).unwrap();
+        let second = panels((b, 32, 1, true, 1, None), (128, 32), || vec![Line([2.0; 16]); 2]).unwrap();
         assert_eq!((first[0].0[0], second[0].0[0]), (1.0, 2.0), "the new value is packed anew");
         drop(old);
         assert!(kept(b), "dropping the displaced declaration leaves the newer one");
