@@ -41,6 +41,7 @@ SILU_KERNELS = ["tpu_dynamo.f32_matmul_nt_silu_times", "tpu_dynamo.f32_matmul_nn
 ATTENTION_KERNELS = ["tpu_dynamo.f32_attention", "tpu_dynamo.f32_causal_attention"]
 CONV_KERNEL = "tpu_dynamo.f32_conv3x3"
 BF16_CONV_KERNELS = ["tpu_dynamo.bf16_conv_windows", "tpu_dynamo.bf16_conv_windows_bias"]
+BF16_CONV3X3_KERNEL = "tpu_dynamo.bf16_conv3x3"
 BF16_ATTENTION_KERNELS = ["tpu_dynamo.bf16_attention", "tpu_dynamo.bf16_causal_attention"]
 LAYER_NORM_KERNEL = "tpu_dynamo.f32_layer_norm"
 BF16_LAYER_NORM_KERNEL = "tpu_dynamo.bf16_layer_norm"
@@ -60,7 +61,7 @@ def test_the_embedded_plugin_runs_our_kernels():
     f32_kernels = F32_KERNELS + BIAS_KERNELS + GELU_KERNELS + SILU_KERNELS + ATTENTION_KERNELS + [CONV_KERNEL, LAYER_NORM_KERNEL, RMS_NORM_KERNEL]
     f32_kernels += [BF16_LAYER_NORM_KERNEL, BF16_RMS_NORM_KERNEL] if AVX512_BW else []
     assert host_kernels() == ["tpu_dynamo.bf16_matvec", "tpu_dynamo.bf16_vecmat"] + (f32_kernels if AVX512 else []) + (
-        BF16_TILE_KERNELS + BF16_TILE_BIAS_KERNELS + BF16_TILE_GELU_KERNELS + BF16_TILE_SILU_KERNELS + BF16_CONV_KERNELS + BF16_ATTENTION_KERNELS
+        BF16_TILE_KERNELS + BF16_TILE_BIAS_KERNELS + BF16_TILE_GELU_KERNELS + BF16_TILE_SILU_KERNELS + BF16_CONV_KERNELS + [BF16_CONV3X3_KERNEL] + BF16_ATTENTION_KERNELS
         if BF16_PRODUCTS
         else []
     )
@@ -352,18 +353,21 @@ def test_bf16_nan_and_infinity_on_the_tiles_go_as_eager_s():
     assert (got != want)[torch.isfinite(want)].sum() <= max(2, got.numel() // 500)
 
 
-# (input shape, output channels, the layer's form, bands of output rows): SD1.5's UNet's first
-# width at batch 2 (11 MiB of windows, in two bands), a strided downsampler, a dilated 3×3, a 5×5,
-# a Conv1d and a Conv3d, each of at least 256 outputs and with windows larger than its input and
+# (input shape, output channels, the layer's form, bands of output rows): a strided downsampler
+# (SD1.5's UNet's first at batch 2, 11 MiB of windows in two bands), a dilated 3×3, a 5×5, a
+# Conv1d and a Conv3d, each of at least 256 outputs and with windows larger than its input and
 # weight (smaller ones are XLA's product of the weight and the windows).
 BF16_CONVS = [
-    ((2, 320, 32, 32), 320, dict(kernel_size=3, padding=1), 2),
-    ((1, 64, 66, 40), 256, dict(kernel_size=3, stride=2, padding=1), 1),
+    ((2, 320, 64, 64), 320, dict(kernel_size=3, stride=2, padding=1), 2),
     ((1, 24, 40, 40), 256, dict(kernel_size=3, padding=2, dilation=2), 1),
     ((1, 8, 48, 48), 272, dict(kernel_size=5, padding=2), 1),
     ((2, 32, 256), 256, dict(kernel_size=3, padding=1), 1),
     ((1, 8, 8, 16, 16), 256, dict(kernel_size=3, padding=1), 1),
 ]
+# (input shape, output channels): 3×3 convolutions of stride 1 and padding 1 for the bf16
+# kernel: SD1.5's UNet's first width at batch 2, a VAE decoder's last, odd channel counts (a
+# zero channel pads the pairs), planes narrower than a vector, output channels off its twelve.
+BF16_3X3_CONVS = [((2, 320, 32, 32), 320), ((1, 128, 64, 64), 128), ((1, 7, 9, 13), 13), ((2, 4, 5, 7), 30), ((1, 33, 16, 40), 64)]
 
 
 def bf16_conv_layer(shape, out, form, bias=True):
@@ -372,7 +376,7 @@ def bf16_conv_layer(shape, out, form, bias=True):
 
 
 @needs_f32_kernels
-@pytest.mark.parametrize("shape, out, form, bands", BF16_CONVS, ids=["sd15", "strided", "dilated", "5x5", "1d", "3d"])
+@pytest.mark.parametrize("shape, out, form, bands", BF16_CONVS, ids=["strided", "dilated", "5x5", "1d", "3d"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_bf16_convolution_runs_as_its_windows_on_the_tiles(shape, out, form, bands, bias, compiled):
     """A bf16 convolution of a resident weight runs as its windows (each kernel offset's
@@ -381,19 +385,29 @@ def test_a_bf16_convolution_runs_as_its_windows_on_the_tiles(shape, out, form, b
     summation's rounding, and equal to eager's but for rare ties summed in another order.
     XLA:CPU convolves bf16 in f32 at its f32 product's rate (SD1.5's `[2, 320, 32, 32]`: 21 ms
     against eager's 9)."""
-    check_bf16_convolution(shape, out, form, bias, compiled, calls=bands)
+    check_bf16_convolution(shape, out, form, bias, compiled, BF16_CONV_KERNELS[1:] if bias else BF16_CONV_KERNELS[:1], bands)
 
 
 @needs_f32_kernels
 def test_a_bf16_convolution_of_wide_windows_runs_in_bands_of_rows(compiled):
     """Windows past 8 MiB are written and multiplied a band of output rows at a time: `[1, 32,
-    128, 128]`'s 3×3 (9 MiB) in two bands, 113 rows and 15, the same values."""
-    check_bf16_convolution((1, 32, 128, 128), 256, dict(kernel_size=3, padding=1), True, compiled, calls=2)
+    256, 256]`'s strided 3×3 (9 MiB) in two bands, 113 rows and 15, the same values."""
+    check_bf16_convolution((1, 32, 256, 256), 256, dict(kernel_size=3, stride=2, padding=1), True, compiled, BF16_CONV_KERNELS, 2)
 
 
-def check_bf16_convolution(shape, out, form, bias, compiled, calls):
+@needs_f32_kernels
+@pytest.mark.parametrize("shape, out", BF16_3X3_CONVS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_bf16_3x3_convolution_runs_our_kernel(shape, out, bias, compiled):
+    """A bf16 3×3 convolution of stride 1 and padding 1 runs as our kernel on AVX-512 BF16, the
+    channels in pairs, its f32 sums (with the bias) rounded once to bf16 as eager's: as
+    `test_a_bf16_convolution_runs_as_its_windows_on_the_tiles` checks."""
+    check_bf16_convolution(shape, out, dict(kernel_size=3, padding=1), bias, compiled, [BF16_CONV3X3_KERNEL], 1)
+
+
+def check_bf16_convolution(shape, out, form, bias, compiled, kernels, calls):
     """`bf16_conv_layer`'s values on a random input as `test_a_bf16_convolution_runs_as_its_windows_on_the_tiles`
-    describes, in `calls` calls of the windows' kernel where bf16 products run on the tiles."""
+    describes, in `calls` calls of `kernels` where bf16 products run on the tiles."""
     torch.manual_seed(sum(shape) + out)
     layer, x = bf16_conv_layer(shape, out, form, bias), torch.randn(shape, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -407,42 +421,43 @@ def check_bf16_convolution(shape, out, form, bias, compiled, calls):
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
     assert ((got.double() - exact).abs() <= step + k * 2.0**-24 * magnitudes).all()
     assert (got != want).sum() <= max(2, got.numel() // 500)
-    kernels = BF16_CONV_KERNELS[1:] if bias else BF16_CONV_KERNELS[:1]
     assert kernel_calls(compiled, kernels) == calls * int(tpu_dynamo.device_info()["bf16_products"])
 
 
 @needs_f32_kernels
-@pytest.mark.parametrize("form", ["grouped", "transposed", "weight_given", "f32", "narrow"])
+@pytest.mark.parametrize("form", ["grouped", "transposed", "weight_given_strided", "f32", "narrow_strided"])
 def test_other_bf16_convolutions_stay_xla_s(form, compiled):
-    """Grouped and transposed convolutions, a weight given as an input (not kept on the tiles),
-    f32 ones and ones of fewer than 256 outputs (where writing the windows costs what the tiles
-    save) are not the windows' kernel's; eager's values either way."""
+    """Grouped and transposed convolutions, a strided one of a weight given as an input (not kept
+    on the tiles) or of fewer than 256 outputs (where writing the windows costs what the tiles
+    save), and f32 ones are neither bf16 kernel's; eager's values either way."""
     torch.manual_seed(1)
-    shape, out = (1, 32, 24, 24), 128 if form == "narrow" else 256
+    shape, out = (1, 32, 24, 24), 128 if form == "narrow_strided" else 256
     dtype = torch.float32 if form == "f32" else torch.bfloat16
     x = torch.randn(shape, dtype=dtype)
     if form == "grouped":
         fn = torch.nn.Conv2d(32, out, 3, padding=1, groups=2).to(dtype)
     elif form == "transposed":
         fn = torch.nn.ConvTranspose2d(32, out, 3, padding=1).to(dtype)
-    elif form == "weight_given":
+    elif form == "weight_given_strided":
         w = torch.randn(out, 32, 3, 3, dtype=dtype)
-        fn = lambda x: torch.nn.functional.conv2d(x, w, padding=1)
+        fn = lambda x: torch.nn.functional.conv2d(x, w, stride=2, padding=1)
     else:
-        fn = torch.nn.Conv2d(shape[1], out, 3, padding=1).to(dtype)
+        fn = torch.nn.Conv2d(shape[1], out, 3, stride=2 if form == "narrow_strided" else 1, padding=1).to(dtype)
     with torch.no_grad():
         got, want = compile_tpu(fn)(x), fn(x)
     torch.testing.assert_close(got, want, rtol=0.02 if dtype == torch.bfloat16 else 1e-4, atol=0.05 if dtype == torch.bfloat16 else 1e-4)
-    assert kernel_calls(compiled, BF16_CONV_KERNELS) == 0
+    assert kernel_calls(compiled, BF16_CONV_KERNELS + [BF16_CONV3X3_KERNEL]) == 0
 
 
 @needs_f32_kernels
-def test_a_bf16_convolution_s_nan_and_infinity_go_as_eager_s():
-    """bf16 windows enter the tiles as they are: a NaN makes the outputs whose window holds it
-    NaN, an infinity ±inf (NaN where it meets a zero weight or the other sign), as eager's."""
+@pytest.mark.parametrize("stride", [1, 2], ids=["3x3_kernel", "windows"])
+def test_a_bf16_convolution_s_nan_and_infinity_go_as_eager_s(stride):
+    """bf16 inputs enter both kernels' products as they are: a NaN makes the outputs whose window
+    holds it NaN, an infinity ±inf (NaN where it meets a zero weight or the other sign), as
+    eager's."""
     torch.manual_seed(6)
-    layer = torch.nn.Conv2d(16, 256, 3, padding=1).to(torch.bfloat16)
-    x = torch.randn(1, 16, 20, 20, dtype=torch.bfloat16)
+    layer = torch.nn.Conv2d(16, 256, 3, stride=stride, padding=1).to(torch.bfloat16)
+    x = torch.randn(1, 16, 20 * stride, 20 * stride, dtype=torch.bfloat16)
     x[0, 1, 0, 5], x[0, 2, 10, 19], x[0, 3, 12, 3] = float("nan"), float("inf"), -float("inf")
     with torch.no_grad():
         layer.weight[7, 2] = 0.0

@@ -519,11 +519,12 @@ def test_a_convolution_whose_windows_are_small_is_one_product(case, dtype):
     else:
         torch.testing.assert_close(got, want)
     (text,) = modules
-    # A 3×3 one of stride 1 and padding 1 in f32 goes to our kernel where the plugin has it.
-    ours = (w_shape[2:], stride, padding, dilation, dtype) == ((3, 3), 1, 1, 1, torch.float32) and not as_product
-    ours = ours and "tpu_dynamo.f32_conv3x3" in tpu_dynamo.device_info()["host_kernels"]
+    # A 3×3 one of stride 1 and padding 1 goes to our kernel for its dtype where the plugin has it.
+    kernel = "tpu_dynamo.f32_conv3x3" if dtype == torch.float32 else "tpu_dynamo.bf16_conv3x3"
+    ours = (w_shape[2:], stride, padding, dilation) == ((3, 3), 1, 1, 1) and not as_product
+    ours = ours and kernel in tpu_dynamo.device_info()["host_kernels"]
     assert ("stablehlo.convolution" in text) != (as_product or ours)
-    assert ('"tpu_dynamo.f32_conv3x3"' in text) == ours
+    assert (f'"{kernel}"' in text) == ours
 
 
 # (name, input shape, output channels, padding, with bias, computed by Winograd's F(2x2, 3x3))

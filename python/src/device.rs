@@ -245,6 +245,7 @@ pub fn target() -> Result<Arc<Target>, Error> {
         host_bf16_attention: both(host_kernels::BF16_ATTENTION_TARGET, host_kernels::BF16_CAUSAL_ATTENTION_TARGET),
         host_conv3x3: one(host_kernels::F32_CONV3X3_TARGET),
         host_bf16_conv: both(host_kernels::BF16_CONV_WINDOWS_TARGET, host_kernels::BF16_CONV_WINDOWS_BIAS_TARGET),
+        host_bf16_conv3x3: one(host_kernels::BF16_CONV3X3_TARGET),
         host_layer_norm: one(host_kernels::F32_LAYER_NORM_TARGET),
         host_bf16_layer_norm: one(host_kernels::BF16_LAYER_NORM_TARGET),
         host_rms_norm: one(host_kernels::F32_RMS_NORM_TARGET),

@@ -1304,6 +1304,9 @@ pub struct LoweringTarget {
     /// The custom call targets of bf16 convolutions' windows times their weight kept on the
     /// tiles, without and with a bias.
     pub host_bf16_conv: Option<(&'static str, &'static str)>,
+    /// The custom call target of a host kernel for bf16 convolutions of 3×3 windows, stride 1,
+    /// padding 1, the channels in pairs.
+    pub host_bf16_conv3x3: Option<&'static str>,
     /// The custom call targets of host kernels for f32 LayerNorm and RMSNorm over the last dim.
     pub host_layer_norm: Option<&'static str>,
     pub host_rms_norm: Option<&'static str>,
@@ -1333,6 +1336,7 @@ pub static LOWERING_TARGET: RwLock<LoweringTarget> = RwLock::new(LoweringTarget 
     host_bf16_attention: None,
     host_conv3x3: None,
     host_bf16_conv: None,
+    host_bf16_conv3x3: None,
     host_layer_norm: None,
     host_bf16_layer_norm: None,
     host_rms_norm: None,

@@ -1,7 +1,8 @@
-//! Convolution (`aten.convolution`, NCHW / OIHW, any number of spatial dims), lowered one of five
+//! Convolution (`aten.convolution`, NCHW / OIHW, any number of spatial dims), lowered one of six
 //! ways: a wide 3×3 one in f32 by Winograd's minimal filtering (`winograd`); where the input's
 //! windows are no larger than the padded input or the weight, as one matrix product of the weight
-//! and the windows (`windows_product`); a wide one in bf16 as its windows times its weight on our
+//! and the windows (`windows_product`); a 3×3 one in bf16 (stride 1, padding 1) by our host
+//! kernel (`host_bf16_conv3x3`), another wide one in bf16 as its windows times its weight on our
 //! product kernel's tiles (`bf16_windows_on_tiles`); a narrower 3×3 one in f32 (stride 1, padding
 //! 1) by our host kernel (`host_conv3x3`); otherwise as StableHLO's convolution.
 
@@ -91,6 +92,8 @@ fn convolution(n: NodeCtx<'_>) -> Res<'_> {
                 out_spatial,
                 opmath(out),
             )?)
+        } else if let Some(y) = host_bf16_conv3x3(&n, &x, &w, (&window_strides, &pads, &dilation), out)? {
+            return Ok(vec![y]);
         } else if let Some(y) = bf16_windows_on_tiles(&n, &x, &w, (&window_strides, &pads, &dilation), &shape, out)? {
             return Ok(vec![y]);
         } else {
@@ -159,6 +162,53 @@ fn host_conv3x3<'a>(
         return Ok(None);
     }
     Ok(Some(b.host_call(target, &[x, w], vec![TensorType::new(DType::F32, out_shape.to_vec())])?.remove(0)))
+}
+
+/// A bf16 convolution of 3×3 windows, stride 1, padding 1, undilated, by our kernel on AVX-512
+/// BF16, where the plugin has it: the channels in pairs (an odd count padded by a zero one),
+/// `x` as `[N, C/2, H, W, 2]` and `w` as `[O, C/2, 9, 2]` (work on a weight alone runs once per
+/// weight version, `hoist.py`), the bias added to the f32 sums before their one rounding. XLA:CPU
+/// convolves bf16 in f32 (ms, ours against XLA's, eager's): a VAE decoder's `[1, 128, 256, 256]`
+/// 55 / 100-186 (63), `[1, 256, 128, 128]` 55 / 96 (55), SD1.5's `[2, 320, 64, 64]` 44 / 76 (39-43)
+/// and `[2, 320, 32, 32]` 11 / 21 (9-17); at many channels on few positions the weight's
+/// broadcasts leave L1 and the windows' product leads (`[2, 640, 16, 16]` 25 against 16).
+fn host_bf16_conv3x3<'a>(
+    n: &NodeCtx<'a>,
+    x: &Val<'a>,
+    w: &Val<'a>,
+    (stride, pads, dilation): (&[i64], &[(i64, i64)], &[i64]),
+    out: DType,
+) -> R<Option<Val<'a>>> {
+    let b = &n.b;
+    let Some(target) = lowering_target().host_bf16_conv3x3 else { return Ok(None) };
+    let bias = n.opt_tensor(2, "bias")?;
+    let out_channels = w.shape()[0];
+    let fits = x.rank() == 4
+        && w.shape()[2..] == [3, 3]
+        && stride == [1, 1]
+        && pads == [(1, 1), (1, 1)]
+        && dilation == [1, 1]
+        && [x.dtype(), w.dtype(), out] == [DType::Bf16; 3]
+        && bias.as_ref().is_none_or(|bias| bias.shape() == [out_channels] && matches!(bias.dtype(), DType::Bf16 | DType::F32));
+    if !fits {
+        return Ok(None);
+    }
+    let (batch, channels, height, width) = (x.shape()[0], x.shape()[1], x.shape()[2], x.shape()[3]);
+    let pairs = (channels + 1) / 2;
+    let zero = b.scalar(Scalar::Int(0), DType::Bf16)?;
+    let even = |v: &Val<'a>| -> R<Val<'a>> {
+        if channels % 2 == 0 {
+            return Ok(v.clone());
+        }
+        let mut high = vec![0; 4];
+        high[1] = 1;
+        b.pad(v, &zero, &[0; 4], &high, &[0; 4])
+    };
+    let x = b.transpose(&b.reshape(&even(x)?, &[batch, pairs, 2, height, width])?, &[0, 1, 3, 4, 2])?;
+    let w = b.transpose(&b.reshape(&even(w)?, &[out_channels, pairs, 2, 9])?, &[0, 1, 3, 2])?;
+    let operands: Vec<&Val<'a>> = [&x, &w].into_iter().chain(bias.as_ref()).collect();
+    let result = TensorType::new(DType::Bf16, vec![batch, out_channels, height, width]);
+    Ok(Some(b.host_call(target, &operands, vec![result])?.remove(0)))
 }
 
 /// Output positions over all images: `N·P` of the `[N, O, *P]` output shape.
@@ -335,17 +385,19 @@ fn offset_slice<'a>(
 
 /// The bytes of a bf16 convolution's windows that `bf16_windows_on_tiles` writes out at once at
 /// most: larger ones are taken in bands of output rows, each band's windows written and then
-/// multiplied (a VAE decoder's `[1, 128, 512, 512]` would need 604 MB at once). SD1.5's `[2, 320,
-/// 64, 64]` 3×3 in bands of 8 MiB: 55 ms, of 16: 59 (XLA's 76, eager's 40); bands of 2 MiB
-/// re-read the weight too often (`[2, 320, 32, 32]`: 23 ms against 13).
+/// multiplied (a VAE decoder's `[1, 128, 512, 512]` would need 604 MB at once). Measured on 3×3
+/// ones (now `host_bf16_conv3x3`'s): SD1.5's `[2, 320, 64, 64]` in bands of 8 MiB 55 ms, of 16
+/// 59 (XLA's 76, eager's 40); bands of 2 MiB re-read the weight too often (`[2, 320, 32, 32]`:
+/// 23 ms against 13).
 const BF16_WINDOWS_BAND_BYTES: i64 = 8 << 20;
 /// Output channels from which the windows' product pays for writing the windows out and
-/// splitting them into the tiles' layout (ms, ours against XLA's, eager's): `[1, 128, 64, 64]` →
-/// 128 8.1 / 7.6 (4.1), `[1, 256, 128, 128]` → 256 82 / 96 (55), `[2, 320, 32, 32]` → 320 13 / 21
-/// (9).
+/// splitting them into the tiles' layout (3×3 ones, ms, ours against XLA's, eager's): `[1, 128,
+/// 64, 64]` → 128 8.1 / 7.6 (4.1), `[1, 256, 128, 128]` → 256 82 / 96 (55), `[2, 320, 32, 32]` →
+/// 320 13 / 21 (9).
 const BF16_WINDOWS_MIN_OUTPUTS: i64 = 256;
 
-/// A bf16 convolution (no groups, not transposed) as our product kernel's `windows[N·P, T·C] ×
+/// A bf16 convolution (no groups, not transposed; a strided, dilated or larger kernel, where
+/// `host_bf16_conv3x3` does not take it) as our product kernel's `windows[N·P, T·C] ×
 /// weight[O, C, *kernel]` on the tiles (AMX, or AVX-512 BF16's vectors), the weight kept there as
 /// it lies (`weights_kept_on_tiles`; the kernel reads its K in the windows' order), the bias
 /// added to the f32 sums before their one rounding, as eager's oneDNN does. XLA:CPU computes a

@@ -9,6 +9,11 @@
 //! input channel's nine taps add the weight (broadcast) times the input shifted by the tap (a
 //! vector load). The padding is the loads' masks: a tap's lanes whose inputs lie past the
 //! image's edges load zeros.
+//!
+//! bf16 convolutions go the same way on AVX-512 BF16's `vdpbf16ps`, two input channels at once
+//! (its pairs of K): the input's channels and the weight's come in pairs (`[N, C/2, H, W, 2]`,
+//! `[O, C/2, 9, 2]`), a tap's load is sixteen positions' pairs, and each output's f32 sums, its
+//! bias added, are rounded once to bf16 (eager's order). XLA:CPU convolves bf16 in f32.
 
 use super::gemm::ROWS;
 use super::pool::Chunked;
@@ -44,12 +49,19 @@ impl Shape {
     }
 }
 
-/// One convolution: `x` `[batch, channels, height, width]`, `w` `[outputs, channels, 3, 3]`,
-/// `y` `[batch, outputs, height, width]`.
+/// A convolution's operands: f32 `x` `[batch, channels, height, width]`, `w` `[outputs,
+/// channels, 3, 3]` and `y` `[batch, outputs, height, width]`; or bf16 ones whose `channels` are
+/// pairs of channels (`x` `[batch, channels, height, width, 2]`, `w` `[outputs, channels, 9, 2]`,
+/// each pair one u32), `y` bf16, and an f32 `bias` `[outputs]` (null: none).
+#[derive(Clone, Copy)]
+pub(super) enum Operands {
+    F32 { x: *const f32, w: *const f32, y: *mut f32 },
+    Bf16Pairs { x: *const u32, w: *const u32, y: *mut u16, bias: *const f32 },
+}
+
+/// One convolution.
 pub(super) struct Conv {
-    x: *const f32,
-    w: *const f32,
-    y: *mut f32,
+    operands: Operands,
     shape: Shape,
     /// Units per image, and an image's tiles per unit.
     parts: usize,
@@ -106,13 +118,14 @@ impl Positions {
 impl Conv {
     /// The convolution and its units of work: each image's output positions in `UNITS_PER_THREAD`
     /// runs a thread (one below `ALONE_MAX_FLOPS`, where waking a worker costs what it saves).
-    pub fn new((x, w, y): (*const f32, *const f32, *mut f32), shape: Shape, threads: usize) -> (Self, usize) {
+    /// A bf16 one's pairs count as one f32 channel each (one `vdpbf16ps` an `fma`).
+    pub fn new(operands: Operands, shape: Shape, threads: usize) -> (Self, usize) {
         let tiles = shape.tiles();
         let flops = 2 * 9 * shape.batch * shape.outputs * shape.channels * shape.plane();
         let wanted = if flops <= ALONE_MAX_FLOPS { 1 } else { UNITS_PER_THREAD * threads.max(1) };
         let tiles_per_part = tiles.div_ceil(wanted).max(1);
         let parts = tiles.div_ceil(tiles_per_part).max(1);
-        (Conv { x, w, y, shape, parts, tiles_per_part }, shape.batch * parts)
+        (Conv { operands, shape, parts, tiles_per_part }, shape.batch * parts)
     }
 }
 
@@ -125,8 +138,7 @@ impl Chunked for Conv {
         let first = part * self.tiles_per_part;
         let tiles = first..(first + self.tiles_per_part).min(s.tiles());
         let vectors = s.plane().div_ceil(LANES);
-        let x = self.x.add(image * s.channels * s.plane());
-        let y = self.y.add(image * s.outputs * s.plane());
+        let (image_in, image_out) = (image * s.channels * s.plane(), image * s.outputs * s.plane());
         let positions: Vec<[Positions; 2]> = tiles
             .map(|t| {
                 let second = if 2 * t + 1 < vectors { Positions::new(s, 2 * t + 1) } else { Positions::default() };
@@ -135,11 +147,52 @@ impl Chunked for Conv {
             .collect();
         for first_output in (0..s.outputs).step_by(ROWS) {
             let rows = ROWS.min(s.outputs - first_output);
-            let w = self.w.add(first_output * s.channels * 9);
+            let (weights, outputs) = (first_output * s.channels * 9, image_out + first_output * s.plane());
             for pair in &positions {
-                tile(s, x, w, y.add(first_output * s.plane()), pair, rows);
+                match self.operands {
+                    Operands::F32 { x, w, y } => tile(s, x.add(image_in), w.add(weights), y.add(outputs), pair, rows),
+                    Operands::Bf16Pairs { x, w, y, bias } => {
+                        let bias = if bias.is_null() { bias } else { bias.add(first_output) };
+                        bf16_tile(s, (x.add(image_in), w.add(weights), y.add(outputs), bias), pair, rows)
+                    }
+                }
             }
         }
+    }
+}
+
+/// Whether this CPU runs bf16 convolutions (`Operands::Bf16Pairs`).
+pub(super) fn bf16_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        super::bf16_dots::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// `tile` for bf16 pairs (`Operands::Bf16Pairs`); the CPU must be `bf16_available()`.
+unsafe fn bf16_tile(s: &Shape, operands: (*const u32, *const u32, *mut u16, *const f32), pair: &[Positions; 2], rows: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let wide = pair[1].mask != 0;
+        macro_rules! rows {
+            ($($n:literal)*) => {
+                match (rows, wide) {
+                    $(
+                        ($n, true) => x86::bf16_tile::<$n, true>(s, operands, pair),
+                        ($n, false) => x86::bf16_tile::<$n, false>(s, operands, pair),
+                    )*
+                    _ => unreachable!(),
+                }
+            };
+        }
+        rows!(1 2 3 4 5 6 7 8 9 10 11 12);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (s, operands, pair, rows);
+        unreachable!("bf16 convolutions run on AVX-512 BF16 only")
     }
 }
 
@@ -182,6 +235,7 @@ unsafe fn tile(s: &Shape, x: *const f32, w: *const f32, y: *mut f32, pair: &[Pos
 mod x86 {
     use super::{Positions, Shape};
     use std::arch::x86_64::*;
+    use std::mem::transmute;
 
     /// `M` output channels at the pair's first vector of positions, and its second when `WIDE`.
     #[target_feature(enable = "avx512f,fma")]
@@ -210,6 +264,42 @@ mod x86 {
             }
         }
     }
+
+    /// `tile` on bf16 pairs: each tap's load is sixteen positions' pairs of channels, each
+    /// weight broadcast a pair, one `vdpbf16ps` adding both; the sums plus the bias rounded to
+    /// bf16 (to nearest even, as eager rounds).
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn bf16_tile<const M: usize, const WIDE: bool>(
+        s: &Shape,
+        (x, w, y, bias): (*const u32, *const u32, *mut u16, *const f32),
+        pair: &[Positions; 2],
+    ) {
+        let (plane, per_output) = (s.plane(), s.channels * 9);
+        let mut lo = [_mm512_setzero_ps(); M];
+        let mut hi = [_mm512_setzero_ps(); M];
+        for c in 0..s.channels {
+            let (xc, wc) = (x.add(c * plane), w.add(c * 9));
+            for t in 0..9 {
+                let load = |p: &Positions| -> __m512bh { transmute(_mm512_maskz_loadu_epi32(p.taps[t].mask, xc.wrapping_offset(p.taps[t].offset) as *const i32)) };
+                let (b0, b1) = (load(&pair[0]), if WIDE { load(&pair[1]) } else { transmute::<__m512i, __m512bh>(_mm512_setzero_si512()) });
+                for r in 0..M {
+                    let a: __m512bh = transmute(_mm512_set1_epi32(*wc.add(r * per_output + t) as i32));
+                    lo[r] = _mm512_dpbf16_ps(lo[r], a, b0);
+                    if WIDE {
+                        hi[r] = _mm512_dpbf16_ps(hi[r], a, b1);
+                    }
+                }
+            }
+        }
+        for r in 0..M {
+            let b = if bias.is_null() { _mm512_setzero_ps() } else { _mm512_set1_ps(*bias.add(r)) };
+            let store = |p: &Positions, sums: __m512| _mm256_mask_storeu_epi16(y.add(r * plane + p.at) as *mut i16, p.mask, transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(_mm512_add_ps(sums, b))));
+            store(&pair[0], lo[r]);
+            if WIDE {
+                store(&pair[1], hi[r]);
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -228,7 +318,7 @@ mod tests {
             let w: Vec<f32> = (0..outputs * channels * 9).map(|_| next()).collect();
             for threads in [1, 3] {
                 let mut y = vec![f32::NAN; batch * outputs * height * width];
-                let (conv, units) = Conv::new((x.as_ptr(), w.as_ptr(), y.as_mut_ptr()), shape, threads);
+                let (conv, units) = Conv::new(Operands::F32 { x: x.as_ptr(), w: w.as_ptr(), y: y.as_mut_ptr() }, shape, threads);
                 (0..units).for_each(|u| unsafe { conv.chunk(u) });
                 for (at, &got) in y.iter().enumerate() {
                     let (n, o, row, col) = (at / (outputs * height * width), at / (height * width) % outputs, at / width % height, at % width);
@@ -244,6 +334,51 @@ mod tests {
                     }
                     let tolerance = 1e-5 * ((channels * 9) as f64).sqrt();
                     assert!((f64::from(got) - want).abs() <= tolerance, "{shape:?} at {at}: {got} against {want}");
+                }
+            }
+        }
+    }
+
+    /// bf16 pairs of channels with a bias and without, the same shapes: the f64 sums of the bf16
+    /// products plus the bias, rounded once to bf16 (within a step of it, and f32's sums).
+    #[test]
+    fn bf16_pairs_agree_with_f64_sums_rounded_once() {
+        if !bf16_available() {
+            return;
+        }
+        let mut next = super::super::uniform(9);
+        let (bf16, value) = (super::super::f32_to_bf16, |b: u16| f64::from(super::super::bf16_to_f32(b)));
+        for (batch, pairs, outputs, height, width) in [(1, 3, 5, 1, 1), (2, 4, 13, 5, 7), (1, 6, 24, 4, 24), (2, 5, 30, 9, 40), (1, 20, 8, 16, 16), (1, 2, 13, 40, 40)] {
+            let shape = Shape { batch, channels: pairs, outputs, height, width };
+            let plane = height * width;
+            let x: Vec<u16> = (0..batch * pairs * plane * 2).map(|_| bf16(next() * 2.0)).collect();
+            let w: Vec<u16> = (0..outputs * pairs * 18).map(|_| bf16(next())).collect();
+            let bias: Vec<f32> = (0..outputs).map(|_| next()).collect();
+            for (threads, biased) in [(1, false), (3, true)] {
+                let mut y = vec![0u16; batch * outputs * plane];
+                let operands = Operands::Bf16Pairs {
+                    x: x.as_ptr() as *const u32,
+                    w: w.as_ptr() as *const u32,
+                    y: y.as_mut_ptr(),
+                    bias: if biased { bias.as_ptr() } else { std::ptr::null() },
+                };
+                let (conv, units) = Conv::new(operands, shape, threads);
+                (0..units).for_each(|u| unsafe { conv.chunk(u) });
+                for (at, &got) in y.iter().enumerate() {
+                    let (n, o, row, col) = (at / (outputs * plane), at / plane % outputs, at / width % height, at % width);
+                    let mut want = if biased { f64::from(bias[o]) } else { 0.0 };
+                    for (p, half) in (0..pairs).flat_map(|p| [(p, 0), (p, 1)]) {
+                        for (ky, kx) in (0..3).flat_map(|ky| (0..3).map(move |kx| (ky, kx))) {
+                            let (r, q) = (row as isize + ky - 1, col as isize + kx - 1);
+                            if (0..height as isize).contains(&r) && (0..width as isize).contains(&q) {
+                                let input = x[(((n * pairs + p) * height + r as usize) * width + q as usize) * 2 + half];
+                                want += value(input) * value(w[((o * pairs + p) * 9 + (ky * 3 + kx) as usize) * 2 + half]);
+                            }
+                        }
+                    }
+                    let step = 2f64.powi(want.abs().max(1e-30).log2().floor() as i32 - 7);
+                    let tolerance = step + 1e-6 * ((pairs * 18) as f64).sqrt();
+                    assert!((value(got) - want).abs() <= tolerance, "{shape:?} at {at}: {} against {want}", value(got));
                 }
             }
         }
