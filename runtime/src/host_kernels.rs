@@ -75,8 +75,8 @@ pub const BF16_ATTENTION_TARGET: &str = "tpu_dynamo.bf16_attention";
 pub const BF16_CAUSAL_ATTENTION_TARGET: &str = "tpu_dynamo.bf16_causal_attention";
 /// The custom call target of an f32 convolution of 3×3 windows, stride 1, padding 1 (NCHW, OIHW).
 pub const F32_CONV3X3_TARGET: &str = "tpu_dynamo.f32_conv3x3";
-/// The same in bf16 on AVX-512 BF16, the channels in pairs (`[N, C/2, H, W, 2]`, `[O, C/2, 9,
-/// 2]`), with a bias `[O]` or none, rounded once.
+/// The same in bf16 on AVX-512 BF16, the input's channels in pairs (`[N, C/2, H, W, 2]`), with a
+/// bias `[O]` or none, rounded once.
 pub const BF16_CONV3X3_TARGET: &str = "tpu_dynamo.bf16_conv3x3";
 /// The custom call target of f32 LayerNorm over the last dim.
 pub const F32_LAYER_NORM_TARGET: &str = "tpu_dynamo.f32_layer_norm";
@@ -666,9 +666,9 @@ unsafe extern "C" fn f32_conv3x3(frame: *mut FfiCallFrame) -> *mut c_void {
     answer(frame, target, ran)
 }
 
-/// The bf16 convolution handler: `x` `[N, C/2, H, W, 2]` and `w` `[O, C/2, 9, 2]` (channels in
-/// pairs), then a bias `[O]` (bf16 or f32) or none, into bf16 `y` `[N, O, H, W]` (stride 1,
-/// padding 1), on XLA's threads.
+/// The bf16 convolution handler: `x` `[N, C/2, H, W, 2]` (channels in pairs) and `w` `[O, C, 3,
+/// 3]`, then a bias `[O]` (bf16 or f32) or none, into bf16 `y` `[N, O, H, W]` (stride 1, padding
+/// 1), on XLA's threads.
 unsafe extern "C" fn bf16_conv3x3(frame: *mut FfiCallFrame) -> *mut c_void {
     let (frame, target) = (&mut *frame, BF16_CONV3X3_TARGET);
     if !executes(frame) {
@@ -681,7 +681,7 @@ unsafe extern "C" fn bf16_conv3x3(frame: *mut FfiCallFrame) -> *mut c_void {
     let bias = (frame.args.size == 3).then(|| &**frame.args.items.add(2));
     let (xd, wd, yd) = (dims(x), dims(w), dims(y));
     let shape = match (xd, wd) {
-        (&[batch, pairs, height, width, 2], &[outputs, wp, 9, 2]) if wp == pairs && yd == [batch, outputs, height, width] => {
+        (&[batch, pairs, height, width, 2], &[outputs, channels, 3, 3]) if (channels + 1) / 2 == pairs && yd == [batch, outputs, height, width] => {
             let [batch, channels, outputs, height, width] = [batch, pairs, outputs, height, width].map(|d| d as usize);
             Some(conv::Shape { batch, channels, outputs, height, width })
         }
@@ -689,8 +689,15 @@ unsafe extern "C" fn bf16_conv3x3(frame: *mut FfiCallFrame) -> *mut c_void {
     };
     let bias_fits = bias.is_none_or(|b| dims(b) == [yd[1]] && [XLA_FFI_BF16, XLA_FFI_F32].contains(&b.dtype));
     let (Some(shape), true, true) = (shape, [x, w, y].iter().all(|b| b.dtype == XLA_FFI_BF16), bias_fits) else {
-        return error(frame, target, &format!("expects bf16 x [N, C/2, H, W, 2], w [O, C/2, 9, 2] and y [N, O, H, W], a bias [O] (bf16 or f32) or none, got {xd:?}, {wd:?}, {yd:?}"));
+        return error(frame, target, &format!("expects bf16 x [N, C/2, H, W, 2], w [O, C, 3, 3] and y [N, O, H, W], a bias [O] (bf16 or f32) or none, got {xd:?}, {wd:?}, {yd:?}"));
     };
+    // The weight's channels paired once per version where it is declared unchanging, else here.
+    let (outputs, channels) = (wd[0] as usize, wd[1] as usize);
+    let pair = || conv::paired_weight(w.data as *const u16, outputs, channels);
+    let key = (w.data as usize, outputs, channels * 9, true, 9, unchanging::Packed::ChannelPairs);
+    let lines = (outputs * shape.channels * 9).div_ceil(16);
+    let kept = unchanging::panels(key, (outputs * channels * 18, lines * 16), pair);
+    let paired: std::sync::Arc<[gemm::Line]> = kept.unwrap_or_else(|| pair().into());
     let bias: Vec<f32> = match bias {
         Some(b) if b.dtype == XLA_FFI_BF16 => std::slice::from_raw_parts(b.data as *const u16, shape.outputs).iter().map(|&v| bf16_to_f32(v)).collect(),
         Some(b) => std::slice::from_raw_parts(b.data as *const f32, shape.outputs).to_vec(),
@@ -699,7 +706,7 @@ unsafe extern "C" fn bf16_conv3x3(frame: *mut FfiCallFrame) -> *mut c_void {
     let (xla, threads) = XlaPool::with_threads(frame);
     let ran = std::panic::catch_unwind(|| {
         let bias = if bias.is_empty() { std::ptr::null() } else { bias.as_ptr() };
-        let operands = conv::Operands::Bf16Pairs { x: x.data as *const u32, w: w.data as *const u32, y: y.data as *mut u16, bias };
+        let operands = conv::Operands::Bf16Pairs { x: x.data as *const u32, w: paired.as_ptr() as *const u32, y: y.data as *mut u16, bias };
         let (job, units) = conv::Conv::new(operands, shape, threads);
         run_units(xla, job, units, threads.saturating_sub(1));
     });

@@ -165,9 +165,9 @@ fn host_conv3x3<'a>(
 }
 
 /// A bf16 convolution of 3×3 windows, stride 1, padding 1, undilated, by our kernel on AVX-512
-/// BF16, where the plugin has it: the channels in pairs (an odd count padded by a zero one),
-/// `x` as `[N, C/2, H, W, 2]` and `w` as `[O, C/2, 9, 2]` (work on a weight alone runs once per
-/// weight version, `hoist.py`), the bias added to the f32 sums before their one rounding. XLA:CPU
+/// BF16, where the plugin has it: the input's channels in pairs (`[N, C/2, H, W, 2]`, an odd
+/// count padded by a zero one; the kernel pairs the weight's once per weight version), the bias
+/// added to the f32 sums before their one rounding. XLA:CPU
 /// convolves bf16 in f32 (ms, ours against XLA's, eager's): a VAE decoder's `[1, 128, 256, 256]`
 /// 55 / 100-186 (63), `[1, 256, 128, 128]` 55 / 96 (55), SD1.5's `[2, 320, 64, 64]` 44 / 76 (39-43)
 /// and `[2, 320, 32, 32]` 11 / 21 (9-17); at many channels on few positions the weight's
@@ -196,17 +196,9 @@ fn host_bf16_conv3x3<'a>(
     let (batch, channels, height, width) = (x.shape()[0], x.shape()[1], x.shape()[2], x.shape()[3]);
     let pairs = (channels + 1) / 2;
     let zero = b.scalar(Scalar::Int(0), DType::Bf16)?;
-    let even = |v: &Val<'a>| -> R<Val<'a>> {
-        if channels % 2 == 0 {
-            return Ok(v.clone());
-        }
-        let mut high = vec![0; 4];
-        high[1] = 1;
-        b.pad(v, &zero, &[0; 4], &high, &[0; 4])
-    };
+    let even = |v: &Val<'a>| if channels % 2 == 0 { Ok(v.clone()) } else { b.pad(v, &zero, &[0; 4], &[0, 1, 0, 0], &[0; 4]) };
     let x = b.transpose(&b.reshape(&even(x)?, &[batch, pairs, 2, height, width])?, &[0, 1, 3, 4, 2])?;
-    let w = b.transpose(&b.reshape(&even(w)?, &[out_channels, pairs, 2, 9])?, &[0, 1, 3, 2])?;
-    let operands: Vec<&Val<'a>> = [&x, &w].into_iter().chain(bias.as_ref()).collect();
+    let operands: Vec<&Val<'a>> = [&x, w].into_iter().chain(bias.as_ref()).collect();
     let result = TensorType::new(DType::Bf16, vec![batch, out_channels, height, width]);
     Ok(Some(b.host_call(target, &operands, vec![result])?.remove(0)))
 }

@@ -11,11 +11,12 @@
 //! image's edges load zeros.
 //!
 //! bf16 convolutions go the same way on AVX-512 BF16's `vdpbf16ps`, two input channels at once
-//! (its pairs of K): the input's channels and the weight's come in pairs (`[N, C/2, H, W, 2]`,
-//! `[O, C/2, 9, 2]`), a tap's load is sixteen positions' pairs, and each output's f32 sums, its
-//! bias added, are rounded once to bf16 (eager's order). XLA:CPU convolves bf16 in f32.
+//! (its pairs of K): the input's channels come in pairs (`[N, C/2, H, W, 2]`) and the weight's
+//! are paired once per weight version (`paired_weight`), a tap's load is sixteen positions'
+//! pairs, and each output's f32 sums, its bias added, are rounded once to bf16 (eager's order).
+//! XLA:CPU convolves bf16 in f32.
 
-use super::gemm::ROWS;
+use super::gemm::{Line, ROWS};
 use super::pool::Chunked;
 
 /// Output positions per vector.
@@ -51,8 +52,8 @@ impl Shape {
 
 /// A convolution's operands: f32 `x` `[batch, channels, height, width]`, `w` `[outputs,
 /// channels, 3, 3]` and `y` `[batch, outputs, height, width]`; or bf16 ones whose `channels` are
-/// pairs of channels (`x` `[batch, channels, height, width, 2]`, `w` `[outputs, channels, 9, 2]`,
-/// each pair one u32), `y` bf16, and an f32 `bias` `[outputs]` (null: none).
+/// pairs of channels (`x` `[batch, channels, height, width, 2]`, `w` `[outputs, channels, 9]`
+/// from `paired_weight`, each pair one u32), `y` bf16, and an f32 `bias` `[outputs]` (null: none).
 #[derive(Clone, Copy)]
 pub(super) enum Operands {
     F32 { x: *const f32, w: *const f32, y: *mut f32 },
@@ -159,6 +160,23 @@ impl Chunked for Conv {
             }
         }
     }
+}
+
+/// A bf16 weight `[outputs, channels, 3, 3]` (OIHW) as `Operands::Bf16Pairs` reads it, `[outputs,
+/// channels / 2, 9]` u32s each holding a pair of channels' values (the low half the even
+/// channel's; a zero past an odd count), in cache lines.
+///
+/// # Safety
+/// `w` must cover `outputs · channels · 9` bf16 values.
+pub(super) unsafe fn paired_weight(w: *const u16, outputs: usize, channels: usize) -> Vec<Line> {
+    let pairs = channels.div_ceil(2);
+    let w = std::slice::from_raw_parts(w, outputs * channels * 9);
+    let mut lines = vec![Line([0.0; 16]); (outputs * pairs * 9).div_ceil(16)];
+    let paired = std::slice::from_raw_parts_mut(lines.as_mut_ptr() as *mut u32, lines.len() * 16);
+    for (o, c, t) in (0..outputs).flat_map(|o| (0..channels).flat_map(move |c| (0..9).map(move |t| (o, c, t)))) {
+        paired[(o * pairs + c / 2) * 9 + t] |= u32::from(w[(o * channels + c) * 9 + t]) << (16 * (c % 2));
+    }
+    lines
 }
 
 /// Whether this CPU runs bf16 convolutions (`Operands::Bf16Pairs`).
@@ -268,7 +286,7 @@ mod x86 {
     /// `tile` on bf16 pairs: each tap's load is sixteen positions' pairs of channels, each
     /// weight broadcast a pair, one `vdpbf16ps` adding both; the sums plus the bias rounded to
     /// bf16 (to nearest even, as eager rounds).
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
     pub(super) unsafe fn bf16_tile<const M: usize, const WIDE: bool>(
         s: &Shape,
         (x, w, y, bias): (*const u32, *const u32, *mut u16, *const f32),
@@ -293,10 +311,11 @@ mod x86 {
         }
         for r in 0..M {
             let b = if bias.is_null() { _mm512_setzero_ps() } else { _mm512_set1_ps(*bias.add(r)) };
-            let store = |p: &Positions, sums: __m512| _mm256_mask_storeu_epi16(y.add(r * plane + p.at) as *mut i16, p.mask, transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(_mm512_add_ps(sums, b))));
-            store(&pair[0], lo[r]);
+            let rounded = transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(_mm512_add_ps(lo[r], b)));
+            _mm256_mask_storeu_epi16(y.add(r * plane + pair[0].at) as *mut i16, pair[0].mask, rounded);
             if WIDE {
-                store(&pair[1], hi[r]);
+                let rounded = transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(_mm512_add_ps(hi[r], b)));
+                _mm256_mask_storeu_epi16(y.add(r * plane + pair[1].at) as *mut i16, pair[1].mask, rounded);
             }
         }
     }
@@ -339,8 +358,9 @@ mod tests {
         }
     }
 
-    /// bf16 pairs of channels with a bias and without, the same shapes: the f64 sums of the bf16
-    /// products plus the bias, rounded once to bf16 (within a step of it, and f32's sums).
+    /// bf16 pairs of channels (the weight paired from OIHW by `paired_weight`) with a bias and
+    /// without, the same shapes: the f64 sums of the bf16 products plus the bias, rounded once to
+    /// bf16 (within a step of it, and f32's sums).
     #[test]
     fn bf16_pairs_agree_with_f64_sums_rounded_once() {
         if !bf16_available() {
@@ -352,13 +372,15 @@ mod tests {
             let shape = Shape { batch, channels: pairs, outputs, height, width };
             let plane = height * width;
             let x: Vec<u16> = (0..batch * pairs * plane * 2).map(|_| bf16(next() * 2.0)).collect();
+            // OIHW, as the model holds it.
             let w: Vec<u16> = (0..outputs * pairs * 18).map(|_| bf16(next())).collect();
+            let paired = unsafe { paired_weight(w.as_ptr(), outputs, 2 * pairs) };
             let bias: Vec<f32> = (0..outputs).map(|_| next()).collect();
             for (threads, biased) in [(1, false), (3, true)] {
                 let mut y = vec![0u16; batch * outputs * plane];
                 let operands = Operands::Bf16Pairs {
                     x: x.as_ptr() as *const u32,
-                    w: w.as_ptr() as *const u32,
+                    w: paired.as_ptr() as *const u32,
                     y: y.as_mut_ptr(),
                     bias: if biased { bias.as_ptr() } else { std::ptr::null() },
                 };
@@ -372,7 +394,7 @@ mod tests {
                             let (r, q) = (row as isize + ky - 1, col as isize + kx - 1);
                             if (0..height as isize).contains(&r) && (0..width as isize).contains(&q) {
                                 let input = x[(((n * pairs + p) * height + r as usize) * width + q as usize) * 2 + half];
-                                want += value(input) * value(w[((o * pairs + p) * 9 + (ky * 3 + kx) as usize) * 2 + half]);
+                                want += value(input) * value(w[((o * pairs + p) * 2 + half) * 9 + (ky * 3 + kx) as usize]);
                             }
                         }
                     }

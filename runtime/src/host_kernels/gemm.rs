@@ -11,7 +11,8 @@
 use super::amx::{self, Values};
 use super::epilogue::Epilogue;
 use super::pool::Chunked;
-use super::{unchanging, Layout, Out};
+use super::unchanging::{self, Packed};
+use super::{Layout, Out};
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -99,13 +100,13 @@ impl Gemm {
         let floats = n.div_ceil(COLUMNS) * k * COLUMNS;
         let read = n * k * values.bytes();
         // SAFETY: `w` covers `[n, k]` (the caller's contract) for the packing to read.
-        let panels = || unchanging::panels(key(None), (read, floats), || unsafe { pack_all(w as *const f32, (n, k), layout, floats) });
+        let panels = || unchanging::panels(key(Packed::Panels), (read, floats), || unsafe { pack_all(w as *const f32, (n, k), layout, floats) });
         let pieces = || unsafe {
             let reordered = (taps > 1).then(|| tap_major(w as *const u16, (n, k), taps));
             amx::pack(reordered.as_ref().map_or(w, |r| r.as_ptr() as *const u8), (n, k), layout, values)
         };
         let pieces = || pieces().unwrap_or_default();
-        let kept_pieces = || unchanging::panels(key(Some(values)), (read, amx::packed_lines(n, k, values) * 16), pieces);
+        let kept_pieces = || unchanging::panels(key(Packed::Pieces(values)), (read, amx::packed_lines(n, k, values) * 16), pieces);
         let kept = if floats == 0 {
             None
         } else if values == Values::Bf16 {

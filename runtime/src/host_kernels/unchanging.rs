@@ -33,10 +33,21 @@ pub fn budget() -> usize {
     })
 }
 
-/// A product's panels of one weight: its address, `n`, `k`, whether it is stored `[N, K]`, the
+/// What a kernel keeps of one weight: its address, `n`, `k`, whether it is stored `[N, K]`, the
 /// kernel offsets of a convolution's weight whose K it reorders (`gemm::tap_major`; 1 for a
-/// matrix), and the values whose AMX pieces they are (`amx::pack`), `None` for f32 panels.
-pub(super) type PanelKey = (usize, usize, usize, bool, usize, Option<Values>);
+/// matrix), and how it is packed.
+pub(super) type PanelKey = (usize, usize, usize, bool, usize, Packed);
+
+/// How a kept weight is packed.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) enum Packed {
+    /// A product's f32 panels (`gemm::pack_all`).
+    Panels,
+    /// The AMX pieces of these values (`amx::pack`).
+    Pieces(Values),
+    /// A bf16 3×3 convolution's weight with its channels in pairs (`conv::paired_weight`).
+    ChannelPairs,
+}
 
 struct Range {
     end: usize,
@@ -154,7 +165,7 @@ mod tests {
     }
 
     fn kept(start: usize) -> bool {
-        panels((start, 32, 1, true, 1, None), (128, 32), || vec![Line([0.0; 16]); 2]).is_some()
+        panels((start, 32, 1, true, 1, Packed::Panels), (128, 32), || vec![Line([0.0; 16]); 2]).is_some()
     }
 
     #[test]
@@ -164,7 +175,7 @@ mod tests {
         let declared = declare(b, 4096);
         let mut packs = 0;
         for _ in 0..3 {
-            panels((b + 1024, 32, 1, true, 1, None), (128, 32), || {
+            panels((b + 1024, 32, 1, true, 1, Packed::Panels), (128, 32), || {
                 packs += 1;
                 vec![Line([1.0; 16]); 2]
             })
@@ -190,9 +201,9 @@ mod tests {
     fn a_newer_declaration_displaces_and_survives_the_older_one() {
         let b = base(3);
         let old = declare(b, 4096);
-        let first = panels((b, 32, 1, true, 1, None), (128, 32), || vec![Line([1.0; 16]); 2]).unwrap();
+        let first = panels((b, 32, 1, true, 1, Packed::Panels), (128, 32), || vec![Line([1.0; 16]); 2]).unwrap();
         let new = declare(b, 4096);
-        let second = panels((b, 32, 1, true, 1, None), (128, 32), || vec![Line([2.0; 16]); 2]).unwrap();
+        let second = panels((b, 32, 1, true, 1, Packed::Panels), (128, 32), || vec![Line([2.0; 16]); 2]).unwrap();
         assert_eq!((first[0].0[0], second[0].0[0]), (1.0, 2.0), "the new value is packed anew");
         drop(old);
         assert!(kept(b), "dropping the displaced declaration leaves the newer one");
