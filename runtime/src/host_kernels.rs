@@ -49,7 +49,7 @@ pub const BF16_MATMUL_NN_BIAS_GELU_TANH_TARGET: &str = "tpu_dynamo.bf16_matmul_n
 /// The same with SiLU of the rounded sums, times a bf16 factor shaped as the result (Llama's MLP).
 pub const BF16_MATMUL_NT_SILU_TIMES_TARGET: &str = "tpu_dynamo.bf16_matmul_nt_silu_times";
 pub const BF16_MATMUL_NN_SILU_TIMES_TARGET: &str = "tpu_dynamo.bf16_matmul_nn_silu_times";
-/// The custom call targets of a bf16 convolution as a product on AMX tiles: its windows `[N·P,
+/// The custom call targets of a bf16 convolution as a product on the tiles: its windows `[N·P,
 /// T·C]` (a row per output position: the T kernel offsets' C channels each, offset-major) times
 /// its weight as it lies, `[O, C, *kernel]` (T = the kernel's positions), and the same adding a
 /// bias `[O]` to the f32 sums before they are rounded.
@@ -691,13 +691,7 @@ unsafe extern "C" fn bf16_conv3x3(frame: *mut FfiCallFrame) -> *mut c_void {
     let (Some(shape), true, true) = (shape, [x, w, y].iter().all(|b| b.dtype == XLA_FFI_BF16), bias_fits) else {
         return error(frame, target, &format!("expects bf16 x [N, C/2, H, W, 2], w [O, C, 3, 3] and y [N, O, H, W], a bias [O] (bf16 or f32) or none, got {xd:?}, {wd:?}, {yd:?}"));
     };
-    // The weight's channels paired once per version where it is declared unchanging, else here.
     let (outputs, channels) = (wd[0] as usize, wd[1] as usize);
-    let pair = || conv::paired_weight(w.data as *const u16, outputs, channels);
-    let key = (w.data as usize, outputs, channels * 9, true, 9, unchanging::Packed::ChannelPairs);
-    let lines = (outputs * shape.channels * 9).div_ceil(16);
-    let kept = unchanging::panels(key, (outputs * channels * 18, lines * 16), pair);
-    let paired: std::sync::Arc<[gemm::Line]> = kept.unwrap_or_else(|| pair().into());
     let bias: Vec<f32> = match bias {
         Some(b) if b.dtype == XLA_FFI_BF16 => std::slice::from_raw_parts(b.data as *const u16, shape.outputs).iter().map(|&v| bf16_to_f32(v)).collect(),
         Some(b) => std::slice::from_raw_parts(b.data as *const f32, shape.outputs).to_vec(),
@@ -705,6 +699,12 @@ unsafe extern "C" fn bf16_conv3x3(frame: *mut FfiCallFrame) -> *mut c_void {
     };
     let (xla, threads) = XlaPool::with_threads(frame);
     let ran = std::panic::catch_unwind(|| {
+        // The weight's channels paired once per version where it is declared unchanging, else here.
+        let pair = || conv::paired_weight(w.data as *const u16, outputs, channels);
+        let key = (w.data as usize, outputs, channels * 9, true, 9, unchanging::Packed::ChannelPairs);
+        let lines = (outputs * shape.channels * 9).div_ceil(16);
+        let kept = unchanging::panels(key, (outputs * channels * 18, lines * 16), pair);
+        let paired: std::sync::Arc<[gemm::Line]> = kept.unwrap_or_else(|| pair().into());
         let bias = if bias.is_empty() { std::ptr::null() } else { bias.as_ptr() };
         let operands = conv::Operands::Bf16Pairs { x: x.data as *const u32, w: paired.as_ptr() as *const u32, y: y.data as *mut u16, bias };
         let (job, units) = conv::Conv::new(operands, shape, threads);

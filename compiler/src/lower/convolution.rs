@@ -167,11 +167,11 @@ fn host_conv3x3<'a>(
 /// A bf16 convolution of 3×3 windows, stride 1, padding 1, undilated, by our kernel on AVX-512
 /// BF16, where the plugin has it: the input's channels in pairs (`[N, C/2, H, W, 2]`, an odd
 /// count padded by a zero one; the kernel pairs the weight's once per weight version), the bias
-/// added to the f32 sums before their one rounding. XLA:CPU
-/// convolves bf16 in f32 (ms, ours against XLA's, eager's): a VAE decoder's `[1, 128, 256, 256]`
-/// 55 / 100-186 (63), `[1, 256, 128, 128]` 55 / 96 (55), SD1.5's `[2, 320, 64, 64]` 44 / 76 (39-43)
-/// and `[2, 320, 32, 32]` 11 / 21 (9-17); at many channels on few positions the weight's
-/// broadcasts leave L1 and the windows' product leads (`[2, 640, 16, 16]` 25 against 16).
+/// added to the f32 sums before their one rounding. XLA:CPU convolves bf16 in f32 (ms, ours
+/// against XLA's, eager's): a VAE decoder's `[1, 128, 256, 256]` 55 / 100-186 (63), `[1, 256,
+/// 128, 128]` 55 / 96 (55), SD1.5's `[2, 320, 64, 64]` 44 / 76 (39-43) and `[2, 320, 32, 32]` 11 /
+/// 21 (9-17); at many channels on few positions the weight's broadcasts leave L1 and the windows'
+/// product leads (`[2, 640, 16, 16]` 25 against 16).
 fn host_bf16_conv3x3<'a>(
     n: &NodeCtx<'a>,
     x: &Val<'a>,
