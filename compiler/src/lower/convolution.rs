@@ -341,11 +341,26 @@ fn stacked_windows<'a>(
     let (channels, batch) = (x.shape()[0], x.shape()[1]);
     let positions = batch * out_spatial.iter().product::<i64>();
     let offsets: i64 = kernel.iter().product();
-    let windows = (0..offsets)
-        .map(|k| b.reshape(&offset_slice(b, x, 2, k, kernel, stride, dilation, out_spatial)?, &[channels, 1, positions]))
+    let one_offset = [channels, 1, positions];
+    stacked_offsets(b, x, 2, (kernel, stride, dilation), out_spatial, (&one_offset, 1), [channels * offsets, positions])
+}
+
+/// Every kernel offset's slice of the padded `x` (`offset_slice`; its spatial dims from dim
+/// `first`), each reshaped to `one_offset` and concatenated along `axis`, read as `matrix`.
+fn stacked_offsets<'a>(
+    b: &Builder<'a>,
+    x: &Val<'a>,
+    first: usize,
+    (kernel, stride, dilation): (&[i64], &[i64], &[i64]),
+    out_spatial: &[i64],
+    (one_offset, axis): (&[i64], usize),
+    matrix: [i64; 2],
+) -> R<Val<'a>> {
+    let offsets: i64 = kernel.iter().product();
+    let slices = (0..offsets)
+        .map(|k| b.reshape(&offset_slice(b, x, first, k, kernel, stride, dilation, out_spatial)?, one_offset))
         .collect::<R<Vec<_>>>()?;
-    let windows = b.concat(&windows.iter().collect::<Vec<_>>(), 1)?;
-    b.reshape(&windows, &[channels * offsets, positions])
+    b.reshape(&b.concat(&slices.iter().collect::<Vec<_>>(), axis)?, &matrix)
 }
 
 /// What kernel offset `k` (row-major over `kernel`) reads of the padded `x`, whose spatial dims
@@ -425,7 +440,8 @@ fn bf16_windows_on_tiles<'a>(
     let high: Vec<i64> = [0, 0].into_iter().chain(pads.iter().map(|p| p.1)).collect();
     let to_last: Vec<usize> = [0].into_iter().chain(2..2 + spatial).chain([1]).collect();
     let x = b.transpose(&b.pad(x, &zero, &low, &high, &vec![0; spatial + 2])?, &to_last)?;
-    let row_bytes = 2 * (positions / out_spatial[0]) * channels * kernel.iter().product::<i64>();
+    let offsets: i64 = kernel.iter().product();
+    let row_bytes = 2 * (positions / out_spatial[0]) * channels * offsets;
     let band = (BF16_WINDOWS_BAND_BYTES / row_bytes).clamp(1, out_spatial[0]);
     let bands = (0..out_spatial[0])
         .step_by(band as usize)
@@ -434,7 +450,11 @@ fn bf16_windows_on_tiles<'a>(
             let reach = (rows - 1) * stride[0] + dilation[0] * (kernel[0] - 1) + 1;
             let x = b.slice_dim(&x, 1, first * stride[0], first * stride[0] + reach, 1)?;
             let band_spatial: Vec<i64> = [rows].into_iter().chain(out_spatial[1..].iter().copied()).collect();
-            let windows = windows_by_position(b, &x, kernel, stride, dilation, &band_spatial)?;
+            // [N·P, T·C]: a row per output position, its window's values offset by offset, each
+            // offset's channels together.
+            let one_offset: Vec<i64> = [batch].into_iter().chain(band_spatial.iter().copied()).chain([1, channels]).collect();
+            let matrix = [batch * band_spatial.iter().product::<i64>(), channels * offsets];
+            let windows = stacked_offsets(b, &x, 1, (kernel, stride, dilation), &band_spatial, (&one_offset, spatial + 1), matrix)?;
             let operands: Vec<&Val<'a>> = [&windows, w].into_iter().chain(bias.as_ref()).collect();
             let result = TensorType::new(DType::Bf16, vec![windows.shape()[0], out_channels]);
             let y = b.host_call(target, &operands, vec![result])?.remove(0);
@@ -448,26 +468,6 @@ fn bf16_windows_on_tiles<'a>(
     Ok(Some(b.transpose(&y, &perm)?))
 }
 
-/// `[N·P, T·C]` windows of the padded `x` `[N, *S, C]`: a row per output position (`P` of
-/// them), its window's values offset by offset, each offset's `C` channels together.
-fn windows_by_position<'a>(
-    b: &Builder<'a>,
-    x: &Val<'a>,
-    kernel: &[i64],
-    stride: &[i64],
-    dilation: &[i64],
-    out_spatial: &[i64],
-) -> R<Val<'a>> {
-    let (batch, channels) = (x.shape()[0], x.shape()[x.rank() - 1]);
-    let offsets: i64 = kernel.iter().product();
-    let one_offset: Vec<i64> = [batch].into_iter().chain(out_spatial.iter().copied()).chain([1, channels]).collect();
-    let slices = (0..offsets)
-        .map(|k| b.reshape(&offset_slice(b, x, 1, k, kernel, stride, dilation, out_spatial)?, &one_offset))
-        .collect::<R<Vec<_>>>()?;
-    let windows = b.concat(&slices.iter().collect::<Vec<_>>(), kernel.len() + 1)?;
-    let positions = batch * out_spatial.iter().product::<i64>();
-    b.reshape(&windows, &[positions, channels * offsets])
-}
 
 /// Channels (in and out) and output positions (all images) from which a 3×3 convolution is
 /// computed by `winograd`: there its 16 products of `[O, C] × [C, tiles]` do 4/9 of the direct

@@ -255,26 +255,39 @@ mod x86 {
     use std::arch::x86_64::*;
     use std::mem::transmute;
 
-    /// `M` output channels at the pair's first vector of positions, and its second when `WIDE`.
-    #[target_feature(enable = "avx512f,fma")]
-    pub(super) unsafe fn tile<const M: usize, const WIDE: bool>(s: &Shape, x: *const f32, w: *const f32, y: *mut f32, pair: &[Positions; 2]) {
-        let (plane, per_output) = (s.plane(), s.channels * 9);
-        let mut lo = [_mm512_setzero_ps(); M];
-        let mut hi = [_mm512_setzero_ps(); M];
-        for c in 0..s.channels {
-            let (xc, wc) = (x.add(c * plane), w.add(c * 9));
-            for t in 0..9 {
-                let load = |p: &Positions| _mm512_maskz_loadu_ps(p.taps[t].mask, xc.wrapping_offset(p.taps[t].offset));
-                let (b0, b1) = (load(&pair[0]), if WIDE { load(&pair[1]) } else { _mm512_setzero_ps() });
-                for r in 0..M {
-                    let a = _mm512_set1_ps(*wc.add(r * per_output + t));
-                    lo[r] = _mm512_fmadd_ps(a, b0, lo[r]);
-                    if WIDE {
-                        hi[r] = _mm512_fmadd_ps(a, b1, hi[r]);
+    /// The sums both tiles keep, `M` outputs by the pair's two vectors (the second `WIDE` only):
+    /// each channel's (or pair's) nine taps, a tap's inputs `load`ed once (a mask and an address)
+    /// and multiplied by each output's weight (`broadcast`), added by `add(sums, weight, inputs)`.
+    macro_rules! tap_sums {
+        ($s:expr, ($x:expr, $w:expr), $pair:expr, $load:expr, $broadcast:expr, $add:expr) => {{
+            let (plane, per_output) = ($s.plane(), $s.channels * 9);
+            let mut lo = [_mm512_setzero_ps(); M];
+            let mut hi = [_mm512_setzero_ps(); M];
+            for c in 0..$s.channels {
+                let (xc, wc) = ($x.add(c * plane), $w.add(c * 9));
+                for t in 0..9 {
+                    let load = |p: &Positions| $load(p.taps[t].mask, xc.wrapping_offset(p.taps[t].offset));
+                    let b0 = load(&$pair[0]);
+                    // The second vector's load is skipped (its sums unused) where it is not `WIDE`.
+                    let b1 = if WIDE { load(&$pair[1]) } else { b0 };
+                    for r in 0..M {
+                        let a = $broadcast(*wc.add(r * per_output + t));
+                        lo[r] = $add(lo[r], a, b0);
+                        if WIDE {
+                            hi[r] = $add(hi[r], a, b1);
+                        }
                     }
                 }
             }
-        }
+            (lo, hi)
+        }};
+    }
+
+    /// `M` output channels at the pair's first vector of positions, and its second when `WIDE`.
+    #[target_feature(enable = "avx512f,fma")]
+    pub(super) unsafe fn tile<const M: usize, const WIDE: bool>(s: &Shape, x: *const f32, w: *const f32, y: *mut f32, pair: &[Positions; 2]) {
+        let plane = s.plane();
+        let (lo, hi) = tap_sums!(s, (x, w), pair, _mm512_maskz_loadu_ps, _mm512_set1_ps, |sums, a, b| _mm512_fmadd_ps(a, b, sums));
         for r in 0..M {
             _mm512_mask_storeu_ps(y.add(r * plane + pair[0].at), pair[0].mask, lo[r]);
             if WIDE {
@@ -292,23 +305,10 @@ mod x86 {
         (x, w, y, bias): (*const u32, *const u32, *mut u16, *const f32),
         pair: &[Positions; 2],
     ) {
-        let (plane, per_output) = (s.plane(), s.channels * 9);
-        let mut lo = [_mm512_setzero_ps(); M];
-        let mut hi = [_mm512_setzero_ps(); M];
-        for c in 0..s.channels {
-            let (xc, wc) = (x.add(c * plane), w.add(c * 9));
-            for t in 0..9 {
-                let load = |p: &Positions| -> __m512bh { transmute(_mm512_maskz_loadu_epi32(p.taps[t].mask, xc.wrapping_offset(p.taps[t].offset) as *const i32)) };
-                let (b0, b1) = (load(&pair[0]), if WIDE { load(&pair[1]) } else { transmute::<__m512i, __m512bh>(_mm512_setzero_si512()) });
-                for r in 0..M {
-                    let a: __m512bh = transmute(_mm512_set1_epi32(*wc.add(r * per_output + t) as i32));
-                    lo[r] = _mm512_dpbf16_ps(lo[r], a, b0);
-                    if WIDE {
-                        hi[r] = _mm512_dpbf16_ps(hi[r], a, b1);
-                    }
-                }
-            }
-        }
+        let plane = s.plane();
+        let load = |mask, at: *const u32| transmute::<__m512i, __m512bh>(_mm512_maskz_loadu_epi32(mask, at as *const i32));
+        let broadcast = |pair: u32| transmute::<__m512i, __m512bh>(_mm512_set1_epi32(pair as i32));
+        let (lo, hi) = tap_sums!(s, (x, w), pair, load, broadcast, |sums, a, b| _mm512_dpbf16_ps(sums, a, b));
         for r in 0..M {
             let b = if bias.is_null() { _mm512_setzero_ps() } else { _mm512_set1_ps(*bias.add(r)) };
             let rounded = transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(_mm512_add_ps(lo[r], b)));
