@@ -366,8 +366,12 @@ BF16_CONVS = [
 ]
 # (input shape, output channels): 3×3 convolutions of stride 1 and padding 1 for the bf16
 # kernel: SD1.5's UNet's first width at batch 2, a VAE decoder's last, odd channel counts (a
-# zero channel pads the pairs), planes narrower than a vector, output channels off its twelve.
-BF16_3X3_CONVS = [((2, 320, 32, 32), 320), ((1, 128, 64, 64), 128), ((1, 7, 9, 13), 13), ((2, 4, 5, 7), 30), ((1, 33, 16, 40), 64)]
+# zero channel pads the pairs), planes narrower than a vector, output channels off its twelve,
+# and windows small enough for XLA's product on a plane of 256 positions (the kernel's first).
+BF16_3X3_CONVS = [
+    ((2, 320, 32, 32), 320), ((1, 128, 64, 64), 128), ((1, 7, 9, 13), 13), ((2, 4, 5, 7), 30), ((1, 33, 16, 40), 64),
+    ((1, 256, 16, 16), 256),
+]
 
 
 def bf16_conv_layer(shape, out, form, bias=True):
@@ -425,13 +429,14 @@ def check_bf16_convolution(shape, out, form, bias, compiled, kernels, calls):
 
 
 @needs_f32_kernels
-@pytest.mark.parametrize("form", ["grouped", "transposed", "weight_given_strided", "f32", "narrow_strided"])
+@pytest.mark.parametrize("form", ["grouped", "transposed", "weight_given_strided", "f32", "narrow_strided", "few_positions"])
 def test_other_bf16_convolutions_stay_xla_s(form, compiled):
     """Grouped and transposed convolutions, a strided one of a weight given as an input (not kept
     on the tiles) or of fewer than 256 outputs (where writing the windows costs what the tiles
-    save), and f32 ones are neither bf16 kernel's; eager's values either way."""
+    save), f32 ones, and a 3×3 one whose windows are XLA's product on planes of fewer than 256
+    positions are neither bf16 kernel's; eager's values either way."""
     torch.manual_seed(1)
-    shape, out = (1, 32, 24, 24), 128 if form == "narrow_strided" else 256
+    shape, out = ((2, 256, 8, 8), 256) if form == "few_positions" else ((1, 32, 24, 24), 128 if form == "narrow_strided" else 256)
     dtype = torch.float32 if form == "f32" else torch.bfloat16
     x = torch.randn(shape, dtype=dtype)
     if form == "grouped":

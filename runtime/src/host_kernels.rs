@@ -702,7 +702,7 @@ unsafe extern "C" fn bf16_conv3x3(frame: *mut FfiCallFrame) -> *mut c_void {
         // The weight's channels paired once per version where it is declared unchanging, else here.
         let pair = || conv::paired_weight(w.data as *const u16, outputs, channels);
         let key = (w.data as usize, outputs, channels * 9, true, 9, unchanging::Packed::ChannelPairs);
-        let lines = (outputs * shape.channels * 9).div_ceil(16);
+        let lines = conv::paired_weight_u32s(outputs, shape.channels).div_ceil(16);
         let kept = unchanging::panels(key, (outputs * channels * 18, lines * 16), pair);
         let paired: std::sync::Arc<[gemm::Line]> = kept.unwrap_or_else(|| pair().into());
         let bias = if bias.is_empty() { std::ptr::null() } else { bias.as_ptr() };

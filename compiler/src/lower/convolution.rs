@@ -1,8 +1,9 @@
 //! Convolution (`aten.convolution`, NCHW / OIHW, any number of spatial dims), lowered one of six
 //! ways: a wide 3×3 one in f32 by Winograd's minimal filtering (`winograd`); where the input's
 //! windows are no larger than the padded input or the weight, as one matrix product of the weight
-//! and the windows (`windows_product`); a 3×3 one in bf16 (stride 1, padding 1) by our host
-//! kernel (`host_bf16_conv3x3`), another wide one in bf16 as its windows times its weight on our
+//! and the windows (`windows_product`; a 3×3 one in bf16 of stride 1 and padding 1 whose images
+//! have 256 positions or more goes to our kernel first, `host_bf16_conv3x3`), another 3×3 one in
+//! bf16 (stride 1, padding 1) by that kernel, another wide one in bf16 as its windows times its weight on our
 //! product kernel's tiles (`bf16_windows_on_tiles`); a narrower 3×3 one in f32 (stride 1, padding
 //! 1) by our host kernel (`host_conv3x3`); otherwise as StableHLO's convolution.
 
@@ -79,9 +80,12 @@ fn convolution(n: NodeCtx<'_>) -> Res<'_> {
     }
     if !transposed && groups == 1 {
         let out_spatial = &shape[2..];
+        let small = windows_are_small(&x, &w, &shape, &window_strides, &dilation, &pads);
         let y = if winograd_pays(&x, &w, &shape, (&window_strides, &pads, &dilation), out) {
             Some(winograd(b, &x, &w, &pads, out_spatial)?)
-        } else if windows_are_small(&x, &w, &shape, &window_strides, &dilation, &pads) {
+        } else if let Some(y) = host_bf16_conv3x3(&n, &x, &w, (&window_strides, &pads, &dilation), out, small)? {
+            return Ok(vec![y]);
+        } else if small {
             Some(windows_product(
                 b,
                 &x,
@@ -92,8 +96,6 @@ fn convolution(n: NodeCtx<'_>) -> Res<'_> {
                 out_spatial,
                 opmath(out),
             )?)
-        } else if let Some(y) = host_bf16_conv3x3(&n, &x, &w, (&window_strides, &pads, &dilation), out)? {
-            return Ok(vec![y]);
         } else if let Some(y) = bf16_windows_on_tiles(&n, &x, &w, (&window_strides, &pads, &dilation), &shape, out)? {
             return Ok(vec![y]);
         } else {
@@ -164,20 +166,27 @@ fn host_conv3x3<'a>(
     Ok(Some(b.host_call(target, &[x, w], vec![TensorType::new(DType::F32, out_shape.to_vec())])?.remove(0)))
 }
 
+/// Positions of an image from which `host_bf16_conv3x3` takes a 3×3 convolution whose windows
+/// are small enough for XLA's product of the weight and the windows (ms, ours against that
+/// product's): `[2, 640, 16, 16]` 9.8 / 12.9, `[2, 1280, 16, 16]` 40 / 48, `[2, 1280, 8, 8]` 12.0 /
+/// 11.4, `[2, 1280, 4, 4]` 3.5 / 3.2.
+const BF16_DIRECT_MIN_PLANE: i64 = 256;
+
 /// A bf16 convolution of 3×3 windows, stride 1, padding 1, undilated, by our kernel on AVX-512
 /// BF16, where the plugin has it: the input's channels in pairs (`[N, C/2, H, W, 2]`, an odd
 /// count padded by a zero one; the kernel pairs the weight's once per weight version), the bias
 /// added to the f32 sums before their one rounding. XLA:CPU convolves bf16 in f32 (ms, ours
 /// against XLA's, eager's): a VAE decoder's `[1, 128, 256, 256]` 55 / 100-186 (63), `[1, 256,
-/// 128, 128]` 55 / 96 (55), SD1.5's `[2, 320, 64, 64]` 44 / 76 (39-43) and `[2, 320, 32, 32]` 11 /
-/// 21 (9-17); at many channels on few positions the weight's broadcasts leave L1 and the windows'
-/// product leads (`[2, 640, 16, 16]` 25 against 16).
+/// 128, 128]` 55 / 96 (55), SD1.5's `[2, 320, 64, 64]` 44 / 76 (39-43), `[2, 320, 32, 32]` 9.7 /
+/// 21 (8.5-11) and `[2, 640, 32, 32]` 38 / — (34-35). Where the windows are `small` (XLA's
+/// product) only from `BF16_DIRECT_MIN_PLANE` positions an image.
 fn host_bf16_conv3x3<'a>(
     n: &NodeCtx<'a>,
     x: &Val<'a>,
     w: &Val<'a>,
     (stride, pads, dilation): (&[i64], &[(i64, i64)], &[i64]),
     out: DType,
+    small: bool,
 ) -> R<Option<Val<'a>>> {
     let b = &n.b;
     let Some(target) = lowering_target().host_bf16_conv3x3 else { return Ok(None) };
@@ -188,6 +197,7 @@ fn host_bf16_conv3x3<'a>(
         && stride == [1, 1]
         && pads == [(1, 1), (1, 1)]
         && dilation == [1, 1]
+        && (!small || x.shape()[2] * x.shape()[3] >= BF16_DIRECT_MIN_PLANE)
         && [x.dtype(), w.dtype(), out] == [DType::Bf16; 3]
         && bias.as_ref().is_none_or(|bias| bias.shape() == [out_channels] && matches!(bias.dtype(), DType::Bf16 | DType::F32));
     if !fits {

@@ -171,12 +171,18 @@ impl Chunked for Conv {
 pub(super) unsafe fn paired_weight(w: *const u16, outputs: usize, channels: usize) -> Vec<Line> {
     let pairs = channels.div_ceil(2);
     let w = std::slice::from_raw_parts(w, outputs * channels * 9);
-    let mut lines = vec![Line([0.0; 16]); (outputs * pairs * 9).div_ceil(16)];
+    let mut lines = vec![Line([0.0; 16]); paired_weight_u32s(outputs, pairs).div_ceil(16)];
     let paired = std::slice::from_raw_parts_mut(lines.as_mut_ptr() as *mut u32, lines.len() * 16);
     for (o, c, t) in (0..outputs).flat_map(|o| (0..channels).flat_map(move |c| (0..9).map(move |t| (o, c, t)))) {
-        paired[(o * pairs + c / 2) * 9 + t] |= u32::from(w[(o * channels + c) * 9 + t]) << (16 * (c % 2));
+        let (group, row) = (o / ROWS, o % ROWS);
+        paired[((group * pairs + c / 2) * 9 + t) * ROWS + row] |= u32::from(w[(o * channels + c) * 9 + t]) << (16 * (c % 2));
     }
     lines
+}
+
+/// The u32s of `paired_weight`'s result.
+pub(super) fn paired_weight_u32s(outputs: usize, pairs: usize) -> usize {
+    outputs.div_ceil(ROWS) * ROWS * pairs * 9
 }
 
 /// Whether this CPU runs bf16 convolutions (`Operands::Bf16Pairs`).
@@ -251,7 +257,7 @@ unsafe fn tile(s: &Shape, x: *const f32, w: *const f32, y: *mut f32, pair: &[Pos
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{Positions, Shape};
+    use super::{Positions, Shape, ROWS};
     use std::arch::x86_64::*;
     use std::mem::transmute;
 
@@ -259,19 +265,19 @@ mod x86 {
     /// each channel's (or pair's) nine taps, a tap's inputs `load`ed once (a mask and an address)
     /// and multiplied by each output's weight (`broadcast`), added by `add(sums, weight, inputs)`.
     macro_rules! tap_sums {
-        ($s:expr, ($x:expr, $w:expr), $pair:expr, $load:expr, $broadcast:expr, $add:expr) => {{
-            let (plane, per_output) = ($s.plane(), $s.channels * 9);
+        ($s:expr, ($x:expr, $w:expr, $per_channel:expr, $per_tap:expr, $per_output:expr), $pair:expr, $load:expr, $broadcast:expr, $add:expr) => {{
+            let plane = $s.plane();
             let mut lo = [_mm512_setzero_ps(); M];
             let mut hi = [_mm512_setzero_ps(); M];
             for c in 0..$s.channels {
-                let (xc, wc) = ($x.add(c * plane), $w.add(c * 9));
+                let (xc, wc) = ($x.add(c * plane), $w.add(c * $per_channel));
                 for t in 0..9 {
                     let load = |p: &Positions| $load(p.taps[t].mask, xc.wrapping_offset(p.taps[t].offset));
                     let b0 = load(&$pair[0]);
                     // The second vector's load is skipped (its sums unused) where it is not `WIDE`.
                     let b1 = if WIDE { load(&$pair[1]) } else { b0 };
                     for r in 0..M {
-                        let a = $broadcast(*wc.add(r * per_output + t));
+                        let a = $broadcast(*wc.add(r * $per_output + t * $per_tap));
                         lo[r] = $add(lo[r], a, b0);
                         if WIDE {
                             hi[r] = $add(hi[r], a, b1);
@@ -287,7 +293,7 @@ mod x86 {
     #[target_feature(enable = "avx512f,fma")]
     pub(super) unsafe fn tile<const M: usize, const WIDE: bool>(s: &Shape, x: *const f32, w: *const f32, y: *mut f32, pair: &[Positions; 2]) {
         let plane = s.plane();
-        let (lo, hi) = tap_sums!(s, (x, w), pair, _mm512_maskz_loadu_ps, _mm512_set1_ps, |sums, a, b| _mm512_fmadd_ps(a, b, sums));
+        let (lo, hi) = tap_sums!(s, (x, w, 9, 1, s.channels * 9), pair, _mm512_maskz_loadu_ps, _mm512_set1_ps, |sums, a, b| _mm512_fmadd_ps(a, b, sums));
         for r in 0..M {
             _mm512_mask_storeu_ps(y.add(r * plane + pair[0].at), pair[0].mask, lo[r]);
             if WIDE {
@@ -308,7 +314,7 @@ mod x86 {
         let plane = s.plane();
         let load = |mask, at: *const u32| transmute::<__m512i, __m512bh>(_mm512_maskz_loadu_epi32(mask, at as *const i32));
         let broadcast = |pair: u32| transmute::<__m512i, __m512bh>(_mm512_set1_epi32(pair as i32));
-        let (lo, hi) = tap_sums!(s, (x, w), pair, load, broadcast, |sums, a, b| _mm512_dpbf16_ps(sums, a, b));
+        let (lo, hi) = tap_sums!(s, (x, w, 9 * ROWS, ROWS, 1), pair, load, broadcast, |sums, a, b| _mm512_dpbf16_ps(sums, a, b));
         for r in 0..M {
             let b = if bias.is_null() { _mm512_setzero_ps() } else { _mm512_set1_ps(*bias.add(r)) };
             let rounded = transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(_mm512_add_ps(lo[r], b)));
