@@ -398,11 +398,21 @@ unsafe fn executes(frame: &mut FfiCallFrame) -> bool {
     frame.stage == XLA_FFI_STAGE_EXECUTE
 }
 
-/// The product handlers XLA calls, each `handle` for its target, layout, operands and epilogue.
+/// How a product handler reads its weight: a matrix stored `[N, K]` or `[K, N]`, or a
+/// convolution's `[O, C, *kernel]` against its windows (the matrix `[O, T·C]`, its K reordered
+/// by `gemm::tap_major`).
+#[derive(Clone, Copy, PartialEq)]
+enum Weight {
+    RowPerOutput,
+    RowPerInput,
+    Windows,
+}
+
+/// The product handlers XLA calls, each `handle` for its target, weight, operands and epilogue.
 macro_rules! product_handlers {
-    ($($name:ident: $target:ident, $layout:ident, $operands:ident, $epilogue:expr;)*) => {
+    ($($name:ident: $target:ident, $weight:ident, $operands:ident, $epilogue:expr;)*) => {
         $(unsafe extern "C" fn $name(frame: *mut FfiCallFrame) -> *mut c_void {
-            handle(&mut *frame, $target, Layout::$layout, $operands, $epilogue)
+            handle(&mut *frame, $target, Weight::$weight, $operands, $epilogue)
         })*
     };
 }
@@ -418,8 +428,8 @@ product_handlers! {
     bf16_matmul_nn_bias_gelu_tanh: BF16_MATMUL_NN_BIAS_GELU_TANH_TARGET, RowPerInput, XLA_FFI_BF16, Some(Activation::GeluTanh);
     bf16_matmul_nt_silu_times: BF16_MATMUL_NT_SILU_TIMES_TARGET, RowPerOutput, XLA_FFI_BF16, Some(Activation::Silu);
     bf16_matmul_nn_silu_times: BF16_MATMUL_NN_SILU_TIMES_TARGET, RowPerInput, XLA_FFI_BF16, Some(Activation::Silu);
-    bf16_conv_windows: BF16_CONV_WINDOWS_TARGET, RowPerOutput, XLA_FFI_BF16, None;
-    bf16_conv_windows_bias: BF16_CONV_WINDOWS_BIAS_TARGET, RowPerOutput, XLA_FFI_BF16, Some(Activation::Identity);
+    bf16_conv_windows: BF16_CONV_WINDOWS_TARGET, Windows, XLA_FFI_BF16, None;
+    bf16_conv_windows_bias: BF16_CONV_WINDOWS_BIAS_TARGET, Windows, XLA_FFI_BF16, Some(Activation::Identity);
     f32_matmul_nt: F32_MATMUL_NT_TARGET, RowPerOutput, XLA_FFI_F32, None;
     f32_matmul_nn: F32_MATMUL_NN_TARGET, RowPerInput, XLA_FFI_F32, None;
     f32_matmul_nt_bias: F32_MATMUL_NT_BIAS_TARGET, RowPerOutput, XLA_FFI_F32, Some(Activation::Identity);
@@ -436,7 +446,7 @@ product_handlers! {
 /// added (f32; a bf16 product's bf16, to its f32 sums before they are rounded) and the activation
 /// applied, or SiLU applied and the result multiplied by a factor. Answers XLA's metadata query
 /// at registration; never unwinds into the plugin.
-unsafe fn handle(frame: &mut FfiCallFrame, target: &'static str, layout: Layout, operands: c_int, epilogue: Option<Activation>) -> *mut c_void {
+unsafe fn handle(frame: &mut FfiCallFrame, target: &'static str, weight: Weight, operands: c_int, epilogue: Option<Activation>) -> *mut c_void {
     if !executes(frame) {
         return std::ptr::null_mut();
     }
@@ -446,9 +456,9 @@ unsafe fn handle(frame: &mut FfiCallFrame, target: &'static str, layout: Layout,
     }
     let (x, w, y) = (&**frame.args.items, &**frame.args.items.add(1), &**frame.rets.items);
     let (xd, wd, yd) = (dims(x), dims(w), dims(y));
-    // A convolution's weight `[O, C, *kernel]` is the matrix `[O, T·C]` with K's order changed
-    // (`taps`: the kernel's T positions; `gemm::tap_major`).
-    let convolution = [BF16_CONV_WINDOWS_TARGET, BF16_CONV_WINDOWS_BIAS_TARGET].contains(&target);
+    // `taps`: a convolution's kernel positions, the T of its `[O, T·C]`.
+    let convolution = weight == Weight::Windows;
+    let layout = if weight == Weight::RowPerInput { Layout::RowPerInput } else { Layout::RowPerOutput };
     let (w_matrix, taps) = match (convolution, wd) {
         (false, &[rows_w, cols_w]) => (Some((rows_w, cols_w)), 1),
         (true, &[outputs, channels, ref kernel @ ..]) if !kernel.is_empty() => {
@@ -475,7 +485,7 @@ unsafe fn handle(frame: &mut FfiCallFrame, target: &'static str, layout: Layout,
             let (mut data, none) = (third.data as *const f32, std::ptr::null());
             let half = operands == XLA_FFI_BF16 && third.dtype == XLA_FFI_BF16;
             if half && dims(third) == [n] {
-                widened = std::slice::from_raw_parts(third.data as *const u16, n as usize).iter().map(|&v| bf16_to_f32(v)).collect();
+                widened = f32_values(third, n as usize);
                 data = widened.as_ptr();
             }
             let (epilogue, fits, expects) = match activation {
@@ -692,11 +702,7 @@ unsafe extern "C" fn bf16_conv3x3(frame: *mut FfiCallFrame) -> *mut c_void {
         return error(frame, target, &format!("expects bf16 x [N, C/2, H, W, 2], w [O, C, 3, 3] and y [N, O, H, W], a bias [O] (bf16 or f32) or none, got {xd:?}, {wd:?}, {yd:?}"));
     };
     let (outputs, channels) = (wd[0] as usize, wd[1] as usize);
-    let bias: Vec<f32> = match bias {
-        Some(b) if b.dtype == XLA_FFI_BF16 => std::slice::from_raw_parts(b.data as *const u16, shape.outputs).iter().map(|&v| bf16_to_f32(v)).collect(),
-        Some(b) => std::slice::from_raw_parts(b.data as *const f32, shape.outputs).to_vec(),
-        None => vec![],
-    };
+    let bias = bias.map_or(vec![], |b| f32_values(b, shape.outputs));
     let (xla, threads) = XlaPool::with_threads(frame);
     let ran = std::panic::catch_unwind(|| {
         // The weight's channels paired once per version where it is declared unchanging, else here.
@@ -841,6 +847,15 @@ unsafe fn norm_buffers<const A: usize, const R: usize>(
 /// A buffer's dims.
 unsafe fn dims(b: &FfiBuffer) -> &[i64] {
     std::slice::from_raw_parts(b.dims, b.rank as usize)
+}
+
+/// The first `n` values of a bf16 or f32 buffer (a bias), as f32.
+unsafe fn f32_values(b: &FfiBuffer, n: usize) -> Vec<f32> {
+    if b.dtype == XLA_FFI_BF16 {
+        std::slice::from_raw_parts(b.data as *const u16, n).iter().map(|&v| bf16_to_f32(v)).collect()
+    } else {
+        std::slice::from_raw_parts(b.data as *const f32, n).to_vec()
+    }
 }
 
 /// The error for `buffers` not of the types and shapes `expects` describes.

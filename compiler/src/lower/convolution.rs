@@ -1,11 +1,11 @@
 //! Convolution (`aten.convolution`, NCHW / OIHW, any number of spatial dims), lowered one of six
-//! ways: a wide 3×3 one in f32 by Winograd's minimal filtering (`winograd`); where the input's
-//! windows are no larger than the padded input or the weight, as one matrix product of the weight
-//! and the windows (`windows_product`; a 3×3 one in bf16 of stride 1 and padding 1 whose images
-//! have 256 positions or more goes to our kernel first, `host_bf16_conv3x3`), another 3×3 one in
-//! bf16 (stride 1, padding 1) by that kernel, another wide one in bf16 as its windows times its weight on our
-//! product kernel's tiles (`bf16_windows_on_tiles`); a narrower 3×3 one in f32 (stride 1, padding
-//! 1) by our host kernel (`host_conv3x3`); otherwise as StableHLO's convolution.
+//! ways: a wide 3×3 one in f32 by Winograd's minimal filtering (`winograd`); a 3×3 one in bf16
+//! (stride 1, padding 1) by our host kernel (`host_bf16_conv3x3`; where its windows are small, only
+//! on images of 256 positions or more); where the input's windows are no larger than the padded
+//! input or the weight, as one matrix product of the weight and the windows (`windows_product`);
+//! another wide one in bf16 as its windows times its weight on our product kernel's tiles
+//! (`bf16_windows_on_tiles`); a narrower 3×3 one in f32 (stride 1, padding 1) by our host kernel
+//! (`host_conv3x3`); otherwise as StableHLO's convolution.
 
 use super::builder::{i64_array, lowering_target, opmath, padding_attr, Builder, Scalar, Val, R};
 use super::{NodeCtx, Registry, Res};
@@ -152,11 +152,7 @@ fn host_conv3x3<'a>(
     out: DType,
 ) -> R<Option<Val<'a>>> {
     let Some(target) = lowering_target().host_conv3x3 else { return Ok(None) };
-    let fits = x.rank() == 4
-        && w.shape()[2..] == [3, 3]
-        && stride == [1, 1]
-        && pads == [(1, 1), (1, 1)]
-        && dilation == [1, 1]
+    let fits = same_3x3(x, w, (stride, pads, dilation))
         && x.dtype() == DType::F32
         && w.dtype() == DType::F32
         && out == DType::F32;
@@ -164,6 +160,17 @@ fn host_conv3x3<'a>(
         return Ok(None);
     }
     Ok(Some(b.host_call(target, &[x, w], vec![TensorType::new(DType::F32, out_shape.to_vec())])?.remove(0)))
+}
+
+/// Whether a 2-D convolution is our 3×3 kernels': 3×3 windows, stride 1, padding 1, undilated
+/// (the output as large as the input).
+fn same_3x3(x: &Val<'_>, w: &Val<'_>, (stride, pads, dilation): (&[i64], &[(i64, i64)], &[i64])) -> bool {
+    x.rank() == 4 && w.shape()[2..] == [3, 3] && stride == [1, 1] && pads == [(1, 1), (1, 1)] && dilation == [1, 1]
+}
+
+/// Whether our bf16 kernels add `bias` to their f32 sums themselves: `[outputs]`, bf16 or f32.
+fn bf16_kernel_bias(bias: &Val<'_>, outputs: i64) -> bool {
+    bias.shape() == [outputs] && matches!(bias.dtype(), DType::Bf16 | DType::F32)
 }
 
 /// Positions of an image from which `host_bf16_conv3x3` takes a 3×3 convolution whose windows
@@ -192,14 +199,10 @@ fn host_bf16_conv3x3<'a>(
     let Some(target) = lowering_target().host_bf16_conv3x3 else { return Ok(None) };
     let bias = n.opt_tensor(2, "bias")?;
     let out_channels = w.shape()[0];
-    let fits = x.rank() == 4
-        && w.shape()[2..] == [3, 3]
-        && stride == [1, 1]
-        && pads == [(1, 1), (1, 1)]
-        && dilation == [1, 1]
+    let fits = same_3x3(x, w, (stride, pads, dilation))
         && (!small || x.shape()[2] * x.shape()[3] >= BF16_DIRECT_MIN_PLANE)
         && [x.dtype(), w.dtype(), out] == [DType::Bf16; 3]
-        && bias.as_ref().is_none_or(|bias| bias.shape() == [out_channels] && matches!(bias.dtype(), DType::Bf16 | DType::F32));
+        && bias.as_ref().is_none_or(|bias| bf16_kernel_bias(bias, out_channels));
     if !fits {
         return Ok(None);
     }
@@ -299,11 +302,15 @@ fn swap_leading(spatial: usize) -> Vec<usize> {
 /// `x` [N, C, *S] as [C, N, *S] (so that channels and positions are a product's rows and
 /// columns), zero-padded by `pads` along the spatial dims.
 fn channels_first_padded<'a>(b: &Builder<'a>, x: &Val<'a>, pads: &[(i64, i64)]) -> R<Val<'a>> {
-    let x = b.transpose(x, &swap_leading(pads.len()))?;
+    padded(b, &b.transpose(x, &swap_leading(pads.len()))?, pads)
+}
+
+/// `x` `[_, _, *S]` zero-padded by `pads` along the spatial dims.
+fn padded<'a>(b: &Builder<'a>, x: &Val<'a>, pads: &[(i64, i64)]) -> R<Val<'a>> {
     let zero = b.scalar(Scalar::Int(0), x.dtype())?;
     let low: Vec<i64> = [0, 0].into_iter().chain(pads.iter().map(|p| p.0)).collect();
     let high: Vec<i64> = [0, 0].into_iter().chain(pads.iter().map(|p| p.1)).collect();
-    b.pad(&x, &zero, &low, &high, &vec![0; pads.len() + 2])
+    b.pad(x, &zero, &low, &high, &vec![0; pads.len() + 2])
 }
 
 /// `[C·K, N·P]` windows of the padded `[C, N, *S]` input `x` that tile it: the input cropped
@@ -437,19 +444,15 @@ fn bf16_windows_on_tiles<'a>(
     let (batch, channels, out_channels) = (x.shape()[0], x.shape()[1], w.shape()[0]);
     let (kernel, out_spatial) = (&w.shape()[2..], &out_shape[2..]);
     let contract: Vec<i64> = (1..w.rank() as i64).collect();
-    let bias_fits = |bias: &Val<'a>| bias.shape() == [out_channels] && matches!(bias.dtype(), DType::Bf16 | DType::F32);
     let positions = output_positions(out_shape);
     let wide = out_channels >= BF16_WINDOWS_MIN_OUTPUTS;
-    if !(wide && bias.as_ref().is_none_or(bias_fits) && b.bf16_rows_on_tiles(positions, w, &[], &contract)) {
+    if !(wide && bias.as_ref().is_none_or(|bias| bf16_kernel_bias(bias, out_channels)) && b.bf16_rows_on_tiles(positions, w, &[], &contract)) {
         return Ok(None);
     }
     // Padded, with the channels last: each kernel offset then reads runs of channels.
     let spatial = kernel.len();
-    let zero = b.scalar(Scalar::Int(0), x.dtype())?;
-    let low: Vec<i64> = [0, 0].into_iter().chain(pads.iter().map(|p| p.0)).collect();
-    let high: Vec<i64> = [0, 0].into_iter().chain(pads.iter().map(|p| p.1)).collect();
     let to_last: Vec<usize> = [0].into_iter().chain(2..2 + spatial).chain([1]).collect();
-    let x = b.transpose(&b.pad(x, &zero, &low, &high, &vec![0; spatial + 2])?, &to_last)?;
+    let x = b.transpose(&padded(b, x, pads)?, &to_last)?;
     let offsets: i64 = kernel.iter().product();
     let row_bytes = 2 * (positions / out_spatial[0]) * channels * offsets;
     let band = (BF16_WINDOWS_BAND_BYTES / row_bytes).clamp(1, out_spatial[0]);
