@@ -501,3 +501,28 @@ def test_an_executable_pads_smaller_inputs_and_cuts_its_results_back():
         assert torch.equal(diff, padded)
     with pytest.raises(ValueError, match=r"input 0: .*\[2,6,4\] is not a corner of .*\[2,5,4\]"):
         exe([torch.randn(2, 6, 4), torch.randn(2, 5, 4)], exe.resized({0: [2, 6, 4]}, {}))
+
+
+def test_small_inputs_are_copied_into_a_buffer_kept_for_them():
+    """A user input of at most 16 KiB is copied into a buffer its executable keeps for it: every
+    call reads its own values, a result returned earlier keeps its own (XLA copies an argument
+    that is returned as it is), and threads calling at once each get theirs."""
+    f = torch.compile(lambda x, big: (x * 2 + 1, x.clone(), big.sum() + x.sum()), backend="tpu", fullgraph=True)
+    big = torch.randn(8192)  # 32 KiB: taken in place
+    xs = [torch.randn(4, 8) for _ in range(6)]
+    before = tpu_dynamo.stats()
+    results = [f(x, big) for x in xs]
+    after = tpu_dynamo.stats()
+    for x, (doubled, same, total) in zip(xs, results):
+        torch.testing.assert_close(doubled, x * 2 + 1)
+        assert torch.equal(same, x)
+        torch.testing.assert_close(total, big.sum() + x.sum(), rtol=1e-5, atol=1e-4)
+    assert after["uploads_staged"] - before["uploads_staged"] == len(xs)
+    assert after["uploads"] - before["uploads"] == 2 * len(xs)
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda x: f(x, big)[0], xs * 20))
+    for x, doubled in zip(xs * 20, got):
+        torch.testing.assert_close(doubled, x * 2 + 1)

@@ -1,6 +1,7 @@
 //! `compile()`: IR JSON -> lowered StableHLO -> PJRT executable, found in (or added to) the
 //! process-wide and disk caches; and `CompiledGraph.run()`, the per-call path (upload, execute,
 //! download).
+use std::mem::ManuallyDrop;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::NonNull;
 use std::sync::atomic::Ordering::Relaxed;
@@ -325,6 +326,8 @@ pub struct CompiledGraph {
     target: Arc<Target>,
     /// Per input slot; stays `None` for user inputs.
     resident: Vec<Mutex<Option<Resident>>>,
+    /// Per input, the buffer a small user input is copied into (`STAGED_MAX_BYTES`).
+    staged: Vec<Mutex<Option<Staged>>>,
     /// `(input, output)` pairs the executable updates in place (donated input buffers); from the
     /// graph, so they hold for an executable loaded from disk too.
     aliases: Vec<(usize, usize)>,
@@ -385,11 +388,13 @@ fn obtain(json: &GraphWithSources, need_stablehlo: bool, warnings: &mut Vec<Stri
         STATS.memory_hits.fetch_add(1, Relaxed);
     }
     let resident = entry.inputs.iter().map(|_| Mutex::new(None)).collect();
+    let staged = entry.inputs.iter().map(|_| Mutex::new(None)).collect();
     let aliases = json.graph.aliases.iter().map(|a| (a.input as usize, a.output as usize)).collect();
     Ok(CompiledGraph {
         entry,
         target,
         resident,
+        staged,
         aliases,
         stablehlo,
         graph_hash,
@@ -492,14 +497,43 @@ fn unseen(seen: &mut Vec<usize>, address: Option<usize>) -> Option<usize> {
 }
 
 /// An execute argument: a buffer this graph uploaded (or keeps resident), the buffer a host
-/// tensor views (see `host_view`), an input padded to the executable's sizes, or a packed input
-/// read in place from the larger executable buffer its host tensor lies at the start of.
-enum Arg {
+/// tensor views (see `host_view`), an input padded to the executable's sizes, a packed input
+/// read in place from the larger executable buffer its host tensor lies at the start of, or a
+/// small input copied into the buffer this graph keeps for it.
+enum Arg<'a> {
     Owned(Arc<Buffer>),
     Viewed(Arc<Shared>),
     Padded(PaddedInput),
     /// The buffer over the packed input's bytes, and the buffer whose memory they are.
     Within { buffer: Buffer, _owner: Arc<Shared> },
+    Staged(Staging<'a>),
+}
+
+/// A buffer of the plugin's own host memory, kept for one small input that changes every call,
+/// and that memory's address.
+struct Staged {
+    buffer: Buffer,
+    address: usize,
+}
+
+/// User inputs of at most this many bytes are copied into a buffer kept for them
+/// (`CompiledGraph::staged`) rather than taken in place: the copy costs less than the
+/// plugin's making a buffer over the tensor's memory (4 µs a call, in a decode's loop).
+const STAGED_MAX_BYTES: usize = 16 << 10;
+
+/// A staged input's buffer, taken from its slot for one call and put back when the call drops
+/// it (a concurrent call of the graph finds the slot empty and makes a buffer of its own).
+struct Staging<'a> {
+    slot: &'a Mutex<Option<Staged>>,
+    staged: ManuallyDrop<Staged>,
+}
+
+impl Drop for Staging<'_> {
+    fn drop(&mut self) {
+        // SAFETY: taken once, here, and never used after.
+        let staged = unsafe { ManuallyDrop::take(&mut self.staged) };
+        *self.slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(staged);
+    }
 }
 
 /// An argument held for one execute; a viewed buffer stays locked so that the output which takes
@@ -509,13 +543,14 @@ enum Held<'a> {
     Viewed(&'a Shared, MutexGuard<'a, Buffer>),
 }
 
-impl Arg {
+impl Arg<'_> {
     fn hold(&self) -> Held<'_> {
         match self {
             Arg::Owned(b) => Held::Owned(b),
             Arg::Viewed(s) => Held::Viewed(s, s.lock()),
             Arg::Padded(p) => Held::Owned(&p.buffer),
             Arg::Within { buffer, .. } => Held::Owned(buffer),
+            Arg::Staged(s) => Held::Owned(&s.staged.buffer),
         }
     }
 }
@@ -559,7 +594,7 @@ impl CompiledGraph {
         given: &TensorSpec,
         packed: bool,
         unpinned: &mut Unpinned,
-    ) -> Result<Arg, RtError> {
+    ) -> Result<Arg<'_>, RtError> {
         let spec = &self.entry.inputs[i];
         if given != spec {
             if self.aliases.iter().any(|&(a, _)| a == i) {
@@ -590,6 +625,10 @@ impl CompiledGraph {
             return Ok(Arg::Viewed(shared));
         }
         let donated = self.aliases.iter().any(|&(a, _)| a == i);
+        if slot.is_none() && !donated && nbytes <= STAGED_MAX_BYTES && self.target.host_memory {
+            // SAFETY: see `run`: the Python caller keeps the tensor alive during the call.
+            return self.staged_input(i, unsafe { host_slice(ptr, nbytes) });
+        }
         let shared_key = (slot.is_some() && !donated).then(|| resident::Key {
             target: Arc::as_ptr(&self.target) as usize,
             ptr,
@@ -674,6 +713,32 @@ impl CompiledGraph {
         Ok(buffer)
     }
 
+    /// Input `i`'s value `bytes` copied into the buffer kept for it (made by the first call),
+    /// where the host can address that buffer. Rewriting it between executes is safe: each
+    /// execute is awaited, and XLA never returns an argument it was not given to update as a
+    /// result (it copies one that is live out).
+    fn staged_input(&self, i: usize, bytes: &[u8]) -> Result<Arg<'_>, RtError> {
+        STATS.uploads.fetch_add(1, Relaxed);
+        let slot = &self.staged[i];
+        let taken = slot.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let staged = match taken {
+            Some(staged) => {
+                // SAFETY: the buffer's own `bytes.len()` bytes at `address`, which no execute is
+                // reading (this call took the buffer from its slot).
+                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), staged.address as *mut u8, bytes.len()) };
+                staged
+            }
+            None => {
+                let (t, spec) = (&self.target, &self.entry.inputs[i]);
+                let buffer = t.client.buffer_from_host(bytes, spec, &t.device)?;
+                let Some(address) = buffer.host_address(spec) else { return Ok(Arg::Owned(Arc::new(buffer))) };
+                Staged { buffer, address }
+            }
+        };
+        STATS.uploads_staged.fetch_add(1, Relaxed);
+        Ok(Arg::Staged(Staging { slot, staged: ManuallyDrop::new(staged) }))
+    }
+
     /// Input `i`'s resident slot, locked, where the input may be kept (`keepable`).
     fn slot(&self, i: usize, keepable: bool) -> Slot<'_> {
         keepable.then(|| self.resident[i].lock().unwrap_or_else(|p| p.into_inner()))
@@ -684,7 +749,7 @@ impl CompiledGraph {
         inputs: &[(usize, usize, i64)],
         given: &CallTypes,
         unpinned: &mut Unpinned,
-    ) -> Result<Vec<Arg>, RtError> {
+    ) -> Result<Vec<Arg<'_>>, RtError> {
         inputs
             .iter()
             .zip(given.specs.iter().zip(&given.packed))
@@ -1020,3 +1085,4 @@ impl CompiledGraph {
         timed.map_err(runtime_err)
     }
 }
+

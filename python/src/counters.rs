@@ -13,6 +13,8 @@ pub struct Stats {
     pub uploads: AtomicU64,
     /// Resident inputs whose device buffer is the host tensor's own memory (CPU plugins).
     pub uploads_in_place: AtomicU64,
+    /// Uploads that were a small input copied into the buffer its graph keeps for it.
+    pub uploads_staged: AtomicU64,
     pub resident_hits: AtomicU64,
     /// Resident inputs another graph had uploaded already (the same host tensor version).
     pub resident_shared_hits: AtomicU64,
@@ -68,6 +70,7 @@ pub static STATS: Stats = Stats {
     execute_nanos: AtomicU64::new(0),
     uploads: AtomicU64::new(0),
     uploads_in_place: AtomicU64::new(0),
+    uploads_staged: AtomicU64::new(0),
     resident_hits: AtomicU64::new(0),
     resident_shared_hits: AtomicU64::new(0),
     disk_hits: AtomicU64::new(0),
@@ -100,7 +103,7 @@ pub fn add_time(counter: &AtomicU64, d: Duration) {
 }
 
 impl Stats {
-    fn all(&self) -> [(&'static str, &AtomicU64); 33] {
+    fn all(&self) -> [(&'static str, &AtomicU64); 34] {
         [
             ("compiles", &self.compiles),
             ("memory_hits", &self.memory_hits),
@@ -110,6 +113,7 @@ impl Stats {
             ("execute_seconds", &self.execute_nanos),
             ("uploads", &self.uploads),
             ("uploads_in_place", &self.uploads_in_place),
+            ("uploads_staged", &self.uploads_staged),
             ("resident_hits", &self.resident_hits),
             ("resident_shared_hits", &self.resident_shared_hits),
             ("view_hits", &self.view_hits),
