@@ -526,3 +526,25 @@ def test_small_inputs_are_copied_into_a_buffer_kept_for_them():
         got = list(pool.map(lambda x: f(x, big)[0], xs * 20))
     for x, doubled in zip(xs * 20, got):
         torch.testing.assert_close(doubled, x * 2 + 1)
+
+
+def test_a_weight_given_new_memory_is_seen_however_it_changed():
+    """An unchanged resident input is recognized by its tensor, address and version alone, with
+    no other question asked of it (Python) and no slot or buffer touched (Rust): every way of
+    giving a weight a new value must still be seen on the next call."""
+    m = ScaleShift(8)
+    f = compile_tpu(m)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        for change in (
+            lambda: m.w.mul_(2.0),  # in place: a new version
+            lambda: setattr(m.w, "data", torch.rand(8) + 3.0),  # new memory, same version
+            lambda: m.w.set_(torch.rand(8) - 2.0),  # new memory, a new version
+            lambda: setattr(m, "w", torch.nn.Parameter(torch.rand(8))),  # a new tensor
+            lambda: m.b.copy_(torch.rand(8)),  # a buffer, in place
+        ):
+            torch.testing.assert_close(f(x), m(x), atol=1e-6, rtol=1e-6)
+            change()
+            torch.testing.assert_close(f(x), m(x), atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(f(x), m(x), atol=1e-6, rtol=1e-6)
+    assert tpu_dynamo.stats()["compiles"] == 1

@@ -73,6 +73,8 @@ class Executable:
         mutated = {i for i, _ in self.mutations}
         # A mutated input's new value stays on the device, so it is resident whatever its kind.
         self.resident = tuple(k is not InputKind.USER or i in mutated for i, k in enumerate(converted.kinds))
+        # Per resident input: the tensor the last call kept, and its `(ptr, nbytes, version)`.
+        self.last_kept: list[tuple[torch.Tensor, tuple[int, int, int]] | None] = [None] * len(self.resident)
         self.template = converted.outputs
         # Whether the graph's outputs are the executable's results as they come (most graphs).
         self.in_order = self.template == tuple(range(len(native.output_types)))
@@ -126,10 +128,20 @@ class Executable:
         those dense tensors' `(ptr, nbytes, version)`."""
         tensors = self._tensors(args)
         held, ins = [], []
+        last_kept = self.last_kept
         # Per input this runs on every call (~150 parameters on a transformer), so it asks each
-        # tensor only what it must: `is_cpu` is 5x cheaper than `device.type`, and only
-        # resident inputs need `is_inference`.
-        for t, resident in zip(tensors, self.resident):
+        # tensor only what it must. A resident input that is the tensor the last call kept, at
+        # the same address and version, is dense on the CPU as it was (Dynamo's guards pin its
+        # sizes and strides; `set_` and other in-place changes bump its version): only its
+        # address and version are asked. Otherwise `is_cpu` (5x cheaper than `device.type`),
+        # and only resident inputs need `is_inference`.
+        for i, (t, resident) in enumerate(zip(tensors, self.resident)):
+            if resident:
+                kept = last_kept[i]
+                if kept is not None and kept[0] is t and t.data_ptr() == kept[1][0] and t._version == kept[1][2]:
+                    held.append(t)
+                    ins.append(kept[1])
+                    continue
             if not t.is_cpu:
                 raise ValueError(f"tpu_dynamo: inputs must be CPU tensors, got one on {t.device}")
             c = t.contiguous()
@@ -137,7 +149,10 @@ class Executable:
             # A mutated input that is not dense gets a dense copy, and an inference tensor has no
             # version counter: neither can be kept resident.
             keep = resident and c is t and not t.is_inference()
-            ins.append((c.data_ptr(), c.nbytes, t._version if keep else -1))
+            key = (c.data_ptr(), c.nbytes, t._version if keep else -1)
+            ins.append(key)
+            if keep:
+                last_kept[i] = (t, key)
         return tensors, held, ins
 
     def __call__(self, args: list[Any], sizes: CallSizes | None = None) -> tuple[torch.Tensor | None, ...]:

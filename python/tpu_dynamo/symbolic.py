@@ -389,8 +389,7 @@ class PerShape:
                 tensor_args=c.tensor_args + tuple(range(n_args, n_args + n_lengths)),
                 number_args=self.number_args,
                 kinds=c.kinds[:at]
-                + (InputKind.CONSTANT,) * n_lengths
-                + (InputKind.USER,) * numbers
+                + (InputKind.USER,) * (n_lengths + numbers)
                 + c.kinds[at:],
             )
         t = self.traced
@@ -474,12 +473,11 @@ def _true_sizes(
 
 @functools.lru_cache(maxsize=8192)
 def _length_tensor(n: int) -> torch.Tensor:
-    """The 0-d tensor a padded executable reads a true size from, one per value: passed as a
-    resident input, it is uploaded once for every input and call that reads this size (a decode
-    step reads one per layer's K and V), not once per input per call. Made outside inference
-    mode: an inference tensor has no version, so it could not stay resident."""
-    with torch.inference_mode(False):
-        return torch.tensor(n, dtype=torch.int64)
+    """The 0-d tensor a padded executable reads a true size from, one per value. It is a user
+    input, copied into the buffer the executable keeps for it on every call (8 bytes): as a
+    resident input it changed on every decode step, and each step paid an upload and the slot's
+    bookkeeping for it."""
+    return torch.tensor(n, dtype=torch.int64)
 
 
 class _Padded:

@@ -43,6 +43,16 @@ impl Drop for Buffer {
     }
 }
 
+/// A buffer's PJRT handle: what an execute is given of it, copied without touching the buffer.
+/// It names the buffer only while the buffer lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct Handle(pub(crate) *mut PJRT_Buffer);
+
+// SAFETY: a plain PJRT handle; PJRT buffers may be used from any thread.
+unsafe impl Send for Handle {}
+unsafe impl Sync for Handle {}
+
 impl fmt::Debug for Buffer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.spec() {
@@ -71,8 +81,9 @@ impl Buffer {
         buffer
     }
 
-    pub(crate) fn raw(&self) -> *mut PJRT_Buffer {
-        self.raw
+    /// The buffer's PJRT handle, for `Executable::execute_handles`.
+    pub fn handle(&self) -> Handle {
+        Handle(self.raw)
     }
 
     pub(crate) fn belongs_to(&self, client: &Arc<ClientInner>) -> bool {

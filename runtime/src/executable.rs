@@ -1,6 +1,6 @@
 //! Compiling StableHLO into executables, running them, and (de)serializing them.
 
-use crate::buffer::Buffer;
+use crate::buffer::{Buffer, Handle};
 use crate::client::{Client, ClientInner, Device};
 use crate::compat::Grown;
 use crate::error::{Error, Result};
@@ -423,8 +423,31 @@ impl Executable {
                 )))
             }
         };
+        let handles: Vec<Handle> = args.iter().map(|b| b.handle()).collect();
+        let mut outputs = self.run(&[&handles], device)?;
+        Ok(outputs.pop().unwrap_or_default())
+    }
+
+    /// `execute` on `device` with each argument given by its handle, for a caller that keeps
+    /// the arguments (and has checked them, `check_arg`) from one call to the next: it reads
+    /// no buffer.
+    ///
+    /// # Safety
+    /// Every handle's buffer is alive until this returns, belongs to this executable's client
+    /// and passed `check_arg` at its position; `device` is the client's.
+    pub unsafe fn execute_handles(&self, args: &[Handle], device: &Device) -> Result<Vec<Buffer>> {
+        if args.len() != self.inputs.len() {
+            return Err(Error::invalid(format!("expected {} arguments, got {}", self.inputs.len(), args.len())));
+        }
+        let device = if self.devices.is_empty() { device.raw() } else { null_mut() };
         let mut outputs = self.run(&[args], device)?;
         Ok(outputs.pop().unwrap_or_default())
+    }
+
+    /// Whether `arg` may be argument `position` of this executable: its client's, of the
+    /// input's dtype and dims.
+    pub fn check_arg(&self, position: usize, arg: &Buffer) -> Result<()> {
+        self.check_arg_in(position, arg, "")
     }
 
     /// Runs one replica per argument list (list `i` on `devices()[i]`), waits for all, and returns
@@ -443,7 +466,8 @@ impl Executable {
         for (i, list) in arg_lists.iter().enumerate() {
             self.check_args(list, Some(i))?;
         }
-        let lists: Vec<&[&Buffer]> = arg_lists.iter().map(Vec::as_slice).collect();
+        let handles: Vec<Vec<Handle>> = arg_lists.iter().map(|list| list.iter().map(|b| b.handle()).collect()).collect();
+        let lists: Vec<&[Handle]> = handles.iter().map(Vec::as_slice).collect();
         self.run(&lists, null_mut())
     }
 
@@ -460,31 +484,30 @@ impl Executable {
                 args.len()
             )));
         }
-        for (position, (arg, expected)) in args.iter().zip(&self.inputs).enumerate() {
-            if !arg.belongs_to(&self.client) {
-                return Err(Error::invalid(format!(
-                    "argument {position}{context} belongs to another client"
-                )));
-            }
-            let got = arg.spec()?;
-            if got != expected {
-                return Err(Error::invalid(format!(
-                    "argument {position}{context}: expected {expected}, got {got}"
-                )));
-            }
+        for (position, arg) in args.iter().enumerate() {
+            self.check_arg_in(position, arg, &context)?;
+        }
+        Ok(())
+    }
+
+    fn check_arg_in(&self, position: usize, arg: &Buffer, context: &str) -> Result<()> {
+        let expected = self.inputs.get(position).ok_or_else(|| Error::invalid(format!("there is no argument {position}")))?;
+        if !arg.belongs_to(&self.client) {
+            return Err(Error::invalid(format!("argument {position}{context} belongs to another client")));
+        }
+        let got = arg.spec()?;
+        if got != expected {
+            return Err(Error::invalid(format!("argument {position}{context}: expected {expected}, got {got}")));
         }
         Ok(())
     }
 
     /// One `PJRT_LoadedExecutable_Execute` over `lists` (one per device), awaiting completion.
-    fn run(&self, lists: &[&[&Buffer]], device: *mut PJRT_Device) -> Result<Vec<Vec<Buffer>>> {
+    fn run(&self, lists: &[&[Handle]], device: *mut PJRT_Device) -> Result<Vec<Vec<Buffer>>> {
         let plugin = &*self.client.plugin;
-        let arguments: Vec<Vec<*mut PJRT_Buffer>> = lists
-            .iter()
-            .map(|list| list.iter().map(|b| b.raw()).collect())
-            .collect();
+        // `Handle` is one `*mut PJRT_Buffer`, so a list of them is the plugin's argument list.
         let argument_lists: Vec<*const *mut PJRT_Buffer> =
-            arguments.iter().map(|l| l.as_ptr()).collect();
+            lists.iter().map(|l| l.as_ptr().cast()).collect();
         let mut outputs: Vec<Vec<*mut PJRT_Buffer>> =
             vec![vec![null_mut(); self.num_outputs]; lists.len()];
         let output_lists: Vec<*mut *mut PJRT_Buffer> =

@@ -20,7 +20,7 @@ pub mod host_kernels;
 mod plugin;
 mod tensor;
 
-pub use buffer::Buffer;
+pub use buffer::{Buffer, Handle};
 pub use client::{Client, ClientOptions, Device};
 pub use error::{Error, ErrorCode, Result};
 pub use executable::{CompileOptions, Executable, MemoryStats, Program, ProgramCode};
