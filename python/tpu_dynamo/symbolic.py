@@ -384,12 +384,17 @@ class PerShape:
             need_stablehlo=debug.wanted(self.options),
         )
         if n_lengths or numbers:
+            # Where the plugin computes in host memory a true size is staged, 8 bytes copied
+            # per input and call; on a device one upload per value is shared by every input
+            # that reads it (`_length_tensor`).
+            length = InputKind.USER if native.hands_over_outputs else InputKind.CONSTANT
             c = dataclasses.replace(
                 c,
                 tensor_args=c.tensor_args + tuple(range(n_args, n_args + n_lengths)),
                 number_args=self.number_args,
                 kinds=c.kinds[:at]
-                + (InputKind.USER,) * (n_lengths + numbers)
+                + (length,) * n_lengths
+                + (InputKind.USER,) * numbers
                 + c.kinds[at:],
             )
         t = self.traced
@@ -473,11 +478,14 @@ def _true_sizes(
 
 @functools.lru_cache(maxsize=8192)
 def _length_tensor(n: int) -> torch.Tensor:
-    """The 0-d tensor a padded executable reads a true size from, one per value. It is a user
-    input, copied into the buffer the executable keeps for it on every call (8 bytes): as a
-    resident input it changed on every decode step, and each step paid an upload and the slot's
-    bookkeeping for it."""
-    return torch.tensor(n, dtype=torch.int64)
+    """The 0-d tensor a padded executable reads a true size from, one per value. On a CPU
+    plugin it is a user input, copied into the buffer the executable keeps for it (as a
+    resident one it changed on every decode step, and each step paid an upload and a slot's
+    bookkeeping); on a device, resident, so one upload a step serves every input that reads
+    this size (a decode step reads one per layer's K and V). Made outside inference mode: an
+    inference tensor has no version, so it could not stay resident."""
+    with torch.inference_mode(False):
+        return torch.tensor(n, dtype=torch.int64)
 
 
 class _Padded:
