@@ -609,10 +609,10 @@ impl CompiledGraph {
 
     /// The device buffer for input `i`: the resident one if `(ptr, version)` still matches
     /// (checked first, in `kept_args` and then the slot: parameters are most inputs), the one
-    /// the host tensor views, the copy
-    /// another graph made of the same version, else a fresh upload (kept when `version >= 0`).
-    /// An input this graph donates never shares a copy: the execute consumes it. On a CPU plugin
-    /// any other upload is the host memory itself, taken in place. A copy newly kept adds
+    /// the host tensor views, the copy another graph made of the same version, a small user
+    /// input's staged copy, else a fresh upload (kept when `version >= 0`). An input this graph
+    /// donates never shares a copy: the execute consumes it. On a CPU plugin any other upload is
+    /// the host memory itself, taken in place. A copy newly kept adds
     /// `(i, ptr, version)` to `unpinned`. An input `given` at smaller sizes than the
     /// executable's is uploaded zero-padded, every call; a packed one is read where it lies if
     /// it starts an executable buffer large enough (a dynamic cache's K or V, the previous
