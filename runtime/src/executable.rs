@@ -408,24 +408,12 @@ impl Executable {
     /// none) — and waits for completion. Returns the outputs.
     pub fn execute(&self, args: &[&Buffer]) -> Result<Vec<Buffer>> {
         self.check_args(args, None)?;
-        let device = match (self.devices.as_slice(), args.first()) {
-            // A portable executable is told where to run.
-            ([], Some(first)) => first.device()?.raw(),
-            ([], None) => self
-                .client
-                .first_device()
-                .ok_or_else(|| Error::invalid("client has no devices"))?,
-            ([_], _) => null_mut(),
-            (many, _) => {
-                return Err(Error::invalid(format!(
-                    "executable spans {} devices: use execute_replicated",
-                    many.len()
-                )))
-            }
-        };
+        let device = self.device_for(|| match args.first() {
+            Some(first) => Ok(first.device()?.raw()),
+            None => self.client.first_device().ok_or_else(|| Error::invalid("client has no devices")),
+        })?;
         let handles: Vec<Handle> = args.iter().map(|b| b.handle()).collect();
-        let mut outputs = self.run(&[&handles], device)?;
-        Ok(outputs.pop().unwrap_or_default())
+        self.execute_on(&handles, device)
     }
 
     /// `execute` on `device` with each argument given by its handle, for a caller that keeps
@@ -439,7 +427,21 @@ impl Executable {
         if args.len() != self.inputs.len() {
             return Err(Error::invalid(format!("expected {} arguments, got {}", self.inputs.len(), args.len())));
         }
-        let device = if self.devices.is_empty() { device.raw() } else { null_mut() };
+        let device = self.device_for(|| Ok(device.raw()))?;
+        self.execute_on(args, device)
+    }
+
+    /// The device an execute on one device names: `portable`'s for a portable executable, none
+    /// (its own) for one compiled for a device.
+    fn device_for(&self, portable: impl FnOnce() -> Result<*mut PJRT_Device>) -> Result<*mut PJRT_Device> {
+        match self.devices.len() {
+            0 => portable(),
+            1 => Ok(null_mut()),
+            many => Err(Error::invalid(format!("executable spans {many} devices: use execute_replicated"))),
+        }
+    }
+
+    fn execute_on(&self, args: &[Handle], device: *mut PJRT_Device) -> Result<Vec<Buffer>> {
         let mut outputs = self.run(&[args], device)?;
         Ok(outputs.pop().unwrap_or_default())
     }
