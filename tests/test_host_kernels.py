@@ -2,7 +2,7 @@
 the weight stored `[N, K]` (`nn.Linear`) or `[K, N]` (GPT-2's `Conv1D`, `x @ W`): a bf16 vector
 times a weight (a linear layer at one token, a decode step's), f32 products of short
 contractions split over XLA's threads (on AMX tiles where the CPU has them; with their bias, and
-a tanh GELU after it, or a gated MLP's SiLU and product, applied by the kernel), f32 attention without a mask or with the causal
+a tanh GELU after it, a gated MLP's SiLU and product, or a residual added last, applied by the kernel), f32 attention without a mask or with the causal
 one, f32 3×3 convolutions, bf16 convolutions as their windows times the weight on the tiles, and
 f32 LayerNorm and RMSNorm."""
 import gc
@@ -38,6 +38,8 @@ BF16_TILE_SILU_KERNELS = ["tpu_dynamo.bf16_matmul_nt_silu_times", "tpu_dynamo.bf
 BIAS_KERNELS = ["tpu_dynamo.f32_matmul_nt_bias", "tpu_dynamo.f32_matmul_nn_bias"]
 GELU_KERNELS = ["tpu_dynamo.f32_matmul_nt_bias_gelu_tanh", "tpu_dynamo.f32_matmul_nn_bias_gelu_tanh"]
 SILU_KERNELS = ["tpu_dynamo.f32_matmul_nt_silu_times", "tpu_dynamo.f32_matmul_nn_silu_times"]
+PLUS_KERNELS = ["tpu_dynamo.f32_matmul_nt_plus", "tpu_dynamo.f32_matmul_nn_plus"]
+BIAS_PLUS_KERNELS = ["tpu_dynamo.f32_matmul_nt_bias_plus", "tpu_dynamo.f32_matmul_nn_bias_plus"]
 ATTENTION_KERNELS = ["tpu_dynamo.f32_attention", "tpu_dynamo.f32_causal_attention"]
 CONV_KERNEL = "tpu_dynamo.f32_conv3x3"
 BF16_CONV_KERNELS = ["tpu_dynamo.bf16_conv_windows", "tpu_dynamo.bf16_conv_windows_bias"]
@@ -58,7 +60,7 @@ BF16_PRODUCTS = AMX or {"avx512_bf16", "avx512bw", "avx512vl"} <= set(Path("/pro
 def test_the_embedded_plugin_runs_our_kernels():
     """On x86-64 with AVX2 (this CI's machines) the embedded plugin registers the bf16 ones,
     with AVX-512 the f32 ones too, and with AMX or AVX-512 BF16 bf16 products and attention."""
-    f32_kernels = F32_KERNELS + BIAS_KERNELS + GELU_KERNELS + SILU_KERNELS + ATTENTION_KERNELS + [CONV_KERNEL, LAYER_NORM_KERNEL, RMS_NORM_KERNEL]
+    f32_kernels = F32_KERNELS + BIAS_KERNELS + GELU_KERNELS + SILU_KERNELS + PLUS_KERNELS + BIAS_PLUS_KERNELS + ATTENTION_KERNELS + [CONV_KERNEL, LAYER_NORM_KERNEL, RMS_NORM_KERNEL]
     f32_kernels += [BF16_LAYER_NORM_KERNEL, BF16_RMS_NORM_KERNEL] if AVX512_BW else []
     assert host_kernels() == ["tpu_dynamo.bf16_matvec", "tpu_dynamo.bf16_vecmat"] + (f32_kernels if AVX512 else []) + (
         BF16_TILE_KERNELS + BF16_TILE_BIAS_KERNELS + BF16_TILE_GELU_KERNELS + BF16_TILE_SILU_KERNELS + BF16_CONV_KERNELS + [BF16_CONV3X3_KERNEL] + BF16_ATTENTION_KERNELS
@@ -678,6 +680,83 @@ def test_a_gated_mlp_s_silu_and_product_run_in_our_kernel(shape, n, form, compil
     kernel."""
     torch.manual_seed(sum(shape) + n)
     check_finished_product(gated_mlp(form, shape[-1], n), 2.0 * torch.randn(shape), SILU_KERNELS, compiled)
+
+
+class Residual(torch.nn.Module):
+    """A projection added to the residual stream, as transformers write it: Llama's `residual +
+    o_proj(h)` (`nn.Linear` without a bias), GPT-2's `attn_output + residual` (`Conv1D`, an
+    `addmm` viewed back), or an `nn.Linear` with its bias; the residual is `x` itself or, with
+    `apart`, a value computed beside the product."""
+
+    def __init__(self, form: str, k: int, apart: bool = False) -> None:
+        from transformers.pytorch_utils import Conv1D
+
+        super().__init__()
+        self.form, self.apart = form, apart
+        self.proj = Conv1D(k, k) if form == "gpt2" else torch.nn.Linear(k, k, bias=form == "linear_bias")
+        if form != "llama":
+            torch.nn.init.normal_(self.proj.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        residual = x * 0.5 if self.apart else x
+        return self.proj(x) + residual if self.form == "gpt2" else residual + self.proj(x)
+
+
+@needs_f32_kernels
+@pytest.mark.parametrize("shape", [(1, 128, 64), (8, 128, 64), (77, 70), (3, 50, 96)])
+@pytest.mark.parametrize("form, targets", [("llama", PLUS_KERNELS), ("gpt2", BIAS_PLUS_KERNELS), ("linear_bias", BIAS_PLUS_KERNELS)])
+@pytest.mark.parametrize("apart", [False, True], ids=["input", "apart"])
+def test_a_residual_added_to_a_product_is_added_by_our_kernel(shape, form, targets, apart, compiled):
+    """The product, its bias and the residual are one call of our kernel, the sum rounded once
+    after the product as eager's two ops round it: equal to eager's where the product is."""
+    torch.manual_seed(sum(shape))
+    module = Residual(form, shape[-1], apart)
+    check_finished_product(module, 2.0 * torch.randn(shape), targets, compiled)
+    x = torch.randn(shape)
+    with torch.no_grad():
+        product = compile_tpu(module.proj)(x)
+        torch.testing.assert_close(compile_tpu(module)(x), product + (x * 0.5 if apart else x), rtol=0, atol=0)
+
+
+@needs_f32_kernels
+def test_a_residual_sum_the_kernel_cannot_make_stays_xla_s():
+    """Not the kernel's: a product read besides the sum, a residual broadcast to the product's
+    shape, a scaled sum (`alpha`), and a bf16 sum (eager rounds the product to bf16 before it)."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 64, bias=False)
+    x = torch.randn(128, 64)
+    def read_besides(x):
+        h = linear(x)
+        return x + h, h.sum()
+
+    forms = {
+        "read_besides": read_besides,
+        "broadcast": lambda x: linear(x) + x[0],
+        "alpha": lambda x: torch.add(x, linear(x), alpha=2.0),
+    }
+    for name, fn in forms.items():
+        got, want, texts = run_and_texts(fn, x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+        assert not any(t in text for text in texts for t in PLUS_KERNELS + BIAS_PLUS_KERNELS), name
+    block = Residual("linear_bias", 256).to(torch.bfloat16)
+    got, want, texts = run_and_texts(block, torch.randn(128, 256, dtype=torch.bfloat16))
+    torch.testing.assert_close(got, want, rtol=2**-6, atol=1e-2)
+    assert not any(t in text for text in texts for t in PLUS_KERNELS + BIAS_PLUS_KERNELS)
+
+
+@needs_f32_kernels
+def test_a_residual_s_nan_and_infinity_go_as_eager_s(compiled):
+    """A NaN or an infinity in the residual, the input or the bias reaches the outputs it
+    touches as in eager (∞ + -∞ is NaN)."""
+    module = Residual("gpt2", 64, apart=True)
+    x = torch.randn(128, 64)
+    x[1, 3], x[4, 0] = float("nan"), float("inf")
+    with torch.no_grad():
+        module.proj.bias[[7, 9]] = torch.tensor([float("inf"), float("-inf")])
+        got, want = compile_tpu(module)(x), module(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert got[1].isnan().all() and got[:, 9].isnan().any()
+    assert kernel_calls(compiled, BIAS_PLUS_KERNELS) == 1
 
 
 def bf16_steps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:

@@ -241,6 +241,8 @@ pub fn target() -> Result<Arc<Target>, Error> {
         host_gemm_bias: pair(host_kernels::F32_MATMUL_NT_BIAS_TARGET, host_kernels::F32_MATMUL_NN_BIAS_TARGET),
         host_gemm_bias_gelu_tanh: pair(host_kernels::F32_MATMUL_NT_BIAS_GELU_TANH_TARGET, host_kernels::F32_MATMUL_NN_BIAS_GELU_TANH_TARGET),
         host_gemm_silu_times: pair(host_kernels::F32_MATMUL_NT_SILU_TIMES_TARGET, host_kernels::F32_MATMUL_NN_SILU_TIMES_TARGET),
+        host_gemm_plus: pair(host_kernels::F32_MATMUL_NT_PLUS_TARGET, host_kernels::F32_MATMUL_NN_PLUS_TARGET),
+        host_gemm_bias_plus: pair(host_kernels::F32_MATMUL_NT_BIAS_PLUS_TARGET, host_kernels::F32_MATMUL_NN_BIAS_PLUS_TARGET),
         host_attention: both(host_kernels::F32_ATTENTION_TARGET, host_kernels::F32_CAUSAL_ATTENTION_TARGET),
         host_bf16_attention: both(host_kernels::BF16_ATTENTION_TARGET, host_kernels::BF16_CAUSAL_ATTENTION_TARGET),
         host_conv3x3: one(host_kernels::F32_CONV3X3_TARGET),

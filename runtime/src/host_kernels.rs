@@ -67,6 +67,12 @@ pub const F32_MATMUL_NN_BIAS_GELU_TANH_TARGET: &str = "tpu_dynamo.f32_matmul_nn_
 /// other product).
 pub const F32_MATMUL_NT_SILU_TIMES_TARGET: &str = "tpu_dynamo.f32_matmul_nt_silu_times";
 pub const F32_MATMUL_NN_SILU_TIMES_TARGET: &str = "tpu_dynamo.f32_matmul_nn_silu_times";
+/// The same products with a residual of the result's shape added last, after a bias `[N]` in
+/// the `_bias_` ones (a transformer block's `x + proj(h)`).
+pub const F32_MATMUL_NT_PLUS_TARGET: &str = "tpu_dynamo.f32_matmul_nt_plus";
+pub const F32_MATMUL_NN_PLUS_TARGET: &str = "tpu_dynamo.f32_matmul_nn_plus";
+pub const F32_MATMUL_NT_BIAS_PLUS_TARGET: &str = "tpu_dynamo.f32_matmul_nt_bias_plus";
+pub const F32_MATMUL_NN_BIAS_PLUS_TARGET: &str = "tpu_dynamo.f32_matmul_nn_bias_plus";
 /// The custom call targets of f32 attention without a mask and with the causal one.
 pub const F32_ATTENTION_TARGET: &str = "tpu_dynamo.f32_attention";
 pub const F32_CAUSAL_ATTENTION_TARGET: &str = "tpu_dynamo.f32_causal_attention";
@@ -192,6 +198,10 @@ pub fn register(plugin: &Plugin) -> Vec<&'static str> {
             (F32_MATMUL_NN_BIAS_GELU_TANH_TARGET, f32_matmul_nn_bias_gelu_tanh as *const c_void),
             (F32_MATMUL_NT_SILU_TIMES_TARGET, f32_matmul_nt_silu_times as *const c_void),
             (F32_MATMUL_NN_SILU_TIMES_TARGET, f32_matmul_nn_silu_times as *const c_void),
+            (F32_MATMUL_NT_PLUS_TARGET, f32_matmul_nt_plus as *const c_void),
+            (F32_MATMUL_NN_PLUS_TARGET, f32_matmul_nn_plus as *const c_void),
+            (F32_MATMUL_NT_BIAS_PLUS_TARGET, f32_matmul_nt_bias_plus as *const c_void),
+            (F32_MATMUL_NN_BIAS_PLUS_TARGET, f32_matmul_nn_bias_plus as *const c_void),
         ]);
         handlers.extend([(F32_ATTENTION_TARGET, f32_attention as *const c_void), (F32_CAUSAL_ATTENTION_TARGET, f32_causal_attention as *const c_void)]);
         handlers.push((F32_CONV3X3_TARGET, f32_conv3x3 as *const c_void));
@@ -408,49 +418,77 @@ enum Weight {
     Windows,
 }
 
-/// The product handlers XLA calls, each `handle` for its target, weight, operands and epilogue.
+/// What a product handler's operands after `x` and `w` are, and what its kernel does with them.
+#[derive(Clone, Copy, PartialEq)]
+enum Finish {
+    /// None: the product as it is.
+    Product,
+    /// A bias `[N]` added, then the activation.
+    Bias(Activation),
+    /// SiLU applied, then times a factor shaped as `y`.
+    SiluTimes,
+    /// A residual shaped as `y` added last (f32), after a bias `[N]` where `bias`.
+    Plus { bias: bool },
+}
+
+impl Finish {
+    fn operands(self) -> usize {
+        match self {
+            Finish::Product => 2,
+            Finish::Bias(_) | Finish::SiluTimes | Finish::Plus { bias: false } => 3,
+            Finish::Plus { bias: true } => 4,
+        }
+    }
+}
+
+/// The product handlers XLA calls, each `handle` for its target, weight, operands and finish.
 macro_rules! product_handlers {
-    ($($name:ident: $target:ident, $weight:ident, $operands:ident, $epilogue:expr;)*) => {
+    ($($name:ident: $target:ident, $weight:ident, $operands:ident, $finish:expr;)*) => {
         $(unsafe extern "C" fn $name(frame: *mut FfiCallFrame) -> *mut c_void {
-            handle(&mut *frame, $target, Weight::$weight, $operands, $epilogue)
+            handle(&mut *frame, $target, Weight::$weight, $operands, $finish)
         })*
     };
 }
 
 product_handlers! {
-    bf16_matvec: BF16_MATVEC_TARGET, RowPerOutput, XLA_FFI_BF16, None;
-    bf16_vecmat: BF16_VECMAT_TARGET, RowPerInput, XLA_FFI_BF16, None;
-    bf16_matmul_nt: BF16_MATMUL_NT_TARGET, RowPerOutput, XLA_FFI_BF16, None;
-    bf16_matmul_nn: BF16_MATMUL_NN_TARGET, RowPerInput, XLA_FFI_BF16, None;
-    bf16_matmul_nt_bias: BF16_MATMUL_NT_BIAS_TARGET, RowPerOutput, XLA_FFI_BF16, Some(Activation::Identity);
-    bf16_matmul_nn_bias: BF16_MATMUL_NN_BIAS_TARGET, RowPerInput, XLA_FFI_BF16, Some(Activation::Identity);
-    bf16_matmul_nt_bias_gelu_tanh: BF16_MATMUL_NT_BIAS_GELU_TANH_TARGET, RowPerOutput, XLA_FFI_BF16, Some(Activation::GeluTanh);
-    bf16_matmul_nn_bias_gelu_tanh: BF16_MATMUL_NN_BIAS_GELU_TANH_TARGET, RowPerInput, XLA_FFI_BF16, Some(Activation::GeluTanh);
-    bf16_matmul_nt_silu_times: BF16_MATMUL_NT_SILU_TIMES_TARGET, RowPerOutput, XLA_FFI_BF16, Some(Activation::Silu);
-    bf16_matmul_nn_silu_times: BF16_MATMUL_NN_SILU_TIMES_TARGET, RowPerInput, XLA_FFI_BF16, Some(Activation::Silu);
-    bf16_conv_windows: BF16_CONV_WINDOWS_TARGET, Windows, XLA_FFI_BF16, None;
-    bf16_conv_windows_bias: BF16_CONV_WINDOWS_BIAS_TARGET, Windows, XLA_FFI_BF16, Some(Activation::Identity);
-    f32_matmul_nt: F32_MATMUL_NT_TARGET, RowPerOutput, XLA_FFI_F32, None;
-    f32_matmul_nn: F32_MATMUL_NN_TARGET, RowPerInput, XLA_FFI_F32, None;
-    f32_matmul_nt_bias: F32_MATMUL_NT_BIAS_TARGET, RowPerOutput, XLA_FFI_F32, Some(Activation::Identity);
-    f32_matmul_nn_bias: F32_MATMUL_NN_BIAS_TARGET, RowPerInput, XLA_FFI_F32, Some(Activation::Identity);
-    f32_matmul_nt_bias_gelu_tanh: F32_MATMUL_NT_BIAS_GELU_TANH_TARGET, RowPerOutput, XLA_FFI_F32, Some(Activation::GeluTanh);
-    f32_matmul_nn_bias_gelu_tanh: F32_MATMUL_NN_BIAS_GELU_TANH_TARGET, RowPerInput, XLA_FFI_F32, Some(Activation::GeluTanh);
-    f32_matmul_nt_silu_times: F32_MATMUL_NT_SILU_TIMES_TARGET, RowPerOutput, XLA_FFI_F32, Some(Activation::Silu);
-    f32_matmul_nn_silu_times: F32_MATMUL_NN_SILU_TIMES_TARGET, RowPerInput, XLA_FFI_F32, Some(Activation::Silu);
+    bf16_matvec: BF16_MATVEC_TARGET, RowPerOutput, XLA_FFI_BF16, Finish::Product;
+    bf16_vecmat: BF16_VECMAT_TARGET, RowPerInput, XLA_FFI_BF16, Finish::Product;
+    bf16_matmul_nt: BF16_MATMUL_NT_TARGET, RowPerOutput, XLA_FFI_BF16, Finish::Product;
+    bf16_matmul_nn: BF16_MATMUL_NN_TARGET, RowPerInput, XLA_FFI_BF16, Finish::Product;
+    bf16_matmul_nt_bias: BF16_MATMUL_NT_BIAS_TARGET, RowPerOutput, XLA_FFI_BF16, Finish::Bias(Activation::Identity);
+    bf16_matmul_nn_bias: BF16_MATMUL_NN_BIAS_TARGET, RowPerInput, XLA_FFI_BF16, Finish::Bias(Activation::Identity);
+    bf16_matmul_nt_bias_gelu_tanh: BF16_MATMUL_NT_BIAS_GELU_TANH_TARGET, RowPerOutput, XLA_FFI_BF16, Finish::Bias(Activation::GeluTanh);
+    bf16_matmul_nn_bias_gelu_tanh: BF16_MATMUL_NN_BIAS_GELU_TANH_TARGET, RowPerInput, XLA_FFI_BF16, Finish::Bias(Activation::GeluTanh);
+    bf16_matmul_nt_silu_times: BF16_MATMUL_NT_SILU_TIMES_TARGET, RowPerOutput, XLA_FFI_BF16, Finish::SiluTimes;
+    bf16_matmul_nn_silu_times: BF16_MATMUL_NN_SILU_TIMES_TARGET, RowPerInput, XLA_FFI_BF16, Finish::SiluTimes;
+    bf16_conv_windows: BF16_CONV_WINDOWS_TARGET, Windows, XLA_FFI_BF16, Finish::Product;
+    bf16_conv_windows_bias: BF16_CONV_WINDOWS_BIAS_TARGET, Windows, XLA_FFI_BF16, Finish::Bias(Activation::Identity);
+    f32_matmul_nt: F32_MATMUL_NT_TARGET, RowPerOutput, XLA_FFI_F32, Finish::Product;
+    f32_matmul_nn: F32_MATMUL_NN_TARGET, RowPerInput, XLA_FFI_F32, Finish::Product;
+    f32_matmul_nt_bias: F32_MATMUL_NT_BIAS_TARGET, RowPerOutput, XLA_FFI_F32, Finish::Bias(Activation::Identity);
+    f32_matmul_nn_bias: F32_MATMUL_NN_BIAS_TARGET, RowPerInput, XLA_FFI_F32, Finish::Bias(Activation::Identity);
+    f32_matmul_nt_bias_gelu_tanh: F32_MATMUL_NT_BIAS_GELU_TANH_TARGET, RowPerOutput, XLA_FFI_F32, Finish::Bias(Activation::GeluTanh);
+    f32_matmul_nn_bias_gelu_tanh: F32_MATMUL_NN_BIAS_GELU_TANH_TARGET, RowPerInput, XLA_FFI_F32, Finish::Bias(Activation::GeluTanh);
+    f32_matmul_nt_silu_times: F32_MATMUL_NT_SILU_TIMES_TARGET, RowPerOutput, XLA_FFI_F32, Finish::SiluTimes;
+    f32_matmul_nn_silu_times: F32_MATMUL_NN_SILU_TIMES_TARGET, RowPerInput, XLA_FFI_F32, Finish::SiluTimes;
+    f32_matmul_nt_plus: F32_MATMUL_NT_PLUS_TARGET, RowPerOutput, XLA_FFI_F32, Finish::Plus { bias: false };
+    f32_matmul_nn_plus: F32_MATMUL_NN_PLUS_TARGET, RowPerInput, XLA_FFI_F32, Finish::Plus { bias: false };
+    f32_matmul_nt_bias_plus: F32_MATMUL_NT_BIAS_PLUS_TARGET, RowPerOutput, XLA_FFI_F32, Finish::Plus { bias: true };
+    f32_matmul_nn_bias_plus: F32_MATMUL_NN_BIAS_PLUS_TARGET, RowPerInput, XLA_FFI_F32, Finish::Plus { bias: true };
 }
 
 /// The typed-FFI handlers: `y[m, n] = sum_k x[m, k] * w[n, k]` (or `w[k, n]`) for `x` `[.., K]`
 /// into `y` `[.., N]`: bf16 `x` and `w` (leading dims of one or a few rows, or for the tiles'
-/// targets many) into bf16 or f32 `y`, or f32 throughout, then (`epilogue` given) a bias `[N]`
+/// targets many) into bf16 or f32 `y`, or f32 throughout, then as `finish` says: a bias `[N]`
 /// added (f32; a bf16 product's bf16, to its f32 sums before they are rounded) and the activation
-/// applied, or SiLU applied and the result multiplied by a factor. Answers XLA's metadata query
-/// at registration; never unwinds into the plugin.
-unsafe fn handle(frame: &mut FfiCallFrame, target: &'static str, weight: Weight, operands: c_int, epilogue: Option<Activation>) -> *mut c_void {
+/// applied, or SiLU applied and the result multiplied by a factor, or (f32) a residual added
+/// after the bias, if any. Answers XLA's metadata query at registration; never unwinds into the
+/// plugin.
+unsafe fn handle(frame: &mut FfiCallFrame, target: &'static str, weight: Weight, operands: c_int, finish: Finish) -> *mut c_void {
     if !executes(frame) {
         return std::ptr::null_mut();
     }
-    let arguments = 2 + usize::from(epilogue.is_some());
+    let arguments = finish.operands();
     if frame.args.size as usize != arguments || frame.rets.size != 1 {
         return error(frame, target, &format!("expects {arguments} operands and one result"));
     }
@@ -478,31 +516,39 @@ unsafe fn handle(frame: &mut FfiCallFrame, target: &'static str, weight: Weight,
     // bias is bf16, widened for its f32 sums here (`n` values): a convert of XLA's before the
     // call made the call itself slower.
     let mut widened = vec![];
-    let epilogue = match epilogue {
-        None => None,
-        Some(activation) => {
-            let third = &**frame.args.items.add(2);
-            let (mut data, none) = (third.data as *const f32, std::ptr::null());
-            let half = operands == XLA_FFI_BF16 && third.dtype == XLA_FFI_BF16;
-            if half && dims(third) == [n] {
-                widened = f32_values(third, n as usize);
-                data = widened.as_ptr();
-            }
-            let (epilogue, fits, expects) = match activation {
-                // A bf16 product's factor is bf16 (read as it is: `[M, N]` values).
-                Activation::Silu => {
-                    let times = if half { Factor::Bf16(third.data as *const u16) } else { Factor::F32(data) };
-                    let typed = operands == XLA_FFI_F32 || half;
-                    (Epilogue { bias: none, activation, times }, dims(third) == yd && typed, "a factor shaped as y")
-                }
-                _ => (Epilogue { bias: data, activation, times: Factor::None }, dims(third) == [n], "a bias [N]"),
-            };
-            if !(third.dtype == XLA_FFI_F32 || half) || !fits {
-                let name = if operands == XLA_FFI_BF16 { "bf16 or f32" } else { "f32" };
-                return error(frame, target, &format!("expects {expects} ({name}) for y {yd:?}, got {:?} of XLA type {}", dims(third), third.dtype));
-            }
-            Some(epilogue)
+    let epilogue = if finish == Finish::Product {
+        None
+    } else {
+        let third = &**frame.args.items.add(2);
+        let mut data = third.data as *const f32;
+        let half = operands == XLA_FFI_BF16 && third.dtype == XLA_FFI_BF16;
+        if half && dims(third) == [n] {
+            widened = f32_values(third, n as usize);
+            data = widened.as_ptr();
         }
+        let shaped_as_y = operands == XLA_FFI_F32 || half;
+        let (epilogue, fits, expects) = match finish {
+            // A bf16 product's factor is bf16 (read as it is: `[M, N]` values).
+            Finish::SiluTimes => {
+                let times = if half { Factor::Bf16(third.data as *const u16) } else { Factor::F32(data) };
+                let epilogue = Epilogue { activation: Activation::Silu, times, ..Epilogue::NONE };
+                (epilogue, dims(third) == yd && shaped_as_y, "a factor shaped as y")
+            }
+            Finish::Plus { bias: false } => (Epilogue { plus: data, ..Epilogue::NONE }, dims(third) == yd && shaped_as_y, "a residual shaped as y"),
+            Finish::Plus { bias: true } => {
+                let residual = &**frame.args.items.add(3);
+                let fits = dims(third) == [n] && dims(residual) == yd && residual.dtype == XLA_FFI_F32;
+                (Epilogue { bias: data, plus: residual.data as *const f32, ..Epilogue::NONE }, fits, "a bias [N] and a residual shaped as y")
+            }
+            Finish::Bias(activation) => (Epilogue { bias: data, activation, ..Epilogue::NONE }, dims(third) == [n], "a bias [N]"),
+            Finish::Product => unreachable!("a product has no third operand"),
+        };
+        let plus_on_f32 = epilogue.plus.is_null() || operands == XLA_FFI_F32;
+        if !(third.dtype == XLA_FFI_F32 || half) || !fits || !plus_on_f32 {
+            let name = if operands == XLA_FFI_BF16 { "bf16 or f32" } else { "f32" };
+            return error(frame, target, &format!("expects {expects} ({name}) for y {yd:?}, got {:?} of XLA type {}", dims(third), third.dtype));
+        }
+        Some(epilogue)
     };
     let ran = if operands == XLA_FFI_F32 {
         if [x.dtype, w.dtype, y.dtype] != [XLA_FFI_F32; 3] || !shapes_agree {

@@ -882,10 +882,10 @@ impl<'a> Builder<'a> {
     }
 
     /// Rows `a` `[.., K]` times a matrix stored `[N, K]` or `[K, N]` through one of our host
-    /// kernels (`tpu_dynamo_runtime::host_kernels`), where the process's plugin has them, with a
-    /// `third` operand where the kernels take one (a bias `[N]`, or a factor shaped as the
+    /// kernels (`tpu_dynamo_runtime::host_kernels`), where the process's plugin has them, with
+    /// the `extra` operands the kernels take (a bias `[N]`, a factor or a residual shaped as the
     /// result): `None` otherwise or for another layout.
-    fn host_product(&self, kernels: Option<HostProduct>, a: &Val<'a>, b: &Val<'a>, third: Option<&Val<'a>>, contract: (&[i64], &[i64]), out: DType) -> R<Option<Val<'a>>> {
+    fn host_product(&self, kernels: Option<HostProduct>, a: &Val<'a>, b: &Val<'a>, extra: &[&Val<'a>], contract: (&[i64], &[i64]), out: DType) -> R<Option<Val<'a>>> {
         let (b, _, b_contract) = fold_transpose(b, &[], contract.1);
         let lhs_last = a.rank() as i64 - 1;
         let (Some(kernels), 2, [lhs]) = (kernels, b.rank(), contract.0) else { return Ok(None) };
@@ -896,17 +896,18 @@ impl<'a> Builder<'a> {
         };
         let mut shape = a.shape()[..a.rank() - 1].to_vec();
         shape.push(n);
-        if third.is_some_and(|t| (t.shape() != [n] && t.shape() != shape) || t.dtype() != out) {
+        if extra.iter().any(|t| (t.shape() != [n] && t.shape() != shape) || t.dtype() != out) {
             return Ok(None);
         }
-        let operands: Vec<&Val<'a>> = [a, &b].into_iter().chain(third).collect();
+        let operands: Vec<&Val<'a>> = [a, &b].into_iter().chain(extra.iter().copied()).collect();
         Ok(Some(self.host_call(target, &operands, vec![TensorType::new(out, shape)])?.remove(0)))
     }
 
-    /// `a @ b` (`a` `[M, K]`, `b` `[K, N]`) finished as `kernels` finish it with `third` (a bias
-    /// `[N]`, or a factor `[M, N]`), as one call of our product kernel (f32, or bf16 on the
-    /// tiles), where `dot_general` would give this product to it: `None` otherwise.
-    pub fn host_product_then(&self, kernels: Option<HostProduct>, a: &Val<'a>, b: &Val<'a>, third: &Val<'a>) -> R<Option<Val<'a>>> {
+    /// `a @ b` (`a` `[M, K]`, `b` `[K, N]`) finished as `kernels` finish it with `extra` (a bias
+    /// `[N]`, a factor `[M, N]`, a bias and a residual `[M, N]`), as one call of our product
+    /// kernel (f32, or bf16 on the tiles), where `dot_general` would give this product to it:
+    /// `None` otherwise.
+    pub fn host_product_then(&self, kernels: Option<HostProduct>, a: &Val<'a>, b: &Val<'a>, extra: &[&Val<'a>]) -> R<Option<Val<'a>>> {
         let contract: (&[i64], &[i64]) = (&[1], &[0]);
         let out = a.dtype();
         let ours = match out {
@@ -917,7 +918,7 @@ impl<'a> Builder<'a> {
         if a.rank() != 2 || !ours {
             return Ok(None);
         }
-        self.host_product(kernels, a, b, Some(third), contract, out)
+        self.host_product(kernels, a, b, extra, contract, out)
     }
 
     /// A typed-FFI custom call of one of our host kernels, registered under `target`.
@@ -1036,17 +1037,17 @@ impl<'a> Builder<'a> {
     ) -> R<Val<'a>> {
         let rows = bf16_rows_times_matrix(a, b, batch, contract, out);
         if rows.is_some_and(|rows| rows <= HOST_MATVEC_MAX_ROWS) {
-            if let Some(product) = self.host_product(lowering_target().host_matvec, a, b, None, contract, out)? {
+            if let Some(product) = self.host_product(lowering_target().host_matvec, a, b, &[], contract, out)? {
                 return Ok(product);
             }
         }
         if self.f32_product_for_both_cores(a, b, batch, contract, out) {
-            if let Some(product) = self.host_product(lowering_target().host_gemm, a, b, None, contract, out)? {
+            if let Some(product) = self.host_product(lowering_target().host_gemm, a, b, &[], contract, out)? {
                 return Ok(product);
             }
         }
         if self.bf16_product_on_tiles(a, b, batch, contract, out) {
-            if let Some(product) = self.host_product(lowering_target().host_bf16_gemm, a, b, None, contract, out)? {
+            if let Some(product) = self.host_product(lowering_target().host_bf16_gemm, a, b, &[], contract, out)? {
                 return Ok(product);
             }
         }
@@ -1293,6 +1294,10 @@ pub struct LoweringTarget {
     pub host_gemm_bias_gelu_tanh: Option<HostProduct>,
     /// The same products with SiLU applied, times a factor of the result's shape.
     pub host_gemm_silu_times: Option<HostProduct>,
+    /// The same products with a residual of the result's shape added last, without and with a
+    /// bias `[N]` before it.
+    pub host_gemm_plus: Option<HostProduct>,
+    pub host_gemm_bias_plus: Option<HostProduct>,
     /// The custom call targets of a host kernel for f32 attention without a mask and with
     /// the causal one, where the plugin has them registered.
     pub host_attention: Option<(&'static str, &'static str)>,
@@ -1332,6 +1337,8 @@ pub static LOWERING_TARGET: RwLock<LoweringTarget> = RwLock::new(LoweringTarget 
     host_gemm_bias: None,
     host_gemm_bias_gelu_tanh: None,
     host_gemm_silu_times: None,
+    host_gemm_plus: None,
+    host_gemm_bias_plus: None,
     host_attention: None,
     host_bf16_attention: None,
     host_conv3x3: None,

@@ -7,7 +7,10 @@
 //!   (each op written out rounds to bf16, which the kernel would not);
 //! - an `mm(x, w)`, viewed or not, then SiLU (`v · sigmoid(v)`, or `aten.silu`) times another
 //!   value of its shape (Llama's gated MLP: `silu(gate_proj(x)) * up_proj(x)`); in bf16 SiLU as
-//!   one op, or as its decomposition computes it, in f32 between two converts (rounded once).
+//!   one op, or as its decomposition computes it, in f32 between two converts (rounded once);
+//! - an `mm(x, w)` or `addmm(bias, x, w)`, viewed or not, plus a residual of its shape (a
+//!   transformer block's `residual + o_proj(h)`, GPT-2's `attn_output + residual`), in f32: a
+//!   `[1024, 64]` sum cost XLA:CPU 16-30 µs as a loop of its own after the product.
 //!
 //! A bf16 kernel rounds where eager's ops do: the product, the GELU or SiLU, their product by
 //! the factor.
@@ -27,14 +30,20 @@ enum Finish {
     BiasGeluTanh,
     /// SiLU, then times the factor.
     SiluTimes,
+    /// The residual added.
+    Plus,
+    /// The bias, then the residual added.
+    BiasPlus,
 }
 
-/// A product `x @ w` finished by the kernel, with its third operand: the bias or the factor.
+/// A product `x @ w` finished by the kernel, with its other operands: the bias `[N]`, and the
+/// factor or the residual, shaped as the result.
 #[derive(Clone, Copy, Debug, PartialEq)]
 struct Finished {
     x: ValueId,
     w: ValueId,
-    third: ValueId,
+    bias: Option<ValueId>,
+    shaped: Option<ValueId>,
     finish: Finish,
     dtype: DType,
 }
@@ -48,6 +57,8 @@ impl Finished {
             (Finish::BiasGeluTanh, DType::Bf16) => target.host_bf16_gemm_bias_gelu_tanh,
             (Finish::SiluTimes, DType::F32) => target.host_gemm_silu_times,
             (Finish::SiluTimes, DType::Bf16) => target.host_bf16_gemm_silu_times,
+            (Finish::Plus, DType::F32) => target.host_gemm_plus,
+            (Finish::BiasPlus, DType::F32) => target.host_gemm_bias_plus,
             _ => None,
         }
     }
@@ -71,16 +82,20 @@ impl FinishedProducts {
     pub fn lower<'a>(&self, i: usize, b: &Builder<'a>, values: &[Option<Val<'a>>], out: &TensorType) -> Option<R<Vec<Val<'a>>>> {
         let product = self.by_node.get(&i)?;
         let operand = |v: ValueId| values.get(v as usize).cloned().flatten();
-        let (x, w, third) = (operand(product.x)?, operand(product.w)?, operand(product.third)?);
+        let (x, w) = (operand(product.x)?, operand(product.w)?);
+        let bias = match product.bias {
+            Some(v) => Some(operand(v)?),
+            None => None,
+        };
+        let shaped = match product.shaped {
+            Some(v) => Some(operand(v)?),
+            None => None,
+        };
         let lowered = || -> R<Option<Val<'a>>> {
-            let third = match product.finish {
-                Finish::BiasGeluTanh => third,
-                Finish::SiluTimes => {
-                    let rows = x.shape().first().copied().unwrap_or(1);
-                    b.reshape(&third, &[rows, out.numel() / rows.max(1)])?
-                }
-            };
-            b.host_product_then(product.kernels(), &x, &w, &third)?.map(|y| b.reshape(&y, &out.shape)).transpose()
+            let rows = x.shape().first().copied().unwrap_or(1);
+            let shaped = shaped.as_ref().map(|t| b.reshape(t, &[rows, out.numel() / rows.max(1)])).transpose()?;
+            let extra: Vec<&Val<'a>> = bias.iter().chain(shaped.as_ref()).collect();
+            b.host_product_then(product.kernels(), &x, &w, &extra)?.map(|y| b.reshape(&y, &out.shape)).transpose()
         };
         lowered().transpose().map(|y| y.map(|y| vec![y]))
     }
@@ -164,15 +179,35 @@ fn finished_products(uses: &Uses) -> HashMap<usize, Finished> {
             Some((v, factor, chain, true))
         })
     };
+    // `v` and the residual, where node `last` is `v + residual` (either order, `alpha` 1), all
+    // three of one type, and `v` is a product or a view of one.
+    let residual_add = |last: usize| -> Option<(ValueId, ValueId)> {
+        let node = &nodes[last];
+        let [Arg::Value(p), Arg::Value(q)] = node.args[..] else { return None };
+        let unscaled = node.kwargs.iter().all(|(k, a)| k == "alpha" && number(a) == Some(1.0));
+        if node.op != "aten.add.Tensor" || !unscaled {
+            return None;
+        }
+        let sum = uses.types[uses.output(last) as usize];
+        let viewed = |v: ValueId| {
+            let view = defined(v, "aten.view.default").or_else(|| defined(v, "aten._unsafe_view.default"));
+            view.and_then(|i| nodes[i].args.first().and_then(value)).unwrap_or(v)
+        };
+        let product = |v: ValueId| defined(viewed(v), "aten.mm.default").or_else(|| defined(viewed(v), "aten.addmm.default"));
+        [(p, q), (q, p)].into_iter().find(|&(v, r)| uses.types[v as usize] == sum && uses.types[r as usize] == sum && product(v).is_some())
+    };
     let mut found = HashMap::new();
     for last in 0..nodes.len() {
         // `rounds_once`: the finish rounds once, as one op of ATen's (a bf16 kernel's does too).
-        let (v, mut chain, finish, factor, rounds_once) = match (aten_gelu(last), written_out(last)) {
+        // `shaped`: the factor or the residual.
+        let (v, mut chain, finish, shaped, rounds_once) = match (aten_gelu(last), written_out(last)) {
             (Some((v, chain)), _) => (v, chain, Finish::BiasGeluTanh, None, true),
             (_, Some((v, chain))) => (v, chain, Finish::BiasGeluTanh, None, false),
-            _ => match silu_times(last) {
-                Some((v, factor, chain, rounds_once)) => (v, chain, Finish::SiluTimes, Some(factor), rounds_once),
-                None => continue,
+            _ => match (silu_times(last), residual_add(last)) {
+                (Some((v, factor, chain, rounds_once)), _) => (v, chain, Finish::SiluTimes, Some(factor), rounds_once),
+                // An f32 sum only (its kernels are), the bias told by the product below.
+                (_, Some((v, residual))) => (v, vec![], Finish::Plus, Some(residual), false),
+                _ => continue,
             },
         };
         // `v`: the product, or a view of it.
@@ -181,20 +216,27 @@ fn finished_products(uses: &Uses) -> HashMap<usize, Finished> {
             Some(view) => nodes[view].args.first().and_then(value),
             None => Some(v),
         };
-        let product_op = if finish == Finish::SiluTimes { "aten.mm.default" } else { "aten.addmm.default" };
-        let Some(product) = viewed.and_then(|p| defined(p, product_op)) else { continue };
+        let (product, finish) = match finish {
+            Finish::SiluTimes => (viewed.and_then(|p| defined(p, "aten.mm.default")), finish),
+            Finish::Plus => match viewed.and_then(|p| defined(p, "aten.addmm.default")) {
+                Some(addmm) => (Some(addmm), Finish::BiasPlus),
+                None => (viewed.and_then(|p| defined(p, "aten.mm.default")), Finish::Plus),
+            },
+            _ => (viewed.and_then(|p| defined(p, "aten.addmm.default")), finish),
+        };
+        let Some(product) = product else { continue };
         let node = &nodes[product];
         let plain = node.kwargs.iter().all(|(k, a)| matches!((k.as_str(), number(a)), ("alpha" | "beta", Some(1.0))));
         let operands: Vec<Option<ValueId>> = node.args.iter().map(value).collect();
-        let (x, w, third) = match (finish, &operands[..]) {
-            (Finish::BiasGeluTanh, &[Some(bias), Some(x), Some(w)]) => (x, w, bias),
-            (Finish::SiluTimes, &[Some(x), Some(w)]) => match factor {
-                // The factor as `v` is (the other product, viewed alike).
-                Some(factor) if uses.types[factor as usize] == uses.types[v as usize] => (x, w, factor),
-                _ => continue,
-            },
+        let (x, w, bias) = match (finish, &operands[..]) {
+            (Finish::BiasGeluTanh | Finish::BiasPlus, &[Some(bias), Some(x), Some(w)]) => (x, w, Some(bias)),
+            (Finish::SiluTimes | Finish::Plus, &[Some(x), Some(w)]) => (x, w, None),
             _ => continue,
         };
+        // The factor as `v` is (the other product, viewed alike).
+        if finish == Finish::SiluTimes && !shaped.is_some_and(|factor| uses.types[factor as usize] == uses.types[v as usize]) {
+            continue;
+        }
         let dtype = uses.types[uses.output(product) as usize].dtype;
         if !plain || !(dtype == DType::F32 || dtype == DType::Bf16 && rounds_once) {
             continue;
@@ -208,7 +250,7 @@ fn finished_products(uses: &Uses) -> HashMap<usize, Finished> {
             !graph.outputs.contains(&out) && uses.readers(out).iter().all(|r| inside.contains(r))
         });
         if sealed {
-            found.insert(last, Finished { x, w, third, finish, dtype });
+            found.insert(last, Finished { x, w, bias, shaped, finish, dtype });
         }
     }
     found

@@ -127,7 +127,7 @@ fn matmul(n: NodeCtx<'_>) -> Res<'_> {
             // results, or to a bf16 product's f32 sums before they are rounded once.
             let bias = n.tensor(0, "self")?;
             let kernels = if out == DType::Bf16 { lowering_target().host_bf16_gemm_bias } else { lowering_target().host_gemm_bias };
-            let y = if bias.shape() == [b.shape()[b.rank() - 1]] { bd.host_product_then(kernels, &a, &b, &bias)? } else { None };
+            let y = if bias.shape() == [b.shape()[b.rank() - 1]] { bd.host_product_then(kernels, &a, &b, &[&bias])? } else { None };
             if let Some(y) = y {
                 return Ok(vec![y]);
             }

@@ -508,7 +508,7 @@ pub(super) mod x86 {
     /// `silu(gate) * up`).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
     pub(in crate::host_kernels) unsafe fn write_row(out: Out, sums: *const f32, cols: usize, finish: &Epilogue) {
-        debug_assert!(!matches!(finish.times, Factor::F32(_)), "an f32 factor is `Epilogue::apply`'s");
+        debug_assert!(!matches!(finish.times, Factor::F32(_)) && finish.plus.is_null(), "an f32 factor or a residual is `Epilogue::apply`'s");
         if let (Out::F32(y), true) = (out, finish.is_none()) {
             return std::ptr::copy_nonoverlapping(sums, y, cols);
         }
@@ -625,7 +625,7 @@ mod tests {
                 let (mut y32, mut y16) = (vec![f32::NAN; m * n], vec![0u16; m * n]);
                 let bias: Vec<f32> = (0..n).map(|_| next()).collect();
                 let (mut biased, mut gelus) = (vec![0u16; m * n], vec![0u16; m * n]);
-                let with_bias = |activation| Epilogue { bias: bias.as_ptr(), activation, times: Factor::None };
+                let with_bias = |activation| Epilogue { bias: bias.as_ptr(), activation, ..Epilogue::NONE };
                 let outs = [
                     (Out::F32(y32.as_mut_ptr()), Epilogue::NONE),
                     (Out::Bf16(y16.as_mut_ptr()), Epilogue::NONE),
@@ -638,7 +638,7 @@ mod tests {
                 // In two calls of rows, each reading the factor from its first row on.
                 let factor: Vec<u16> = (0..m * n).map(|_| bf16(next() * 2.0)).collect();
                 let mut silus = vec![0u16; m * n];
-                let times = Epilogue { bias: std::ptr::null(), activation: Activation::Silu, times: Factor::Bf16(factor.as_ptr()) };
+                let times = Epilogue { activation: Activation::Silu, times: Factor::Bf16(factor.as_ptr()), ..Epilogue::NONE };
                 for (first, rows) in [(0, m / 2), (m / 2, m - m / 2)] {
                     let out = (x.as_ptr() as *const u8, Out::Bf16(silus.as_mut_ptr()), times);
                     assert!(unsafe { super::rows(out, Values::Bf16, (n, k), &pieces, first, rows, 0..n.div_ceil(COLUMNS)) });
