@@ -241,7 +241,7 @@ fn cache_key(canonical: &[u8], target: &Target, plugin: Option<&PluginIdentity>)
         .field(format!("{:?}", CompileOptions::default()).as_bytes())
         .field(target.compiler_env.as_bytes())
         .field(target.host_kernels.join(",").as_bytes())
-        .field(format!("{:?}", (lowering.host_gemm_tiles_budget, lowering.host_f32_gemm_on_tiles)).as_bytes())
+        .field(format!("{:?}", (lowering.host_gemm_tiles_budget, lowering.host_f32_gemm_kept)).as_bytes())
         .field(CACHE_VERSION.as_bytes())
         .finish()
 }

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use tpu_dynamo_cache::{host_cpu_features, DiskCache, PluginIdentity};
-use tpu_dynamo_compiler::lower::{HostProduct, LoweringTarget, LOWERING_TARGET};
+use tpu_dynamo_compiler::lower::{HostProduct, KeptF32, LoweringTarget, LOWERING_TARGET};
 use tpu_dynamo_runtime::{host_kernels, Client, ClientOptions, Device, Error, Plugin};
 
 use crate::counters::{add_time, STATS};
@@ -229,7 +229,9 @@ pub fn target() -> Result<Arc<Target>, Error> {
     let one = |a: &'static str| host_kernels.contains(&a).then_some(a);
     let both = |a: &'static str, b: &'static str| (host_kernels.contains(&a) && host_kernels.contains(&b)).then_some((a, b));
     let pair = |a, b| both(a, b).map(|(row_per_output, row_per_input)| HostProduct { row_per_output, row_per_input });
-    let f32_on_tiles = host_kernels.contains(&host_kernels::F32_MATMUL_NT_TARGET) && host_kernels::products_on_tiles();
+    let f32_kept = host_kernels
+        .contains(&host_kernels::F32_MATMUL_NT_TARGET)
+        .then(|| if host_kernels::products_on_tiles() { KeptF32::Tiles } else { KeptF32::Panels });
     *LOWERING_TARGET.write().unwrap_or_else(|poisoned| poisoned.into_inner()) = LoweringTarget {
         cpu: host_memory,
         host_matvec: pair(host_kernels::BF16_MATVEC_TARGET, host_kernels::BF16_VECMAT_TARGET),
@@ -252,8 +254,8 @@ pub fn target() -> Result<Arc<Target>, Error> {
         host_bf16_layer_norm: one(host_kernels::BF16_LAYER_NORM_TARGET),
         host_rms_norm: one(host_kernels::F32_RMS_NORM_TARGET),
         host_bf16_rms_norm: one(host_kernels::BF16_RMS_NORM_TARGET),
-        host_gemm_tiles_budget: (f32_on_tiles || host_kernels.contains(&host_kernels::BF16_MATMUL_NT_TARGET)).then(|| host_kernels::unchanging::budget() as u64),
-        host_f32_gemm_on_tiles: f32_on_tiles,
+        host_gemm_tiles_budget: (f32_kept.is_some() || host_kernels.contains(&host_kernels::BF16_MATMUL_NT_TARGET)).then(|| host_kernels::unchanging::budget() as u64),
+        host_f32_gemm_kept: f32_kept,
     };
     let t = Arc::new(Target { client, device, host_memory, compiler_env: compiler_env(), host_kernels, identity: OnceLock::new() });
     *slot = Some(t.clone());

@@ -1322,8 +1322,28 @@ pub struct LoweringTarget {
     /// BF16's vectors): the bytes of weights' pieces the runtime keeps for them
     /// (`weights_kept_on_tiles`).
     pub host_gemm_tiles_budget: Option<u64>,
-    /// Whether f32 products run on AMX tiles too, from three bf16 pieces of each value.
-    pub host_f32_gemm_on_tiles: bool,
+    /// How f32 products of long contractions run on our kernel from a weight it keeps packed
+    /// (`weights_kept_on_tiles`), where they do.
+    pub host_f32_gemm_kept: Option<KeptF32>,
+}
+
+/// How our product kernel keeps an f32 weight for contractions longer than `HOST_GEMM_MAX_K`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeptF32 {
+    /// As three bf16 pieces of each value, on AMX tiles (any K).
+    Tiles,
+    /// As f32 panels, on AVX-512's vectors (K up to `F32_PANELS_MAX_K`).
+    Panels,
+}
+
+impl KeptF32 {
+    /// The bytes the runtime keeps per value of the weight.
+    fn bytes(self) -> i64 {
+        match self {
+            KeptF32::Tiles => 6,
+            KeptF32::Panels => 4,
+        }
+    }
 }
 
 pub static LOWERING_TARGET: RwLock<LoweringTarget> = RwLock::new(LoweringTarget {
@@ -1349,7 +1369,7 @@ pub static LOWERING_TARGET: RwLock<LoweringTarget> = RwLock::new(LoweringTarget 
     host_rms_norm: None,
     host_bf16_rms_norm: None,
     host_gemm_tiles_budget: None,
-    host_f32_gemm_on_tiles: false,
+    host_f32_gemm_kept: None,
 });
 
 pub fn lowering_target() -> LoweringTarget {
@@ -1388,9 +1408,17 @@ const HOST_GEMM_MIN_ROWS: i64 = 64;
 /// one block of 32 columns is the runtime's vector kernel, whose panel no longer fits L1.
 const TILES_MIN_COLUMNS: i64 = 64;
 
+/// Contractions up to which an f32 weight kept as panels (`KeptF32::Panels`: AVX-512 without
+/// AMX) runs on our vector kernel. On an AMD EPYC (Zen 4), against XLA's YNNPACK in one process,
+/// taking turns (bare executes, µs): `[128, 576] x [576, 576]` 467 → 424, `[128, 1536] x [1536,
+/// 576]` 1230 → 1103, `[1024, 1536] x [1536, 576]` 9257 → 7969, `[1024, 576] x [576, 576]` 3414
+/// → 3176, `[128, 768] x [768, 2304]` 2262 → 2228; at K 3072 slower, `[128, 3072] x [3072,
+/// 768]` 3106 → 3223 (its panel, 384 KiB, shares L2 with the rows).
+const F32_PANELS_MAX_K: i64 = 2048;
+
 /// Per graph input, whether our product kernels may take a product with it as the weight that
-/// only the tiles' layouts run faster than XLA: an f32 one of a long contraction (on AMX's
-/// tiles only, `f32_on_tiles`), or a bf16 one. They
+/// only the layouts they keep it in run faster than XLA: an f32 one of a long contraction (as
+/// `KeptF32` says), or a bf16 one. On AMX they
 /// run those from the weight's bf16 pieces, kept between calls, which only a parameter's
 /// matrix is sure to be: a buffer may be one a compiled step updates in place, and a constant
 /// may be a value computed from weights (`hoist.py`), both read as they are, not kept (under
@@ -1401,16 +1429,16 @@ const TILES_MIN_COLUMNS: i64 = 64;
 /// bf16 ones ~1.3 times (`[1024, 1536] x [1536, 6144]` 14.3 → 10.7). Where the pieces of all the
 /// graph's resident matrices would not fit the runtime's budget for them
 /// (`host_gemm_tiles_budget`), none is: an f32 product routed here whose pieces found the budget
-/// spent would run on the vector kernel, slower than XLA's at these K, a bf16 one would pack its
-/// pieces on every call.
-pub fn weights_kept_on_tiles(inputs: &[Input], budget: Option<u64>, f32_on_tiles: bool) -> Vec<bool> {
-    let kept_dtype = |dtype| dtype == DType::Bf16 || (f32_on_tiles && dtype == DType::F32);
+/// spent would run on the vector kernel packing its panels on every call, a bf16 one its pieces.
+pub fn weights_kept_on_tiles(inputs: &[Input], budget: Option<u64>, f32_kept: Option<KeptF32>) -> Vec<bool> {
+    let kept_dtype = |dtype| dtype == DType::Bf16 || (f32_kept.is_some() && dtype == DType::F32);
     // A bf16 convolution's weight (`[O, C, *kernel]`) is read as the matrix `[O, C·K]`.
     let matrix = |i: &Input| {
         i.kind == InputKind::Parameter && kept_dtype(i.ty.dtype) && (i.ty.rank() == 2 || (i.ty.dtype == DType::Bf16 && i.ty.rank() > 2))
     };
-    // Three bf16 pieces per f32 value, a bf16 value its own.
-    let pieces_bytes: i64 = inputs.iter().filter(|i| matrix(i)).map(|i| if i.ty.dtype == DType::F32 { 6 } else { 2 } * i.ty.numel()).sum();
+    // A bf16 value is its own piece.
+    let f32_bytes = f32_kept.map_or(0, KeptF32::bytes);
+    let pieces_bytes: i64 = inputs.iter().filter(|i| matrix(i)).map(|i| if i.ty.dtype == DType::F32 { f32_bytes } else { 2 } * i.ty.numel()).sum();
     let fits = budget.is_some_and(|budget| pieces_bytes as u64 <= budget);
     inputs.iter().map(|i| fits && matrix(i)).collect()
 }
@@ -1418,7 +1446,8 @@ pub fn weights_kept_on_tiles(inputs: &[Input], budget: Option<u64>, f32_on_tiles
 impl<'a> Builder<'a> {
     /// Whether `dot_general(a, b)` is f32 rows (no batch dims) times an f32 matrix our product
     /// kernel takes: of a size `HOST_GEMM_FLOPS`, `HOST_GEMM_MAX_K` and `HOST_GEMM_MIN_ROWS`
-    /// admit, or of any K where `b` is a weight kept on tiles (`weights_kept_on_tiles`).
+    /// admit, or of any K (up to `F32_PANELS_MAX_K` as panels) where `b` is a weight kept
+    /// packed (`weights_kept_on_tiles`).
     fn f32_product_for_both_cores(&self, a: &Val<'a>, b: &Val<'a>, batch: (&[i64], &[i64]), contract: (&[i64], &[i64]), out: DType) -> bool {
         if a.dtype() != DType::F32 || b.dtype() != DType::F32 || out != DType::F32 || !batch.0.is_empty() || b.rank() != 2 {
             return false;
@@ -1428,7 +1457,8 @@ impl<'a> Builder<'a> {
         let n: i64 = free_sizes(b, batch.1, contract.1).iter().product();
         let flops = 2 * a.ty.numel() * n;
         let sized = k <= HOST_GEMM_MAX_K && HOST_GEMM_FLOPS.contains(&flops);
-        let on_tiles = || flops >= *HOST_GEMM_FLOPS.start() && n >= TILES_MIN_COLUMNS && self.kept_on_tiles(b, batch.1, contract.1);
+        let contraction_kept = lowering_target().host_f32_gemm_kept != Some(KeptF32::Panels) || k <= F32_PANELS_MAX_K;
+        let on_tiles = || flops >= *HOST_GEMM_FLOPS.start() && n >= TILES_MIN_COLUMNS && contraction_kept && self.kept_on_tiles(b, batch.1, contract.1);
         rows >= HOST_GEMM_MIN_ROWS && (sized || on_tiles())
     }
 
@@ -1518,9 +1548,9 @@ mod tests {
     use super::*;
     use DType::*;
 
-    /// Only parameters' f32 and bf16 matrices (f32 ones only where AMX runs f32 products) and
-    /// bf16 convolutions' weights, and none where their pieces (6 and 2 bytes a value) pass the
-    /// budget.
+    /// Only parameters' f32 and bf16 matrices (f32 ones only where our kernel keeps them) and
+    /// bf16 convolutions' weights, and none where their pieces (6 bytes an f32 value on AMX, 4
+    /// as panels, 2 a bf16 one) pass the budget.
     #[test]
     fn weights_kept_on_tiles_are_parameters_matrices_within_the_budget() {
         let input = |dtype, shape: Vec<i64>, kind| Input { ty: TensorType::new(dtype, shape), kind };
@@ -1534,13 +1564,15 @@ mod tests {
             input(Bf16, vec![32, 16, 3, 3], InputKind::Parameter),
             input(F32, vec![32, 16, 3, 3], InputKind::Parameter),
         ];
-        let pieces = 6 * 768 * 3072 + 2 * 768 * 768 + 2 * 32 * 16 * 9;
         let kept = [false, true, false, true, false, false, true, false];
-        assert_eq!(weights_kept_on_tiles(&inputs, Some(pieces), true), kept);
-        assert_eq!(weights_kept_on_tiles(&inputs, Some(pieces - 1), true), [false; 8]);
-        assert_eq!(weights_kept_on_tiles(&inputs, None, true), [false; 8]);
+        for (f32_kept, bytes) in [(KeptF32::Tiles, 6), (KeptF32::Panels, 4)] {
+            let pieces = bytes * 768 * 3072 + 2 * 768 * 768 + 2 * 32 * 16 * 9;
+            assert_eq!(weights_kept_on_tiles(&inputs, Some(pieces), Some(f32_kept)), kept);
+            assert_eq!(weights_kept_on_tiles(&inputs, Some(pieces - 1), Some(f32_kept)), [false; 8]);
+            assert_eq!(weights_kept_on_tiles(&inputs, None, Some(f32_kept)), [false; 8]);
+        }
         let bf16_only = [false, false, false, true, false, false, true, false];
-        assert_eq!(weights_kept_on_tiles(&inputs, Some(2 * 768 * 768 + 2 * 32 * 16 * 9), false), bf16_only);
+        assert_eq!(weights_kept_on_tiles(&inputs, Some(2 * 768 * 768 + 2 * 32 * 16 * 9), None), bf16_only);
     }
 
     #[test]

@@ -6,7 +6,7 @@
 
 mod attention;
 mod builder;
-pub use builder::{lowering_target, HostProduct, LoweringTarget, LOWERING_TARGET};
+pub use builder::{lowering_target, HostProduct, KeptF32, LoweringTarget, LOWERING_TARGET};
 mod compare;
 mod convert;
 mod convolution;
@@ -390,7 +390,7 @@ fn resolve<'a>(arg: &Arg, values: &[Option<Val<'a>>]) -> R<A<'a>> {
 /// `sources[i]` is node i's user source line, used only in error messages.
 pub fn lower(graph: &Graph, sources: &[Option<String>]) -> Result<Lowered, LowerError> {
     let target = lowering_target();
-    let kept_on_tiles = builder::weights_kept_on_tiles(&graph.inputs, target.host_gemm_tiles_budget, target.host_f32_gemm_on_tiles);
+    let kept_on_tiles = builder::weights_kept_on_tiles(&graph.inputs, target.host_gemm_tiles_budget, target.host_f32_gemm_kept);
     let ctx = Context::new();
     ctx.set_allow_unregistered_dialects(true);
     DialectHandle::func().register_dialect(&ctx);
