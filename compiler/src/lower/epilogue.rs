@@ -179,6 +179,13 @@ fn finished_products(uses: &Uses) -> HashMap<usize, Finished> {
             Some((v, factor, chain, true))
         })
     };
+    // The view node `v` is, if any, and the value it views (`v` itself where none).
+    let viewed = |v: ValueId| -> (Option<usize>, Option<ValueId>) {
+        match defined(v, "aten.view.default").or_else(|| defined(v, "aten._unsafe_view.default")) {
+            Some(view) => (Some(view), nodes[view].args.first().and_then(value)),
+            None => (None, Some(v)),
+        }
+    };
     // `v` and the residual, where node `last` is `v + residual` (either order, `alpha` 1), all
     // three of one type, and `v` is a product or a view of one.
     let residual_add = |last: usize| -> Option<(ValueId, ValueId)> {
@@ -189,11 +196,7 @@ fn finished_products(uses: &Uses) -> HashMap<usize, Finished> {
             return None;
         }
         let sum = uses.types[uses.output(last) as usize];
-        let viewed = |v: ValueId| {
-            let view = defined(v, "aten.view.default").or_else(|| defined(v, "aten._unsafe_view.default"));
-            view.and_then(|i| nodes[i].args.first().and_then(value)).unwrap_or(v)
-        };
-        let product = |v: ValueId| defined(viewed(v), "aten.mm.default").or_else(|| defined(viewed(v), "aten.addmm.default"));
+        let product = |v: ValueId| viewed(v).1.and_then(|p| defined(p, "aten.mm.default").or_else(|| defined(p, "aten.addmm.default")));
         [(p, q), (q, p)].into_iter().find(|&(v, r)| uses.types[v as usize] == sum && uses.types[r as usize] == sum && product(v).is_some())
     };
     let mut found = HashMap::new();
@@ -211,11 +214,7 @@ fn finished_products(uses: &Uses) -> HashMap<usize, Finished> {
             },
         };
         // `v`: the product, or a view of it.
-        let view = defined(v, "aten.view.default").or_else(|| defined(v, "aten._unsafe_view.default"));
-        let viewed = match view {
-            Some(view) => nodes[view].args.first().and_then(value),
-            None => Some(v),
-        };
+        let (view, viewed) = viewed(v);
         let (product, finish) = match finish {
             Finish::SiluTimes => (viewed.and_then(|p| defined(p, "aten.mm.default")), finish),
             Finish::Plus => match viewed.and_then(|p| defined(p, "aten.addmm.default")) {
