@@ -1397,9 +1397,10 @@ const HOST_MATVEC_MAX_ROWS: i64 = 4;
 /// [64, 256]` 219-240 → 147-151, `[2048, 128] x [128, 128]` 356-359 → 262-272, `[1024, 64] x
 /// [64, 1000]` 697-714 → 648-656) but longer ones slower with the weight packed on every call,
 /// its `[K, 32]` panel no longer in L1 (`[128, 576] x [576, 576]` 429 → 505-531, `[4096, 320] x
-/// [320, 320]` 3419-3477 → 3964-3987; a kept weight's panels: `F32_PANELS_MAX_K`). Few rows do not pay for copying the weight into panels on every call
-/// (`[32, 256] x [256, 1024]` 150-188 → 184-204, `[8, ..]` 80-89 → 100-112), nor does one
-/// row, bound by reading the weight, which XLA's vector kernel does faster still.
+/// [320, 320]` 3419-3477 → 3964-3987; a kept weight's panels: `F32_PANELS_MAX_K`). Few rows
+/// do not pay for copying the weight into panels on every call (`[32, 256] x [256, 1024]`
+/// 150-188 → 184-204, `[8, ..]` 80-89 → 100-112), nor does one row, bound by reading the
+/// weight, which XLA's vector kernel does faster still.
 const HOST_GEMM_FLOPS: std::ops::RangeInclusive<i64> = (1 << 18)..=(1 << 27);
 const HOST_GEMM_MAX_K: i64 = 256;
 const HOST_GEMM_MIN_ROWS: i64 = 64;
