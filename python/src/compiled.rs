@@ -629,7 +629,7 @@ impl CompiledGraph {
         let spec = &self.entry.inputs[i];
         // Unsized calls pass the executable's own specs: no need to read two alike.
         if !std::ptr::eq(given, spec) && given != spec {
-            if self.aliases.iter().any(|&(a, _)| a == i) {
+            if self.donates(i) {
                 return Err(RtError::InvalidArgument(format!("input {i} is updated in place, so it cannot be padded")));
             }
             let t = &self.target;
@@ -660,7 +660,7 @@ impl CompiledGraph {
             unchanging::forget(ptr, nbytes);
             return Ok(Arg::Viewed(shared));
         }
-        let donated = self.aliases.iter().any(|&(a, _)| a == i);
+        let donated = self.donates(i);
         if slot.is_none() && !donated && nbytes <= STAGED_MAX_BYTES && self.target.host_memory {
             // SAFETY: see `run`: the Python caller keeps the tensor alive during the call.
             return self.staged_input(i, unsafe { host_slice(ptr, nbytes) });
@@ -722,7 +722,7 @@ impl CompiledGraph {
         unpinned: &mut Unpinned,
     ) -> Result<Arc<Buffer>, RtError> {
         let spec = &self.entry.inputs[i];
-        let donated = self.aliases.iter().any(|&(a, _)| a == i);
+        let donated = self.donates(i);
         if on_device {
             // A view is read as its memory is at each execute (on a CPU plugin, host memory).
             unchanging::forget(ptr, nbytes);
@@ -775,6 +775,11 @@ impl CompiledGraph {
         Ok(Arg::Staged(Staging { slot, staged: ManuallyDrop::new(staged) }))
     }
 
+    /// Whether the executable updates input `i` in place (consumes its buffer).
+    fn donates(&self, i: usize) -> bool {
+        self.aliases.iter().any(|&(a, _)| a == i)
+    }
+
     /// Input `i`'s resident slot, locked, where the input may be kept (`keepable`).
     fn slot(&self, i: usize, keepable: bool) -> Slot<'_> {
         keepable.then(|| self.resident[i].lock().unwrap_or_else(|p| p.into_inner()))
@@ -813,7 +818,7 @@ impl CompiledGraph {
             .enumerate()
             .map(|(i, slot)| {
                 let slot = slot.lock().unwrap_or_else(|p| p.into_inner());
-                let r = slot.as_ref().filter(|_| !self.aliases.iter().any(|&(a, _)| a == i))?;
+                let r = slot.as_ref().filter(|_| !self.donates(i))?;
                 self.entry.exe.check_arg(i, &r.copy).ok()?;
                 buffers.push(r.copy.clone());
                 Some((r.ptr, r.version, r.copy.handle()))
@@ -1156,5 +1161,3 @@ impl CompiledGraph {
         timed.map_err(runtime_err)
     }
 }
-
-

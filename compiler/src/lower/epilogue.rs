@@ -82,15 +82,10 @@ impl FinishedProducts {
     pub fn lower<'a>(&self, i: usize, b: &Builder<'a>, values: &[Option<Val<'a>>], out: &TensorType) -> Option<R<Vec<Val<'a>>>> {
         let product = self.by_node.get(&i)?;
         let operand = |v: ValueId| values.get(v as usize).cloned().flatten();
+        // An operand the product may not have: `None` where it has one not lowered.
+        let optional = |v: Option<ValueId>| v.map_or(Some(None), |v| operand(v).map(Some));
         let (x, w) = (operand(product.x)?, operand(product.w)?);
-        let bias = match product.bias {
-            Some(v) => Some(operand(v)?),
-            None => None,
-        };
-        let shaped = match product.shaped {
-            Some(v) => Some(operand(v)?),
-            None => None,
-        };
+        let (bias, shaped) = (optional(product.bias)?, optional(product.shaped)?);
         let lowered = || -> R<Option<Val<'a>>> {
             let rows = x.shape().first().copied().unwrap_or(1);
             let shaped = shaped.as_ref().map(|t| b.reshape(t, &[rows, out.numel() / rows.max(1)])).transpose()?;
