@@ -1145,6 +1145,72 @@ def test_keys_padded_to_a_bucket_are_never_read_by_the_kernel():
     assert "tensor<i64>" in call and "dot_general" not in stablehlo
 
 
+class Projected(torch.nn.Module):
+    """An attention block as transformers writes one: a fused projection split in three
+    (GPT-2's `c_attn`, `"fused"`; by slicing, `"sliced"`) or a projection each, grouped key
+    heads, the query and key changed by an elementwise op before they are viewed as heads
+    (`"separate"`), `view(B, L, H, E).transpose(1, 2)` each, the output transposed back into the
+    output projection; it returns the keys and values (a cache's update) too, and with
+    `raw_out` the attention's output as it is."""
+
+    def __init__(self, form: str, causal: bool, raw_out: bool = False, heads: int = 4, kv_heads: int = 4, dim: int = 16):
+        super().__init__()
+        self.form, self.causal, self.raw_out, self.heads, self.kv_heads, self.dim = form, causal, raw_out, heads, kv_heads, dim
+        width = heads * dim
+        if form == "separate":
+            self.q, self.k, self.v = (torch.nn.Linear(width, n * dim) for n in (heads, kv_heads, kv_heads))
+        else:
+            self.qkv = torch.nn.Linear(width, 3 * width)
+        self.out = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        (batch, length, width), dim = x.shape, self.dim
+        if self.form == "fused":
+            q, k, v = self.qkv(x).split(width, dim=2)
+        elif self.form == "sliced":
+            qkv = self.qkv(x)
+            q, k, v = qkv[..., :width], qkv[..., width : 2 * width], qkv[..., 2 * width :]
+        else:
+            q, k, v = self.q(x) * 1.5, self.k(x) - 0.25, self.v(x)
+        heads = lambda t: t.view(batch, length, -1, dim).transpose(1, 2)
+        q, k, v = heads(q), heads(k), heads(v)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=True)
+        projected = self.out(out.transpose(1, 2).reshape(batch, length, width))
+        return (projected, k, v, out) if self.raw_out else (projected, k, v)
+
+
+@needs_f32_kernels
+@pytest.mark.parametrize(
+    "form, batch, length, causal, kv_heads, raw_out",
+    [
+        ("fused", 1, 128, True, 4, False), ("fused", 8, 128, True, 4, False), ("sliced", 2, 45, False, 4, False),
+        ("separate", 2, 70, True, 2, False), ("separate", 1, 1, True, 2, False), ("fused", 2, 37, True, 4, True),
+    ],
+)
+def test_f32_attention_reads_projections_in_place(form, batch, length, causal, kv_heads, raw_out, compiled):
+    """The kernel reads queries, keys and values where the projections leave them (a fused
+    projection's result, with each one's columns) and writes the output as `[B, L, H, E]` for
+    the transpose after it, as eager's flash kernel does; where something else reads the
+    output too, it writes it `[B, H, L, E]`. Everything the block returns (the keys and values
+    as the graph's outputs too) within 1e-5 of eager."""
+    torch.manual_seed(batch * length + kv_heads)
+    block = Projected(form, causal, raw_out, kv_heads=kv_heads).eval()
+    x = torch.randn(batch, length, 64)
+    with torch.no_grad():
+        got, want = compile_tpu(block)(x), block(x)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
+    ((graph_json, _),) = compiled
+    stablehlo = _native.compile(graph_json, need_stablehlo=True).stablehlo
+    call = next(line for line in stablehlo.splitlines() if ATTENTION_KERNELS[causal] in line)
+    operands, results = call.split(" : (")[1].split(") -> (")
+    fused = f"tensor<{batch}x{length}x192xf32>"
+    separate = [f"tensor<{batch}x{length}x{n}x16xf32>" for n in (4, kv_heads, kv_heads)]
+    assert operands.split(", ")[:3] == (separate if form == "separate" else [fused] * 3), call
+    out = f"tensor<{batch}x{length}x4x16xf32>" if not raw_out else f"tensor<{batch}x4x{length}x16xf32>"
+    assert results.startswith(out) and stablehlo.count(ATTENTION_KERNELS[causal]) == 1, call
+
+
 @needs_f32_kernels
 def test_very_long_attention_stays_xlas(compiled):
     """Heads of keys larger than the kernel's scratch takes (2^21 elements: here 40000 keys of

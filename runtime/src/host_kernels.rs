@@ -76,7 +76,7 @@ pub const F32_MATMUL_NN_BIAS_PLUS_TARGET: &str = "tpu_dynamo.f32_matmul_nn_bias_
 /// The custom call targets of f32 attention without a mask and with the causal one.
 pub const F32_ATTENTION_TARGET: &str = "tpu_dynamo.f32_attention";
 pub const F32_CAUSAL_ATTENTION_TARGET: &str = "tpu_dynamo.f32_causal_attention";
-/// The same for bf16 attention on AMX tiles, `q` unscaled and the scale given.
+/// The same for bf16 attention on AMX tiles.
 pub const BF16_ATTENTION_TARGET: &str = "tpu_dynamo.bf16_attention";
 pub const BF16_CAUSAL_ATTENTION_TARGET: &str = "tpu_dynamo.bf16_causal_attention";
 /// The custom call target of an f32 convolution of 3×3 windows, stride 1, padding 1 (NCHW, OIHW).
@@ -632,38 +632,53 @@ unsafe extern "C" fn bf16_causal_attention(frame: *mut FfiCallFrame) -> *mut c_v
     attend(&mut *frame, BF16_CAUSAL_ATTENTION_TARGET, true)
 }
 
-/// The attention handlers: `q` `[B, H, L, E]`, `k` and `v` `[B, Hkv, S, E]` and, where given,
-/// what a mask adds to the scores (f32 `[B or 1, H or 1, L, S]`) and the count of keys that are
-/// not padding (a 0-d i64), into `out` `[B, H, L, E]` and its f32 logsumexp `[B, H, L]`, on
-/// XLA's threads. f32 (`q` already scaled), or bf16 on AMX tiles with the scale a 0-d f32.
+/// The attention handlers: `q` `[B, H, L, E]`, `k` and `v` `[B, Hkv, S, E]`, the scale (a 0-d
+/// f32, by which `q` is multiplied as it is read) and, where given, what a mask adds to the
+/// scores (f32 `[B or 1, H or 1, L, S]`), the count of keys that are not padding (a 0-d i64) and
+/// (f32 only) where `q`, `k`, `v` and `out` are (`ATTENTION_LAYOUT`), into `out` `[B, H, L, E]`
+/// (or as the layout says) and its f32 logsumexp `[B, H, L]`, on XLA's threads. f32, or bf16
+/// on AMX tiles.
 unsafe fn attend(frame: &mut FfiCallFrame, target: &'static str, causal: bool) -> *mut c_void {
     let bf16 = target == BF16_ATTENTION_TARGET || target == BF16_CAUSAL_ATTENTION_TARGET;
     if !executes(frame) {
         return std::ptr::null_mut();
     }
-    if !(3..=6).contains(&frame.args.size) || frame.rets.size != 2 {
-        return error(frame, target, "expects q, k, v, a mask's bias, a key count and (bf16) the scale, the last three where given, and two results");
+    if !(4..=7).contains(&frame.args.size) || frame.rets.size != 2 {
+        return error(frame, target, "expects q, k, v, the scale, and a mask's bias, a key count and a layout where given, and two results");
     }
     let buffer = |list: &FfiList, i: usize| &**list.items.add(i);
     let [q, k, v] = [0, 1, 2].map(|i| buffer(&frame.args, i));
-    // After them, a mask's bias (4-d), a key count (0-d i64) and a scale (0-d f32), each where given.
+    // After them, a mask's bias (4-d), a key count (0-d i64), the scale (0-d f32) and a layout
+    // (1-d i64), each where given.
     let extra = |rank: i64, dtype: Option<c_int>| (3..frame.args.size as usize).map(|i| buffer(&frame.args, i)).find(|b| b.rank == rank && dtype.is_none_or(|d| b.dtype == d));
-    let (bias, count, scale) = (extra(4, None), extra(0, Some(XLA_FFI_S64)), extra(0, Some(XLA_FFI_F32)));
+    let (bias, count, scale, layout) = (extra(4, None), extra(0, Some(XLA_FFI_S64)), extra(0, Some(XLA_FFI_F32)), extra(1, Some(XLA_FFI_S64)));
+    let given = 3 + [bias.is_some(), count.is_some(), scale.is_some(), layout.is_some()].iter().filter(|&&g| g).count();
+    let (Some(scale), true, false) = (scale, frame.args.size as usize == given, bf16 && layout.is_some()) else {
+        return error(frame, target, "expects the scale (0-d f32), at most one mask bias and one key count (0-d i64), and a layout (1-d i64) for f32 only");
+    };
     let [out, lse] = [0, 1].map(|i| buffer(&frame.rets, i));
     let (qd, kd, vd, od, ld) = (dims(q), dims(k), dims(v), dims(out), dims(lse));
-    let agree = match (qd, kd) {
-        (&[batch, heads, len_q, dim], &[kb, kv_heads, len_kv, kdim]) => {
-            (kb == batch && kdim == dim && kv_heads > 0 && heads % kv_heads == 0 && len_kv > 0 && vd == kd && od == qd && ld == &qd[..3])
-                .then(|| [batch, heads, kv_heads, len_q, len_kv, dim].map(|d| d as usize))
-                .map(|[batch, heads, kv_heads, len_q, len_kv, dim]| attention::Shape { batch, heads, kv_heads, len_q, len_kv, dim })
-        }
-        _ => None,
+    let placed = match layout {
+        Some(layout) => match AttentionLayout::read(layout, od, ld, [q, k, v].map(|b| numel(b))) {
+            Some(placed) => placed,
+            None => {
+                let values = std::slice::from_raw_parts(layout.data as *const i64, dims(layout).iter().product::<i64>().max(0) as usize);
+                return error(frame, target, &format!("layout {values:?} does not fit out {od:?}, lse {ld:?} and q, k, v {qd:?}, {kd:?}, {vd:?}"));
+            }
+        },
+        None => match AttentionLayout::packed(qd, kd, vd, od, ld) {
+            Some(placed) => placed,
+            None => {
+                let name = if bf16 { "bf16" } else { "f32" };
+                return error(frame, target, &format!("expects {name} q [B, H, L, E], k and v [B, Hkv, S, E], out [B, H, L, E] and f32 lse [B, H, L], got {qd:?}, {kd:?}, {vd:?}, {od:?}, {ld:?}"));
+            }
+        },
     };
+    let shape = placed.shape;
     let values = if bf16 { XLA_FFI_BF16 } else { XLA_FFI_F32 };
-    let (Some(shape), true) = (agree, [q, k, v, out].iter().all(|b| b.dtype == values) && lse.dtype == XLA_FFI_F32) else {
-        let name = if bf16 { "bf16" } else { "f32" };
-        return error(frame, target, &format!("expects {name} q [B, H, L, E], k and v [B, Hkv, S, E], out [B, H, L, E] and f32 lse [B, H, L], got {qd:?}, {kd:?}, {vd:?}, {od:?}, {ld:?}"));
-    };
+    if ![q, k, v, out].iter().all(|b| b.dtype == values) || lse.dtype != XLA_FFI_F32 {
+        return error(frame, target, &format!("expects q, k, v and out of one type ({}) and an f32 lse", if bf16 { "bf16" } else { "f32" }));
+    }
     let bias = match bias.map(|b| (b, dims(b))) {
         None => None,
         Some((b, bd)) => match <[i64; 4]>::try_from(bd).map(|d| d.map(|d| d as usize)) {
@@ -675,20 +690,72 @@ unsafe fn attend(frame: &mut FfiCallFrame, target: &'static str, causal: bool) -
         },
     };
     let valid = count.map_or(shape.len_kv, |c| (*(c.data as *const i64)).max(0) as usize);
-    if bf16 != scale.is_some() || frame.args.size as usize != 3 + usize::from(bias.is_some()) + usize::from(count.is_some()) + usize::from(scale.is_some()) {
-        return error(frame, target, "expects at most one mask bias and one key count (0-d i64), and a scale (0-d f32) for bf16 only");
-    }
+    let scale = *(scale.data as *const f32);
     let (xla, threads) = XlaPool::with_threads(frame);
-    let results = (out.data, lse.data as *mut f32);
     #[cfg(target_arch = "x86_64")]
-    if let Some(scale) = scale {
-        let inputs = (q.data as *const u16, k.data as *const u16, v.data as *const u16, *(scale.data as *const f32));
-        let (job, units, parts) = tile_attention::TileAttention::new(inputs, (bias, valid), (results.0 as *mut u16, results.1), shape, causal, threads);
+    if bf16 {
+        let inputs = (q.data as *const u16, k.data as *const u16, v.data as *const u16, scale);
+        let (job, units, parts) = tile_attention::TileAttention::new(inputs, (bias, valid), (out.data as *mut u16, lse.data as *mut f32), shape, causal, threads);
         return answer(frame, target, std::panic::catch_unwind(|| run_units(xla, job, units, parts - 1)));
     }
-    let inputs = (q.data as *const f32, k.data as *const f32, v.data as *const f32);
-    let (job, units, parts) = attention::Attention::new(inputs, (bias, valid), (results.0 as *mut f32, results.1), shape, causal, threads);
+    let [qs, ks, vs, os] = placed.strides;
+    let at = |b: &FfiBuffer, strides| attention::Placed { data: b.data as *mut f32, strides };
+    let inputs = (at(q, qs), at(k, ks), at(v, vs), scale);
+    let (job, units, parts) = attention::Attention::new(inputs, (bias, valid), (at(out, os), lse.data as *mut f32), shape, causal, threads);
     answer(frame, target, std::panic::catch_unwind(|| run_units(xla, job, units, parts - 1)))
+}
+
+/// An attention's shape and where its `q`, `k`, `v` and `out` are. Given to the f32 kernel as
+/// an i64 `[15]`: the key/value heads, the keys, 1 where `out` is `[B, L, H, E]` (0: `[B, H, L,
+/// E]`), then each of `q`, `k` and `v`'s `Strides` (offset, batch, head, row); the queries'
+/// batch, heads and count come from `lse` `[B, H, L]`, the head size from `out`.
+struct AttentionLayout {
+    shape: attention::Shape,
+    strides: [attention::Strides; 4],
+}
+
+impl AttentionLayout {
+    /// Operands as their dims say, row-major.
+    fn packed(qd: &[i64], kd: &[i64], vd: &[i64], od: &[i64], ld: &[i64]) -> Option<AttentionLayout> {
+        let (&[batch, heads, len_q, dim], &[kb, kv_heads, len_kv, kdim]) = (qd, kd) else { return None };
+        if !(kb == batch && kdim == dim && kv_heads > 0 && heads % kv_heads == 0 && len_kv > 0 && vd == kd && od == qd && ld == &qd[..3]) {
+            return None;
+        }
+        let [batch, heads, kv_heads, len_q, len_kv, dim] = [batch, heads, kv_heads, len_q, len_kv, dim].map(|d| d as usize);
+        let (queries, keys) = (attention::Strides::packed(heads, len_q, dim), attention::Strides::packed(kv_heads, len_kv, dim));
+        Some(AttentionLayout { shape: attention::Shape { batch, heads, kv_heads, len_q, len_kv, dim }, strides: [queries, keys, keys, queries] })
+    }
+
+    /// The layout operand `layout`, where every row it places lies within its operand
+    /// (`elements` of `q`, `k` and `v`) and `out` and `lse` are as it says.
+    unsafe fn read(layout: &FfiBuffer, od: &[i64], ld: &[i64], elements: [usize; 3]) -> Option<AttentionLayout> {
+        if dims(layout) != [15] {
+            return None;
+        }
+        let values = std::slice::from_raw_parts(layout.data as *const i64, 15);
+        let values: Vec<usize> = values.iter().map(|&x| usize::try_from(x).ok()).collect::<Option<_>>()?;
+        let (&[batch, heads, len_q], &[.., dim]) = (ld, od) else { return None };
+        let [batch, heads, len_q, dim] = [batch, heads, len_q, dim].map(|d| d as usize);
+        let (kv_heads, len_kv, interleaved) = (values[0], values[1], values[2]);
+        let out_dims = match interleaved {
+            0 => [batch, heads, len_q, dim],
+            1 => [batch, len_q, heads, dim],
+            _ => return None,
+        };
+        if od.iter().map(|&d| d as usize).ne(out_dims) || kv_heads == 0 || heads % kv_heads != 0 || len_kv == 0 {
+            return None;
+        }
+        let strides = |i: usize| attention::Strides { offset: values[3 + 4 * i], batch: values[4 + 4 * i], head: values[5 + 4 * i], row: values[6 + 4 * i] };
+        let out = if interleaved == 1 { attention::Strides::interleaved(heads, len_q, dim) } else { attention::Strides::packed(heads, len_q, dim) };
+        let spans = [[batch, heads, len_q, dim], [batch, kv_heads, len_kv, dim], [batch, kv_heads, len_kv, dim]];
+        let fits = (0..3).all(|i| strides(i).extent(spans[i]).is_some_and(|e| e <= elements[i]));
+        fits.then(|| AttentionLayout { shape: attention::Shape { batch, heads, kv_heads, len_q, len_kv, dim }, strides: [strides(0), strides(1), strides(2), out] })
+    }
+}
+
+/// How many elements a buffer holds.
+unsafe fn numel(b: &FfiBuffer) -> usize {
+    dims(b).iter().map(|&d| d.max(0) as usize).product()
 }
 
 /// The convolution handler: f32 `x` `[N, C, H, W]` and `w` `[O, C, 3, 3]` into `y` `[N, O, H,

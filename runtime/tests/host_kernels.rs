@@ -152,26 +152,46 @@ func.func @main(%x: tensor<{b}x{m}x{k}xf32>, %w: {w_ty}) -> tensor<{b}x{m}x{n}xf
     }
 }
 
-/// Causal attention of grouped query heads (`[1, 4, 30, 24]` over `[1, 2, 30, 24]`): output and
-/// logsumexp within 1e-5 of f64; and a call whose shapes disagree fails the execute with the
-/// kernel's message.
+/// Causal attention of grouped query heads (`[1, 4, 30, 24]` over `[1, 2, 30, 24]`, scaled by
+/// 0.5): output and logsumexp within 1e-5 of f64; the same operands read from one fused
+/// projection's `[1, 30, 192]` (queries, keys and values side by side in each row, as a layout
+/// places them) with the output written `[1, 30, 4, 24]`: the same bits; and calls whose shapes
+/// disagree, or whose layout reaches past an operand, fail the execute with the kernel's message.
 #[test]
 fn f32_attention_matches_f64_and_names_bad_shapes() {
     let client = client(1);
     if !registers(&client, F32_CAUSAL_ATTENTION_TARGET) {
         return;
     }
+    const SCALE: &str = "%s = stablehlo.constant dense<5.000000e-01> : tensor<f32>";
     // Keys and values of `k_len` and `v_len` positions (the kernel wants them equal).
     let call = |k_len: i64, v_len: i64| {
         let (q, k, v) = ("tensor<1x4x30x24xf32>", format!("tensor<1x2x{k_len}x24xf32>"), format!("tensor<1x2x{v_len}x24xf32>"));
         let text = format!(
             r#"
 func.func @main(%q: {q}, %k: {k}, %v: {v}) -> ({q}, tensor<1x4x30xf32>) {{
-  %o:2 = stablehlo.custom_call @{F32_CAUSAL_ATTENTION_TARGET}(%q, %k, %v) {{api_version = 4 : i32, backend_config = {{}}}} : ({q}, {k}, {v}) -> ({q}, tensor<1x4x30xf32>)
+  {SCALE}
+  %o:2 = stablehlo.custom_call @{F32_CAUSAL_ATTENTION_TARGET}(%q, %k, %v, %s) {{api_version = 4 : i32, backend_config = {{}}}} : ({q}, {k}, {v}, tensor<f32>) -> ({q}, tensor<1x4x30xf32>)
   return %o#0, %o#1 : {q}, tensor<1x4x30xf32>
 }}"#
         );
         compile(&client, &text, vec![f32_spec(&[1, 4, 30, 24]), f32_spec(&[1, 2, k_len, 24]), f32_spec(&[1, 2, v_len, 24])])
+    };
+    // q at column 0 of each row of 192, k at 96, v at 144 (k's and v's moved by `shift`).
+    let fused = |shift: i64| {
+        let layout = [2, 30, 1, 0, 30 * 192, 24, 192, 96 + shift, 30 * 192, 24, 192, 144 + shift, 30 * 192, 24, 192];
+        let layout = layout.map(|x| x.to_string()).join(", ");
+        let (x, o) = ("tensor<1x30x192xf32>", "tensor<1x30x4x24xf32>");
+        let text = format!(
+            r#"
+func.func @main(%x: {x}) -> ({o}, tensor<1x4x30xf32>) {{
+  {SCALE}
+  %l = stablehlo.constant dense<[{layout}]> : tensor<15xi64>
+  %o:2 = stablehlo.custom_call @{F32_CAUSAL_ATTENTION_TARGET}(%x, %x, %x, %s, %l) {{api_version = 4 : i32, backend_config = {{}}}} : ({x}, {x}, {x}, tensor<f32>, tensor<15xi64>) -> ({o}, tensor<1x4x30xf32>)
+  return %o#0, %o#1 : {o}, tensor<1x4x30xf32>
+}}"#
+        );
+        compile(&client, &text, vec![f32_spec(&[1, 30, 192])])
     };
     let mut rng = Rng::new(5);
     let (q, k, v) = (rng.f32s(4 * 30 * 24), rng.f32s(2 * 30 * 24), rng.f32s(2 * 30 * 24));
@@ -181,7 +201,7 @@ func.func @main(%q: {q}, %k: {k}, %v: {v}) -> ({q}, tensor<1x4x30xf32>) {{
     let (got, lse) = (download_any(&out[0], DType::F32), download_any(&out[1], DType::F32));
     for (h, i) in (0..4).flat_map(|h| (0..30).map(move |i| (h, i))) {
         let kv = h / 2 * 30 * 24;
-        let scores: Vec<f64> = (0..=i).map(|j| (0..24).map(|e| f64::from(q[(h * 30 + i) * 24 + e]) * f64::from(k[kv + j * 24 + e])).sum()).collect();
+        let scores: Vec<f64> = (0..=i).map(|j| (0..24).map(|e| f64::from(q[(h * 30 + i) * 24 + e] * 0.5) * f64::from(k[kv + j * 24 + e])).sum()).collect();
         let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         let sum: f64 = scores.iter().map(|s| (s - max).exp()).sum();
         assert!((lse[h * 30 + i] - (max + sum.ln())).abs() < 1e-5, "lse of head {h} query {i}");
@@ -190,6 +210,17 @@ func.func @main(%q: {q}, %k: {k}, %v: {v}) -> ({q}, tensor<1x4x30xf32>) {{
             assert!((got[(h * 30 + i) * 24 + e] - want).abs() < 1e-5, "head {h} query {i} lane {e}");
         }
     }
+    // Row `i` of the fused projection: q's four heads, then k's two, then v's two.
+    let heads_of = |t: &[f32], heads: usize, i: usize| (0..heads).flat_map(|h| t[(h * 30 + i) * 24..][..24].to_vec()).collect::<Vec<_>>();
+    let x: Vec<f32> = (0..30).flat_map(|i| [heads_of(&q, 4, i), heads_of(&k, 2, i), heads_of(&v, 2, i)].concat()).collect();
+    let placed = fused(0).execute(&[&upload(&client, &x, &[1, 30, 192], dev)]).unwrap();
+    let (placed_out, placed_lse) = (download_any(&placed[0], DType::F32), download_any(&placed[1], DType::F32));
+    assert_eq!(placed_lse, lse);
+    for (h, i, e) in (0..4).flat_map(|h| (0..30).flat_map(move |i| (0..24).map(move |e| (h, i, e)))) {
+        assert_eq!(placed_out[(i * 4 + h) * 24 + e], got[(h * 30 + i) * 24 + e], "head {h} query {i} lane {e}");
+    }
+    let past = fused(1).execute(&[&upload(&client, &x, &[1, 30, 192], dev)]).map(|_| ()).unwrap_err();
+    assert!(past.to_string().contains("does not fit out [1, 30, 4, 24]"), "{past}");
     let short = [upload(&client, &q, &[1, 4, 30, 24], dev), upload(&client, &k[..2 * 29 * 24], &[1, 2, 29, 24], dev), upload(&client, &v, &[1, 2, 30, 24], dev)];
     let error = call(29, 30).execute(&short.iter().collect::<Vec<_>>()).map(|_| ()).unwrap_err();
     assert!(error.to_string().contains("tpu_dynamo host kernel tpu_dynamo.f32_causal_attention: expects f32 q"), "{error}");

@@ -10,19 +10,180 @@
 //!
 //! Where the process's plugin has our attention kernel (XLA:CPU on a CPU with AVX-512; for bf16
 //! in AMX tiles' layouts, one with AMX or AVX-512 BF16), the whole op is one call of it instead
-//! (`host_attention`).
+//! (`host_attention`); in f32 it reads the queries, keys and values where the projections
+//! leave them and writes the output as what reads it next wants it (`Placements`).
 
 use super::builder::{broadcast_shapes, lowering_target, opmath, Builder, Combiner, Scalar, Val, R};
+use super::patterns::{value, Uses};
 use super::reduction::{exponentials, zero_rows};
 use super::{NodeCtx, Registry, Res, A};
-use crate::ir::{DType, TensorType};
+use crate::ir::{Arg, DType, TensorType, ValueId};
 use crate::padding::{KEYS_VALID, KEYS_VALID_PLUS};
+use std::collections::HashMap;
+
+const FLASH_ATTENTION: &str = "aten._scaled_dot_product_flash_attention_for_cpu.default";
 
 pub fn register(r: &mut Registry) {
-    r.add(
-        &["aten._scaled_dot_product_flash_attention_for_cpu.default"],
-        flash_attention_for_cpu,
-    );
+    r.add(&[FLASH_ATTENTION], |n| flash_attention(&n, None));
+}
+
+/// Where our f32 attention kernel reads each attention's operands and writes its output, by
+/// the node: eager's CPU flash kernel takes strided operands and writes `[B, L, H, E]`, so the
+/// projections' `view(B, L, H, E).transpose(1, 2)` and the output's `transpose(1, 2)` cost it
+/// nothing, where XLA:CPU copied each operand into `[B, H, L, E]` (and, reading a fused
+/// projection's third, sliced it out first) and the output back: GPT-2 at batch 8 ran eight
+/// loops a layer around its attention.
+pub struct Placements {
+    by_node: HashMap<usize, Placement>,
+}
+
+/// An attention's operands read in place (`None`: as the node's operand) and whether its
+/// output is written `[B, L, H, E]` (only transposes back read it).
+#[derive(Clone, Copy, Debug, Default)]
+struct Placement {
+    operands: [Option<InPlace>; 3],
+    interleaved: bool,
+}
+
+/// An operand `[B, H, L, E]` that is `[B, L, H, E]` rows transposed: `base`'s rows (`width`
+/// values each, whatever its shape) hold the `H · E` values from column `offset`.
+#[derive(Clone, Copy, Debug)]
+struct InPlace {
+    base: ValueId,
+    offset: i64,
+    width: i64,
+}
+
+impl Placements {
+    /// The placements of `uses`' graph where the plugin has our f32 kernel (none elsewhere).
+    pub fn of(uses: &Uses) -> Self {
+        let mut by_node = HashMap::new();
+        if lowering_target().host_attention.is_none() {
+            return Placements { by_node };
+        }
+        for (i, node) in uses.graph.nodes.iter().enumerate() {
+            let operands = node.args.iter().take(3).map(value).collect::<Option<Vec<_>>>();
+            let Some(operands) = operands.filter(|o| node.op == FLASH_ATTENTION && o.len() == 3) else {
+                continue;
+            };
+            if operands.iter().any(|&v| uses.types[v as usize].dtype != DType::F32 || uses.types[v as usize].rank() != 4) {
+                continue;
+            }
+            let placement = Placement {
+                operands: [0, 1, 2].map(|j| in_place(uses, operands[j])),
+                interleaved: only_transposed(uses, uses.output(i), 0),
+            };
+            if placement.interleaved || placement.operands.iter().any(Option::is_some) {
+                by_node.insert(i, placement);
+            }
+        }
+        Placements { by_node }
+    }
+
+    /// Node `i` lowered with its placement, where it has one; `values`: those lowered so far.
+    pub fn lower<'a>(&self, i: usize, n: &NodeCtx<'a>, values: &[Option<Val<'a>>]) -> Option<Res<'a>> {
+        let placement = self.by_node.get(&i)?;
+        let operands = placement.operands.map(|o| {
+            o.and_then(|o| values.get(o.base as usize).cloned().flatten().map(|base| Placed { base, offset: o.offset, width: o.width }))
+        });
+        Some(flash_attention(n, Some(&Layout { operands, interleaved: placement.interleaved })))
+    }
+}
+
+/// `v` as `[B, L, H, E]` rows transposed, where it is (`InPlace`): `permute(x, [0, 2, 1, 3])`,
+/// or a cache's update from nothing (`cat([empty, that], -2)`), `x` read where it is or, where
+/// it views a slice of a wider result's columns (a fused projection's `split`), where that
+/// result is.
+fn in_place(uses: &Uses, v: ValueId) -> Option<InPlace> {
+    let graph = uses.graph;
+    let shape = |v: ValueId| &uses.types[v as usize].shape;
+    let v = match uses.node_of(v, "aten.cat.default") {
+        Some(cat) => match &graph.nodes[cat].args[..] {
+            [Arg::List(items), ..] => {
+                let mut parts = items.iter().filter_map(value).filter(|&t| uses.types[t as usize].numel() != 0 || uses.types[t as usize].rank() != 1);
+                match (parts.next(), parts.next(), items.len()) {
+                    (Some(t), None, 2) => t,
+                    _ => return None,
+                }
+            }
+            _ => return None,
+        },
+        None => v,
+    };
+    let permute = uses.node_of(v, "aten.permute.default")?;
+    let [Arg::Value(x), Arg::List(perm)] = &graph.nodes[permute].args[..] else { return None };
+    if perm.iter().map(|p| match p { Arg::Int(p) => Some(*p), _ => None }).ne([0, 2, 1, 3].map(Some)) {
+        return None;
+    }
+    let &[batch, len, heads, dim] = &shape(*x)[..] else { return None };
+    let placed = InPlace { base: *x, offset: 0, width: heads * dim };
+    // `x` a view of `y`'s rows of `H · E`, `y` the columns `offset..` of `z`'s rows.
+    let y = ["aten.view.default", "aten._unsafe_view.default"]
+        .iter()
+        .find_map(|op| uses.node_of(*x, op))
+        .and_then(|view| value(graph.nodes[view].args.first()?));
+    let columns = y.filter(|&y| shape(y).last() == Some(&(heads * dim)) && uses.types[y as usize].numel() == batch * len * heads * dim).and_then(|y| {
+        let last = shape(y).len() as i64 - 1;
+        let on_last = |d: &Arg| matches!(d, Arg::Int(d) if *d == last || *d == -1);
+        if let Some(slice) = uses.node_of(y, "aten.slice.Tensor") {
+            let (z, start) = match &graph.nodes[slice].args[..] {
+                [Arg::Value(z), d, Arg::Int(start), _, Arg::Int(1)] | [Arg::Value(z), d, Arg::Int(start), _] if on_last(d) => (*z, *start),
+                _ => return None,
+            };
+            return Some((z, start));
+        }
+        let split = uses.node_of(y, "aten.split_with_sizes.default").or_else(|| uses.node_of(y, "aten.split.Tensor"))?;
+        let (z, d) = match &graph.nodes[split].args[..] {
+            [Arg::Value(z), _, d] => (*z, d),
+            [Arg::Value(z), _] => (*z, &Arg::Int(0)),
+            _ => return None,
+        };
+        let first = uses.output(split);
+        let before: i64 = (first..y).map(|o| shape(o).last().copied().unwrap_or(0)).sum();
+        on_last(d).then_some((z, before))
+    });
+    let Some((z, offset)) = columns else { return Some(placed) };
+    let (zs, ys) = (shape(z), shape(y?));
+    let width = *zs.last()?;
+    let rows_agree = zs.len() == ys.len() && zs[..zs.len() - 1] == ys[..ys.len() - 1];
+    if !rows_agree || uses.types[z as usize].dtype != DType::F32 || offset < 0 || offset + heads * dim > width {
+        return Some(placed);
+    }
+    Some(InPlace { base: z, offset, width })
+}
+
+/// Whether only `permute(v, [0, 2, 1, 3])`s read `v`, directly or through (up to four) views
+/// of its own shape, and it is not a graph output.
+fn only_transposed(uses: &Uses, v: ValueId, depth: usize) -> bool {
+    let readers = uses.readers(v);
+    let shape = &uses.types[v as usize].shape;
+    depth < 4
+        && !readers.is_empty()
+        && !uses.graph.outputs.contains(&v)
+        && readers.iter().all(|&r| {
+            let node = &uses.graph.nodes[r];
+            match (node.op.as_str(), &node.args[..]) {
+                ("aten.permute.default", [Arg::Value(_), Arg::List(perm)]) => *perm == [0, 2, 1, 3].map(Arg::Int),
+                ("aten.view.default" | "aten._unsafe_view.default", _) => {
+                    uses.types[uses.output(r) as usize].shape == *shape && only_transposed(uses, uses.output(r), depth + 1)
+                }
+                _ => false,
+            }
+        })
+}
+
+/// An operand read in place (`InPlace` with its base lowered).
+struct Placed<'a> {
+    base: Val<'a>,
+    offset: i64,
+    width: i64,
+}
+
+/// One attention's placement as lowered: its q, k and v where read in place, and whether the
+/// output is written `[B, L, H, E]`.
+struct Layout<'a> {
+    operands: [Option<Placed<'a>>; 3],
+    interleaved: bool,
 }
 
 /// `(output [B, H, L, E], logsumexp [B, H, L])` for q `[B, H, L, E]`, k/v `[B, Hkv, S, E]`
@@ -32,7 +193,7 @@ pub fn register(r: &mut Registry) {
 /// Rows whose mask hides every key give 0, output and logsumexp, as the CPU kernel does. They
 /// are told by the mask (a reduce over `[L, S]`, not over every head's scores); their
 /// exponentials are NaN (-inf - -inf) until the final select replaces them.
-fn flash_attention_for_cpu(n: NodeCtx<'_>) -> Res<'_> {
+fn flash_attention<'a>(n: &NodeCtx<'a>, layout: Option<&Layout<'a>>) -> Res<'a> {
     let (q, k, v) = (
         n.tensor(0, "query")?,
         n.tensor(1, "key")?,
@@ -69,23 +230,25 @@ fn flash_attention_for_cpu(n: NodeCtx<'_>) -> Res<'_> {
     let b = &n.b;
     let f = opmath(q.dtype());
     let mask = mask.map(|m| b.convert(&m, f)).transpose()?;
-    let count = keys_count(&n)?;
+    let count = keys_count(n)?;
     let host = lowering_target();
+    let scale_value = b.scalar(Scalar::Float(scale), DType::F32)?;
+    let extras = (mask.as_ref(), count.as_ref(), &scale_value);
     if let (Some(targets), true) = (host.host_bf16_attention, [&q, &k, &v].iter().all(|t| t.dtype() == DType::Bf16)) {
-        let scale = b.scalar(Scalar::Float(scale), DType::F32)?;
-        if let Some((out, lse)) = host_attention(b, targets, &q, (&k, &v), causal, (mask.as_ref(), count.as_ref(), Some(&scale)))? {
+        if let Some((out, lse)) = host_attention(b, targets, [&q, &k, &v], None, causal, extras)? {
             return Ok(vec![out, b.convert(&lse, n.out(1)?.dtype)?]);
+        }
+    }
+    let (q, k, mut v) = (b.convert(&q, f)?, b.convert(&k, f)?, b.convert(&v, f)?);
+    if let (Some(targets), DType::F32) = (host.host_attention, f) {
+        let packed = Layout { operands: [None, None, None], interleaved: false };
+        if let Some((out, lse)) = host_attention(b, targets, [&q, &k, &v], Some(layout.unwrap_or(&packed)), causal, extras)? {
+            return Ok(vec![b.convert(&out, n.out(0)?.dtype)?, b.convert(&lse, n.out(1)?.dtype)?]);
         }
     }
     // Scaled before the product: fewer multiplies than on the scores, and none that XLA:CPU
     // would feed to the product's fusion as a materialized [L, S] broadcast of the scale.
-    let q = b.mul_scalar(&b.convert(&q, f)?, scale)?;
-    let (k, mut v) = (b.convert(&k, f)?, b.convert(&v, f)?);
-    if let (Some(targets), DType::F32) = (host.host_attention, q.dtype()) {
-        if let Some((out, lse)) = host_attention(b, targets, &q, (&k, &v), causal, (mask.as_ref(), count.as_ref(), None))? {
-            return Ok(vec![b.convert(&out, n.out(0)?.dtype)?, b.convert(&lse, n.out(1)?.dtype)?]);
-        }
-    }
+    let q = b.mul_scalar(&q, scale)?;
     let visible = count.map(|count| keys_below(b, &count, len_kv)).transpose()?;
     if let Some(visible) = &visible {
         // Padding may hold anything, and 0 * inf is NaN: hidden values become 0 too.
@@ -115,25 +278,44 @@ fn flash_attention_for_cpu(n: NodeCtx<'_>) -> Res<'_> {
 /// `(output, logsumexp)` of queries `q` over `k`, `v`, by our host kernel
 /// (`tpu_dynamo_runtime::host_kernels`, `targets` without a mask and with the causal one)
 /// where a head's keys fit its scratch: one kernel where XLA:CPU runs two products and a
-/// softmax, each writing all the scores out. f32 `q` comes scaled (half inputs widened); bf16
-/// `q`, `k` and `v` go as they are, with the f32 `scale`, to the tiles' kernel. A float mask (in f32)
-/// reaches it as a bias `[B or 1, H or 1, L, S]` added to the scores; a padded graph's true key
-/// count as a 0-d i64, past which it reads neither keys, values nor mask (padding may hold
-/// anything).
+/// softmax, each writing all the scores out. The kernel multiplies `q` by the f32 `scale` as
+/// it reads it. f32 operands (half inputs widened) go with their `layout` (the f32 kernel's
+/// only): each read where it says, or as it is, and the output written `[B, L, H, E]` where it
+/// says so (transposed back here, which what reads it undoes); bf16 ones go as they are to the
+/// tiles' kernel. A float mask (in f32) reaches it as a bias `[B or 1, H or 1, L, S]` added to
+/// the scores; a padded graph's true key count as a 0-d i64, past which it reads neither keys,
+/// values nor mask (padding may hold anything).
 fn host_attention<'a>(
     b: &Builder<'a>,
     (plain, causal_target): (&'static str, &'static str),
-    q: &Val<'a>,
-    (k, v): (&Val<'a>, &Val<'a>),
+    [q, k, v]: [&Val<'a>; 3],
+    layout: Option<&Layout<'a>>,
     causal: bool,
-    (mask, count, scale): (Option<&Val<'a>>, Option<&Val<'a>>, Option<&Val<'a>>),
+    (mask, count, scale): (Option<&Val<'a>>, Option<&Val<'a>>, &Val<'a>),
 ) -> R<Option<(Val<'a>, Val<'a>)>> {
     let [batch, heads, len_q, dim] = [0, 1, 2, 3].map(|i| q.shape()[i]);
-    let len_kv = k.shape()[2];
+    let (kv_heads, len_kv) = (k.shape()[1], k.shape()[2]);
     if len_kv == 0 || len_kv > HOST_MAX_KEYS || dim > HOST_MAX_DIM || dim * len_kv > HOST_MAX_KEY_ELEMENTS {
         return Ok(None);
     }
-    let mut operands = vec![q, k, v];
+    let interleaved = layout.is_some_and(|l| l.interleaved);
+    // The runtime's `AttentionLayout`: the key heads and count, the output's order, and each
+    // operand's offset and batch, head and row strides.
+    let mut placement = vec![kv_heads, len_kv, i64::from(interleaved)];
+    let mut operands: Vec<&Val<'a>> = vec![];
+    for (t, placed) in [q, k, v].into_iter().zip(layout.map_or(&[None, None, None], |l| &l.operands)) {
+        let [h, l, e] = [1, 2, 3].map(|i| t.shape()[i]);
+        match placed {
+            Some(p) => {
+                placement.extend([p.offset, l * p.width, e, p.width]);
+                operands.push(&p.base);
+            }
+            None => {
+                placement.extend([0, h * l * e, l * e, e]);
+                operands.push(t);
+            }
+        }
+    }
     let bias = match mask {
         Some(m) => {
             // The mask's batch and head dims as they are (1 or the scores'), its rows and keys
@@ -144,13 +326,17 @@ fn host_attention<'a>(
         None => None,
     };
     let count = count.map(|c| b.convert(&b.reshape(c, &[])?, DType::I64)).transpose()?;
+    let placement = layout.map(|_| b.constant_i64(&placement)).transpose()?;
     operands.extend(bias.as_ref());
     operands.extend(count.as_ref());
-    operands.extend(scale);
-    let results = vec![q.ty.clone(), TensorType::new(DType::F32, vec![batch, heads, len_q])];
+    operands.push(scale);
+    operands.extend(placement.as_ref());
+    let out = if interleaved { TensorType::new(q.dtype(), vec![batch, len_q, heads, dim]) } else { q.ty.clone() };
+    let results = vec![out, TensorType::new(DType::F32, vec![batch, heads, len_q])];
     let mut out = b.host_call(if causal { causal_target } else { plain }, &operands, results)?;
     let lse = out.remove(1);
-    Ok(Some((out.remove(0), lse)))
+    let out = out.remove(0);
+    Ok(Some((if interleaved { b.transpose(&out, &[0, 2, 1, 3])? } else { out }, lse)))
 }
 
 /// The largest head size, key count and head of keys (elements) our attention kernel takes:

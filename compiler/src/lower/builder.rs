@@ -529,6 +529,14 @@ impl<'a> Builder<'a> {
         self.op("stablehlo.constant", &[], &[("value", attr)], ty)
     }
 
+    /// A 1-D i64 constant holding `values`.
+    pub fn constant_i64(&self, values: &[i64]) -> R<Val<'a>> {
+        let ty = TensorType::new(DType::I64, vec![values.len() as i64]);
+        let items: Vec<String> = values.iter().map(i64::to_string).collect();
+        let attr = format!("dense<[{}]> : {}", items.join(", "), tensor_str(&ty));
+        self.op("stablehlo.constant", &[], &[("value", attr)], ty)
+    }
+
     pub fn scalar(&self, value: Scalar, dtype: DType) -> R<Val<'a>> {
         self.splat(value, &TensorType::new(dtype, vec![]))
     }

@@ -513,6 +513,7 @@ fn emit_body<'a>(
     let rms_norms = normalization::RmsNorms::of(&uses);
     let modulated_norms = normalization::ModulatedNorms::of(&uses);
     let finished_products = epilogue::FinishedProducts::of(&uses);
+    let attentions = attention::Placements::of(&uses);
     for (i, node) in graph.nodes.iter().enumerate() {
         let source = sources.get(i).cloned().flatten();
         let resolved = node
@@ -566,7 +567,8 @@ fn emit_body<'a>(
         let composite = rms_norms
             .lower(i, &n.b, &values)
             .or_else(|| modulated_norms.lower(i, &n.b, &values, out?))
-            .or_else(|| finished_products.lower(i, &n.b, &values, out?));
+            .or_else(|| finished_products.lower(i, &n.b, &values, out?))
+            .or_else(|| attentions.lower(i, &n, &values));
         let produced = match composite {
             Some(lowered) => lowered,
             None => rule(n),

@@ -45,6 +45,58 @@ impl Bias {
     }
 }
 
+/// Where an operand of `[batch, heads, rows, dim]` keeps row `r` of head `h` of batch entry `b`:
+/// at `offset + b·batch + h·head + r·row` (its `dim` values next to each other). Queries, keys
+/// and values are then read where the projections leave them (`[B, S, H, E]`, or a fused
+/// projection's columns), and the output written as `[B, L, H, E]` (what reads it next), where
+/// XLA:CPU copied each into `[B, H, S, E]` and the output back: four to eight loops a layer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct Strides {
+    pub offset: usize,
+    pub batch: usize,
+    pub head: usize,
+    pub row: usize,
+}
+
+impl Strides {
+    /// Row-major `[batch, heads, rows, dim]`.
+    pub fn packed(heads: usize, rows: usize, dim: usize) -> Strides {
+        Strides { offset: 0, batch: heads * rows * dim, head: rows * dim, row: dim }
+    }
+
+    /// Row-major `[batch, rows, heads, dim]`.
+    pub fn interleaved(heads: usize, rows: usize, dim: usize) -> Strides {
+        Strides { offset: 0, batch: rows * heads * dim, head: dim, row: heads * dim }
+    }
+
+    /// How many elements from the first an operand `[batch, heads, rows, dim]` laid out so
+    /// spans (0 where it is empty; None past `usize`).
+    pub fn extent(&self, [batch, heads, rows, dim]: [usize; 4]) -> Option<usize> {
+        if batch * heads * rows * dim == 0 {
+            return Some(0);
+        }
+        let last = [(batch, self.batch), (heads, self.head), (rows, self.row)]
+            .iter()
+            .try_fold(self.offset, |at, &(n, stride)| at.checked_add((n - 1).checked_mul(stride)?))?;
+        last.checked_add(dim)
+    }
+
+    /// Row `row` of head `h` of batch entry `b` of `data`.
+    ///
+    /// # Safety
+    /// As `pointer::add`: the operand covers that row.
+    pub unsafe fn row<T>(&self, data: *mut T, (b, h): (usize, usize), row: usize) -> *mut T {
+        data.add(self.offset + b * self.batch + h * self.head + row * self.row)
+    }
+}
+
+/// An operand where `strides` says its rows are.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Placed<T> {
+    pub data: *mut T,
+    pub strides: Strides,
+}
+
 /// The keys `query` sees: those before `valid` (a padded graph's count), and with the causal
 /// mask only up to itself.
 pub(super) fn visible_keys(causal: bool, valid: usize, query: usize) -> usize {
@@ -62,17 +114,18 @@ pub(super) fn normalize(row: &mut [f32], (max, sum): (f32, f32)) {
     }
 }
 
-/// One attention: `q` (already scaled), `k`, `v` and `out` row-major as `Shape` says, `lse`
-/// `[batch, heads, len_q]`. Causal: query `i` sees keys `0..=i`; keys from `valid` on are
+/// One attention: `q` (scaled by `scale` as its rows are read), `k`, `v` and `out` as their
+/// strides place them, `lse` `[batch, heads, len_q]`. Causal: query `i` sees keys `0..=i`; keys from `valid` on are
 /// hidden and never read (a padded graph's). A query whose keys are all hidden gets 0, output
 /// and logsumexp (as PyTorch's CPU flash kernel gives).
 pub(super) struct Attention {
-    q: *const f32,
-    k: *const f32,
-    v: *const f32,
+    q: Placed<f32>,
+    k: Placed<f32>,
+    v: Placed<f32>,
+    scale: f32,
     bias: Option<Bias>,
     valid: usize,
-    out: *mut f32,
+    out: Placed<f32>,
     lse: *mut f32,
     shape: Shape,
     causal: bool,
@@ -85,16 +138,16 @@ impl Attention {
     /// The attention, how many units it splits into for `parts` threads and on how many
     /// threads (`Plan`).
     pub fn new(
-        (q, k, v): (*const f32, *const f32, *const f32),
+        (q, k, v, scale): (Placed<f32>, Placed<f32>, Placed<f32>, f32),
         (bias, valid): (Option<Bias>, usize),
-        (out, lse): (*mut f32, *mut f32),
+        (out, lse): (Placed<f32>, *mut f32),
         shape: Shape,
         causal: bool,
         parts: usize,
     ) -> (Self, usize, usize) {
         let plan = Plan::new(shape, causal, parts, ROWS);
         let (units, parts) = (plan.units, plan.parts);
-        (Attention { q, k, v, bias, valid: valid.min(shape.len_kv), out, lse, shape, causal, plan }, units, parts)
+        (Attention { q, k, v, scale, bias, valid: valid.min(shape.len_kv), out, lse, shape, causal, plan }, units, parts)
     }
 }
 
@@ -148,9 +201,9 @@ pub(super) struct Unit {
 thread_local! {
     /// Which head's keys and values (attention id, batch entry, key/value head) `panels` and
     /// `groups` hold, how many 32-key panels and 4-key groups of them are copied, the panels,
-    /// the groups, and a block's scores.
+    /// the groups, a block's scaled queries and its scores.
     static SCRATCH: RefCell<Scratch> = const {
-        RefCell::new(Scratch { holds: (0, 0, 0), packed: 0, grouped: 0, panels: Lines::new(), groups: Lines::new(), scores: Lines::new() })
+        RefCell::new(Scratch { holds: (0, 0, 0), packed: 0, grouped: 0, panels: Lines::new(), groups: Lines::new(), queries: Lines::new(), scores: Lines::new() })
     };
 }
 
@@ -160,6 +213,7 @@ struct Scratch {
     grouped: usize,
     panels: Lines,
     groups: Lines,
+    queries: Lines,
     scores: Lines,
 }
 
@@ -171,7 +225,9 @@ impl Chunked for Attention {
     unsafe fn chunk(&self, unit: usize) {
         let s = self.shape;
         let Unit { head, b, h, kv, queries } = self.plan.unit(s, unit);
-        let (keys, values) = (self.k.add(kv * s.len_kv * s.dim), self.v.add(kv * s.len_kv * s.dim));
+        let kv_head = kv - b * s.kv_heads;
+        let (keys, values) = (self.k.strides.row(self.k.data, (b, kv_head), 0), self.v.strides.row(self.v.data, (b, kv_head), 0));
+        let (ldk, ldv) = (self.k.strides.row, self.v.strides.row);
         let (first, last) = (queries.start, queries.end);
         let stride = scores_stride(s.len_kv);
         SCRATCH.with(|scratch| {
@@ -185,6 +241,7 @@ impl Chunked for Attention {
             // A head's values in groups of keys (`pack_groups`), where they are read so.
             let value_groups = if narrow { scratch.groups.floats(self.valid.div_ceil(GROUP) * s.dim.div_ceil(GROUP) * 16).as_mut_ptr() } else { std::ptr::null_mut() };
             let key_panels = scratch.panels.floats(s.len_kv.div_ceil(COLUMNS) * s.dim * COLUMNS);
+            let q = scratch.queries.floats(ROWS * s.dim);
             let scores = scratch.scores.floats(ROWS * stride).as_mut_ptr();
             let mut r0 = first;
             while r0 < last {
@@ -194,10 +251,14 @@ impl Chunked for Attention {
                 for p in scratch.packed..panels {
                     let cols = COLUMNS.min(self.valid - p * COLUMNS);
                     let panel = &mut key_panels[p * s.dim * COLUMNS..(p + 1) * s.dim * COLUMNS];
-                    pack_transposed(keys.add(p * COLUMNS * s.dim), s.dim, cols, panel);
+                    pack_transposed((keys.add(p * COLUMNS * ldk), ldk), s.dim, cols, panel);
                 }
                 scratch.packed = scratch.packed.max(panels);
-                let q = self.q.add((head * s.len_q + r0) * s.dim);
+                for (i, row) in q.chunks_exact_mut(s.dim).take(rows).enumerate() {
+                    let from = std::slice::from_raw_parts(self.q.strides.row(self.q.data, (b, h), r0 + i), s.dim);
+                    row.iter_mut().zip(from).for_each(|(x, &y)| *x = y * self.scale);
+                }
+                let q = q.as_ptr();
                 for p in 0..panels {
                     let cols = COLUMNS.min(seen - p * COLUMNS);
                     let tile = Tile { b: key_panels.as_ptr().add(p * s.dim * COLUMNS), ldb: COLUMNS, k: s.dim, ldx: s.dim, ldy: stride, cols };
@@ -215,23 +276,23 @@ impl Chunked for Attention {
                     *softmax = exponentials(scores.add(i * stride), visible_keys(self.causal, self.valid, r0 + i), seen);
                 }
                 logsumexps(&softmaxes[..rows], std::slice::from_raw_parts_mut(self.lse.add(head * s.len_q + r0), rows));
-                let out = self.out.add((head * s.len_q + r0) * s.dim);
+                let (out, ldo) = (self.out.strides.row(self.out.data, (b, h), r0), self.out.strides.row);
                 if narrow {
                     #[cfg(target_arch = "x86_64")]
                     {
                         let groups = seen.div_ceil(GROUP);
-                        x86::pack_groups(values, s.dim, (scratch.grouped..groups, self.valid), value_groups);
+                        x86::pack_groups((values, ldv), s.dim, (scratch.grouped..groups, self.valid), value_groups);
                         scratch.grouped = scratch.grouped.max(groups);
-                        x86::grouped_product((scores, stride), value_groups, seen, (out, s.dim), rows);
+                        x86::grouped_product((scores, stride), value_groups, seen, (out, ldo), s.dim, rows);
                     }
                 } else {
                     for c in (0..s.dim).step_by(COLUMNS) {
-                        let tile = Tile { b: values.add(c), ldb: s.dim, k: seen, ldx: stride, ldy: s.dim, cols: COLUMNS.min(s.dim - c) };
+                        let tile = Tile { b: values.add(c), ldb: ldv, k: seen, ldx: stride, ldy: ldo, cols: COLUMNS.min(s.dim - c) };
                         tile.run(scores, out.add(c), rows);
                     }
                 }
                 for (i, &softmax) in softmaxes.iter().enumerate().take(rows) {
-                    normalize(std::slice::from_raw_parts_mut(out.add(i * s.dim), s.dim), softmax);
+                    normalize(std::slice::from_raw_parts_mut(out.add(i * ldo), s.dim), softmax);
                 }
                 r0 += rows;
             }
@@ -322,14 +383,14 @@ mod x86 {
     use super::GROUP;
     use std::arch::x86_64::*;
 
-    /// Copies the values (`[keys, dim]`, `dim` ≤ 16) of key groups `groups` into `out` as
+    /// Copies the values (`[keys, dim]`, rows `ldv` apart, `dim` ≤ 16) of key groups `groups` into `out` as
     /// vectors, `dim.div_ceil(4)` a group: lane `4i + j` of the group's vector `c` is key `4g +
     /// j`'s value `4c + i`, zero past `valid` keys (a padded graph's, which may hold anything)
     /// and past `dim`. Four keys' rows are transposed within each 128-bit lane, then by lanes.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn pack_groups(values: *const f32, dim: usize, (groups, valid): (std::ops::Range<usize>, usize), out: *mut f32) {
+    pub(super) unsafe fn pack_groups((values, ldv): (*const f32, usize), dim: usize, (groups, valid): (std::ops::Range<usize>, usize), out: *mut f32) {
         let quads = dim.div_ceil(GROUP);
-        let row = |key: usize| if key < valid { _mm512_maskz_loadu_ps(lanes(dim, 0), values.add(key * dim)) } else { _mm512_setzero_ps() };
+        let row = |key: usize| if key < valid { _mm512_maskz_loadu_ps(lanes(dim, 0), values.add(key * ldv)) } else { _mm512_setzero_ps() };
         let pairs = |a: __m512, b: __m512, high: bool| {
             let (a, b) = (_mm512_castps_pd(a), _mm512_castps_pd(b));
             _mm512_castpd_ps(if high { _mm512_unpackhi_pd(a, b) } else { _mm512_unpacklo_pd(a, b) })
@@ -359,19 +420,20 @@ mod x86 {
     }
 
     /// `rows` ≤ 12 queries' exponentials (`scores`, rows `ldx` apart, `keys` of them, zero past
-    /// each query's visible keys) times the values packed by `pack_groups`, into `out` (rows
-    /// `dim` ≤ 12 apart): per query and value, four sums of every fourth key, added at the end.
-    pub(super) unsafe fn grouped_product((scores, ldx): (*const f32, usize), groups: *const f32, keys: usize, (out, dim): (*mut f32, usize), rows: usize) {
+    /// each query's visible keys) times the values packed by `pack_groups`, into `out` (`dim` ≤
+    /// 12 values a row, rows `ldy` apart): per query and value, four sums of every fourth key,
+    /// added at the end.
+    pub(super) unsafe fn grouped_product((scores, ldx): (*const f32, usize), groups: *const f32, keys: usize, (out, ldy): (*mut f32, usize), dim: usize, rows: usize) {
         let quads = dim.div_ceil(GROUP);
         // Rows per pass: 24 of AVX-512's 32 registers for sums.
         let per_pass = [12, 12, 8][quads - 1];
         let mut r = 0;
         while r < rows {
-            let (x, y, m) = (scores.add(r * ldx), out.add(r * dim), per_pass.min(rows - r));
+            let (x, y, m) = (scores.add(r * ldx), out.add(r * ldy), per_pass.min(rows - r));
             macro_rules! pass {
                 ($q:literal: $($m:literal)*) => {
                     match m {
-                        $($m => products::<$m, $q>((x, ldx), groups, keys, (y, dim)),)*
+                        $($m => products::<$m, $q>((x, ldx), groups, keys, (y, ldy), dim),)*
                         _ => unreachable!(),
                     }
                 };
@@ -386,7 +448,7 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx512f,avx512vl,fma")]
-    unsafe fn products<const M: usize, const Q: usize>((x, ldx): (*const f32, usize), groups: *const f32, keys: usize, (y, dim): (*mut f32, usize)) {
+    unsafe fn products<const M: usize, const Q: usize>((x, ldx): (*const f32, usize), groups: *const f32, keys: usize, (y, ldy): (*mut f32, usize), dim: usize) {
         let mut sums = [[_mm512_setzero_ps(); Q]; M];
         macro_rules! group {
             ($g:expr, $load:expr) => {
@@ -415,7 +477,7 @@ mod x86 {
                 let quads = _mm512_add_ps(pairs, _mm512_permute_ps::<0b01_00_11_10>(pairs));
                 let values = _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, quads));
                 // Unmasked where whole (as `Tile::run`'s): `normalize` reads the row next.
-                let at = y.add(r * dim + GROUP * c);
+                let at = y.add(r * ldy + GROUP * c);
                 if dim >= GROUP * (c + 1) {
                     _mm_storeu_ps(at, values);
                 } else {
@@ -470,11 +532,27 @@ mod x86 {
 mod tests {
     use super::*;
 
+    /// `data` (row-major `[batch, heads, rows, dim]`) where `strides` place it, in `len` floats
+    /// that are NaN elsewhere (a stray read turns a result NaN).
+    fn placed(data: &[f32], dims: [usize; 4], strides: Strides, len: usize) -> Vec<f32> {
+        let [batch, heads, rows, dim] = dims;
+        let mut out = vec![f32::NAN; len];
+        for (at, row) in data.chunks_exact(dim).enumerate() {
+            let (b, h, r) = (at / (heads * rows), at / rows % heads, at % rows);
+            let first = strides.offset + b * strides.batch + h * strides.head + r * strides.row;
+            out[first..first + dim].copy_from_slice(row);
+        }
+        assert!(strides.extent([batch, heads, rows, dim]).is_some_and(|e| e <= len));
+        out
+    }
+
     /// Every shape class (grouped heads, causal with more keys than queries and fewer, query
     /// and key counts off the blocks, head sizes off the vectors, heads of 4-12 values in groups
     /// of keys), with and without a mask's bias (per batch entry, shared by the heads; about a
     /// third of the keys hidden, and all of them from query 1 of the first entry) and the last
-    /// keys past a padded graph's count, against f64 on the same inputs.
+    /// keys past a padded graph's count, against f64 on the same inputs; each with its operands
+    /// packed, and placed as a fused projection leaves them (`[B, S, 3, H, E]`, the query, key or
+    /// value the middle third) with the output written as `[B, L, H, E]`.
     #[test]
     fn agrees_with_f64() {
         let mut uniform = super::super::uniform(11);
@@ -482,38 +560,54 @@ mod tests {
         let shapes = [(1, 4, 2, 128, 128, 16), (2, 3, 3, 13, 45, 8), (1, 2, 1, 50, 20, 40), (1, 1, 1, 1, 70, 72), (2, 2, 2, 37, 37, 33), (1, 2, 1, 19, 23, 12), (2, 8, 8, 30, 66, 4), (1, 3, 3, 40, 45, 8)];
         for (batch, heads, kv_heads, len_q, len_kv, dim) in shapes {
             let shape = Shape { batch, heads, kv_heads, len_q, len_kv, dim };
+            let scale = 0.75f32;
             let q: Vec<f32> = (0..batch * heads * len_q * dim).map(|_| next()).collect();
             let k: Vec<f32> = (0..batch * kv_heads * len_kv * dim).map(|_| next()).collect();
             let v: Vec<f32> = (0..batch * kv_heads * len_kv * dim).map(|_| next()).collect();
             let mask: Vec<f32> = (0..batch * len_q * len_kv)
                 .map(|at| if next() < -0.33 || (len_q > 1 && at / len_kv == 1) { f32::NEG_INFINITY } else { next() })
                 .collect();
-            for (causal, masked) in [(false, false), (true, false), (false, true), (true, true)] {
-                let bias = masked.then(|| Bias { data: mask.as_ptr(), batch_stride: len_q * len_kv, head_stride: 0 });
-                // With the mask, the last 3 keys are a padded graph's too.
-                let valid = if masked { len_kv.saturating_sub(3).max(1) } else { len_kv };
-                let mut out = vec![f32::NAN; q.len()];
-                let mut lse = vec![f32::NAN; batch * heads * len_q];
-                for parts in [1, 3] {
-                    let (attention, units, _) = Attention::new((q.as_ptr(), k.as_ptr(), v.as_ptr()), (bias, valid), (out.as_mut_ptr(), lse.as_mut_ptr()), shape, causal, parts);
-                    (0..units).for_each(|u| unsafe { attention.chunk(u) });
-                    for head in 0..batch * heads {
-                        let kv = head / heads * kv_heads + head % heads / (heads / kv_heads);
-                        for i in 0..len_q {
-                            let visible = if causal { (i + 1).min(valid) } else { valid };
-                            let added = |j: usize| if masked { f64::from(mask[(head / heads * len_q + i) * len_kv + j]) } else { 0.0 };
-                            let score = |j: usize| -> f64 { added(j) + (0..dim).map(|e| f64::from(q[(head * len_q + i) * dim + e]) * f64::from(k[(kv * len_kv + j) * dim + e])).sum::<f64>() };
-                            let scores: Vec<f64> = (0..visible).map(score).collect();
-                            let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                            let sum: f64 = scores.iter().map(|s| (s - max).exp()).sum();
-                            let at = head * len_q + i;
-                            let want_lse = if max == f64::NEG_INFINITY { 0.0 } else { max + sum.ln() };
-                            assert!((f64::from(lse[at]) - want_lse).abs() < 1e-4, "{shape:?} causal {causal} masked {masked}: lse {} vs {want_lse}", lse[at]);
-                            for e in 0..dim {
-                                let weighted = scores.iter().enumerate().map(|(j, s)| (s - max).exp() / sum * f64::from(v[(kv * len_kv + j) * dim + e]));
-                                let want: f64 = if max == f64::NEG_INFINITY { 0.0 } else { weighted.sum() };
-                                let got = f64::from(out[at * dim + e]);
-                                assert!((got - want).abs() < 5e-5, "{shape:?} causal {causal} masked {masked} parts {parts} at {at},{e}: {got} vs {want}");
+            let (q_dims, kv_dims) = ([batch, heads, len_q, dim], [batch, kv_heads, len_kv, dim]);
+            // A fused projection's third: rows of three heads' worth, this operand's in the middle.
+            let fused = |[_, h, rows, e]: [usize; 4]| Strides { offset: h * e, batch: rows * 3 * h * e, head: e, row: 3 * h * e };
+            for in_place in [false, true] {
+                let strides = |dims: [usize; 4]| if in_place { fused(dims) } else { Strides::packed(dims[1], dims[2], dims[3]) };
+                let lay = |data: &[f32], dims: [usize; 4]| placed(data, dims, strides(dims), if in_place { 3 * data.len() } else { data.len() });
+                let (qs, ks, vs) = (lay(&q, q_dims), lay(&k, kv_dims), lay(&v, kv_dims));
+                let out_strides = if in_place { Strides::interleaved(heads, len_q, dim) } else { Strides::packed(heads, len_q, dim) };
+                for (causal, masked) in [(false, false), (true, false), (false, true), (true, true)] {
+                    let bias = masked.then(|| Bias { data: mask.as_ptr(), batch_stride: len_q * len_kv, head_stride: 0 });
+                    // With the mask, the last 3 keys are a padded graph's too.
+                    let valid = if masked { len_kv.saturating_sub(3).max(1) } else { len_kv };
+                    let mut out = vec![f32::NAN; q.len()];
+                    let mut lse = vec![f32::NAN; batch * heads * len_q];
+                    for parts in [1, 3] {
+                        let at = |data: &Vec<f32>, dims: [usize; 4]| Placed { data: data.as_ptr().cast_mut(), strides: strides(dims) };
+                        let operands = (at(&qs, q_dims), at(&ks, kv_dims), at(&vs, kv_dims), scale);
+                        let results = (Placed { data: out.as_mut_ptr(), strides: out_strides }, lse.as_mut_ptr());
+                        let (attention, units, _) = Attention::new(operands, (bias, valid), results, shape, causal, parts);
+                        (0..units).for_each(|u| unsafe { attention.chunk(u) });
+                        for head in 0..batch * heads {
+                            let kv = head / heads * kv_heads + head % heads / (heads / kv_heads);
+                            for i in 0..len_q {
+                                let visible = if causal { (i + 1).min(valid) } else { valid };
+                                let added = |j: usize| if masked { f64::from(mask[(head / heads * len_q + i) * len_kv + j]) } else { 0.0 };
+                                let query = |e: usize| f64::from(q[(head * len_q + i) * dim + e] * scale);
+                                let score = |j: usize| -> f64 { added(j) + (0..dim).map(|e| query(e) * f64::from(k[(kv * len_kv + j) * dim + e])).sum::<f64>() };
+                                let scores: Vec<f64> = (0..visible).map(score).collect();
+                                let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                                let sum: f64 = scores.iter().map(|s| (s - max).exp()).sum();
+                                let at = head * len_q + i;
+                                let want_lse = if max == f64::NEG_INFINITY { 0.0 } else { max + sum.ln() };
+                                let case = format!("{shape:?} causal {causal} masked {masked} in place {in_place} parts {parts}");
+                                assert!((f64::from(lse[at]) - want_lse).abs() < 1e-4, "{case}: lse {} vs {want_lse}", lse[at]);
+                                let row = out_strides.offset + head / heads * out_strides.batch + head % heads * out_strides.head + i * out_strides.row;
+                                for e in 0..dim {
+                                    let weighted = scores.iter().enumerate().map(|(j, s)| (s - max).exp() / sum * f64::from(v[(kv * len_kv + j) * dim + e]));
+                                    let want: f64 = if max == f64::NEG_INFINITY { 0.0 } else { weighted.sum() };
+                                    let got = f64::from(out[row + e]);
+                                    assert!((got - want).abs() < 5e-5, "{case} at {at},{e}: {got} vs {want}");
+                                }
                             }
                         }
                     }

@@ -157,7 +157,7 @@ unsafe fn pack_block(w: *const f32, (n, k): (usize, usize), layout: Layout, bloc
     let first_col = block * COLUMNS;
     let cols = COLUMNS.min(n - first_col);
     match layout {
-        Layout::RowPerOutput => pack_transposed(w.add(first_col * k), k, cols, panel),
+        Layout::RowPerOutput => pack_transposed((w.add(first_col * k), k), k, cols, panel),
         Layout::RowPerInput => pack(w.add(first_col), n, k, cols, panel),
     }
 }
@@ -271,16 +271,16 @@ unsafe fn pack(w: *const f32, n: usize, k: usize, cols: usize, panel: &mut [f32]
     }
 }
 
-/// Copies `cols` ≤ 32 rows of `w` (each `k` long) into `panel` as `[k, 32]`, the columns
-/// past `cols` left as they are.
-pub(super) unsafe fn pack_transposed(w: *const f32, k: usize, cols: usize, panel: &mut [f32]) {
+/// Copies `cols` ≤ 32 rows of `w` (each `k` long, rows `ldw` apart) into `panel` as `[k, 32]`,
+/// the columns past `cols` left as they are.
+pub(super) unsafe fn pack_transposed((w, ldw): (*const f32, usize), k: usize, cols: usize, panel: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if available() {
-        return x86::pack_transposed(w, k, cols, panel);
+        return x86::pack_transposed((w, ldw), k, cols, panel);
     }
     for j in 0..cols {
         for kk in 0..k {
-            panel[kk * COLUMNS + j] = *w.add(j * k + kk);
+            panel[kk * COLUMNS + j] = *w.add(j * ldw + kk);
         }
     }
 }
@@ -364,7 +364,7 @@ mod x86 {
     /// `pack_transposed` in 16 × 16 blocks transposed in registers: a scalar copy took as long
     /// as the products of a 64-wide weight.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn pack_transposed(w: *const f32, k: usize, cols: usize, panel: &mut [f32]) {
+    pub(super) unsafe fn pack_transposed((w, ldw): (*const f32, usize), k: usize, cols: usize, panel: &mut [f32]) {
         let mut k0 = 0;
         while k0 < k {
             let width = (k - k0).min(16);
@@ -373,7 +373,7 @@ mod x86 {
                 let rows = (cols - 16 * half).min(16);
                 let mut r = [_mm512_setzero_ps(); 16];
                 for (j, row) in r.iter_mut().enumerate().take(rows) {
-                    *row = _mm512_maskz_loadu_ps(k_mask, w.add((16 * half + j) * k + k0));
+                    *row = _mm512_maskz_loadu_ps(k_mask, w.add((16 * half + j) * ldw + k0));
                 }
                 let r = transpose(r);
                 for (i, row) in r.iter().enumerate().take(width) {
