@@ -635,7 +635,7 @@ unsafe extern "C" fn bf16_causal_attention(frame: *mut FfiCallFrame) -> *mut c_v
 /// The attention handlers: `q` `[B, H, L, E]`, `k` and `v` `[B, Hkv, S, E]`, the scale (a 0-d
 /// f32, by which `q` is multiplied as it is read) and, where given, what a mask adds to the
 /// scores (f32 `[B or 1, H or 1, L, S]`), the count of keys that are not padding (a 0-d i64) and
-/// (f32 only) where `q`, `k`, `v` and `out` are (`ATTENTION_LAYOUT`), into `out` `[B, H, L, E]`
+/// where `q`, `k`, `v` and `out` are (`AttentionLayout`), into `out` `[B, H, L, E]`
 /// (or as the layout says) and its f32 logsumexp `[B, H, L]`, on XLA's threads. f32, or bf16
 /// on AMX tiles.
 unsafe fn attend(frame: &mut FfiCallFrame, target: &'static str, causal: bool) -> *mut c_void {
@@ -653,8 +653,8 @@ unsafe fn attend(frame: &mut FfiCallFrame, target: &'static str, causal: bool) -
     let extra = |rank: i64, dtype: Option<c_int>| (3..frame.args.size as usize).map(|i| buffer(&frame.args, i)).find(|b| b.rank == rank && dtype.is_none_or(|d| b.dtype == d));
     let (bias, count, scale, layout) = (extra(4, None), extra(0, Some(XLA_FFI_S64)), extra(0, Some(XLA_FFI_F32)), extra(1, Some(XLA_FFI_S64)));
     let given = 3 + [bias.is_some(), count.is_some(), scale.is_some(), layout.is_some()].iter().filter(|&&g| g).count();
-    let (Some(scale), true, false) = (scale, frame.args.size as usize == given, bf16 && layout.is_some()) else {
-        return error(frame, target, "expects the scale (0-d f32), at most one mask bias and one key count (0-d i64), and a layout (1-d i64) for f32 only");
+    let (Some(scale), true) = (scale, frame.args.size as usize == given) else {
+        return error(frame, target, "expects the scale (0-d f32), and at most one mask bias, one key count (0-d i64) and one layout (1-d i64)");
     };
     let [out, lse] = [0, 1].map(|i| buffer(&frame.rets, i));
     let (qd, kd, vd, od, ld) = (dims(q), dims(k), dims(v), dims(out), dims(lse));
@@ -692,16 +692,18 @@ unsafe fn attend(frame: &mut FfiCallFrame, target: &'static str, causal: bool) -
     let valid = count.map_or(shape.len_kv, |c| (*(c.data as *const i64)).max(0) as usize);
     let scale = *(scale.data as *const f32);
     let (xla, threads) = XlaPool::with_threads(frame);
+    let [qs, ks, vs, os] = placed.strides;
+    let lse = lse.data as *mut f32;
     #[cfg(target_arch = "x86_64")]
     if bf16 {
-        let inputs = (q.data as *const u16, k.data as *const u16, v.data as *const u16, scale);
-        let (job, units, parts) = tile_attention::TileAttention::new(inputs, (bias, valid), (out.data as *mut u16, lse.data as *mut f32), shape, causal, threads);
+        let at = |b: &FfiBuffer, strides| attention::Placed { data: b.data as *mut u16, strides };
+        let inputs = (at(q, qs), at(k, ks), at(v, vs), scale);
+        let (job, units, parts) = tile_attention::TileAttention::new(inputs, (bias, valid), (at(out, os), lse), shape, causal, threads);
         return answer(frame, target, std::panic::catch_unwind(|| run_units(xla, job, units, parts - 1)));
     }
-    let [qs, ks, vs, os] = placed.strides;
     let at = |b: &FfiBuffer, strides| attention::Placed { data: b.data as *mut f32, strides };
     let inputs = (at(q, qs), at(k, ks), at(v, vs), scale);
-    let (job, units, parts) = attention::Attention::new(inputs, (bias, valid), (at(out, os), lse.data as *mut f32), shape, causal, threads);
+    let (job, units, parts) = attention::Attention::new(inputs, (bias, valid), (at(out, os), lse), shape, causal, threads);
     answer(frame, target, std::panic::catch_unwind(|| run_units(xla, job, units, parts - 1)))
 }
 

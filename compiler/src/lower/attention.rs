@@ -10,8 +10,8 @@
 //!
 //! Where the process's plugin has our attention kernel (XLA:CPU on a CPU with AVX-512; for bf16
 //! in AMX tiles' layouts, one with AMX or AVX-512 BF16), the whole op is one call of it instead
-//! (`host_attention`); in f32 it reads the queries, keys and values where the projections
-//! leave them and writes the output as what reads it next wants it (`Placements`).
+//! (`host_attention`), reading the queries, keys and values where the projections leave them and
+//! writing the output as what reads it next wants it (`Placements`).
 
 use super::builder::{broadcast_shapes, lowering_target, opmath, Builder, Combiner, Scalar, Val, R};
 use super::patterns::{value, Uses};
@@ -27,7 +27,7 @@ pub fn register(r: &mut Registry) {
     r.add(&[FLASH_ATTENTION], |n| flash_attention(&n, None));
 }
 
-/// Where our f32 attention kernel reads each attention's operands and writes its output, by
+/// Where our attention kernels read each attention's operands and write its output, by
 /// the node: eager's CPU flash kernel takes strided operands and writes `[B, L, H, E]`, so the
 /// projections' `view(B, L, H, E).transpose(1, 2)` and the output's `transpose(1, 2)` cost it
 /// nothing, where XLA:CPU copied each operand into `[B, H, L, E]` (and, reading a fused
@@ -55,18 +55,23 @@ struct InPlace {
 }
 
 impl Placements {
-    /// The placements of `uses`' graph where the plugin has our f32 kernel (none elsewhere).
+    /// The placements of `uses`' graph's f32 and bf16 attentions where the plugin has our
+    /// kernel for their type (none elsewhere).
     pub fn of(uses: &Uses) -> Self {
         let mut by_node = HashMap::new();
-        if lowering_target().host_attention.is_none() {
-            return Placements { by_node };
-        }
+        let target = lowering_target();
+        let ours = |dtype: DType| match dtype {
+            DType::F32 => target.host_attention.is_some(),
+            DType::Bf16 => target.host_bf16_attention.is_some(),
+            _ => false,
+        };
         for (i, node) in uses.graph.nodes.iter().enumerate() {
             let operands = node.args.iter().take(3).map(value).collect::<Option<Vec<_>>>();
             let Some(operands) = operands.filter(|o| node.op == FLASH_ATTENTION && o.len() == 3) else {
                 continue;
             };
-            if operands.iter().any(|&v| uses.types[v as usize].dtype != DType::F32 || uses.types[v as usize].rank() != 4) {
+            let dtype = uses.types[operands[0] as usize].dtype;
+            if !ours(dtype) || operands.iter().any(|&v| uses.types[v as usize].dtype != dtype || uses.types[v as usize].rank() != 4) {
                 continue;
             }
             let placement = Placement {
@@ -146,7 +151,7 @@ fn in_place(uses: &Uses, v: ValueId) -> Option<InPlace> {
     let (zs, ys) = (shape(z), shape(y?));
     let width = *zs.last()?;
     let rows_agree = zs.len() == ys.len() && zs[..zs.len() - 1] == ys[..ys.len() - 1];
-    if !rows_agree || uses.types[z as usize].dtype != DType::F32 || offset < 0 || offset + heads * dim > width {
+    if !rows_agree || uses.types[z as usize].dtype != uses.types[*x as usize].dtype || offset < 0 || offset + heads * dim > width {
         return Some(placed);
     }
     Some(InPlace { base: z, offset, width })
@@ -234,15 +239,18 @@ fn flash_attention<'a>(n: &NodeCtx<'a>, layout: Option<&Layout<'a>>) -> Res<'a> 
     let host = lowering_target();
     let scale_value = b.scalar(Scalar::Float(scale), DType::F32)?;
     let extras = (mask.as_ref(), count.as_ref(), &scale_value);
+    let packed = Layout { operands: [None, None, None], interleaved: false };
+    let layout = layout.unwrap_or(&packed);
     if let (Some(targets), true) = (host.host_bf16_attention, [&q, &k, &v].iter().all(|t| t.dtype() == DType::Bf16)) {
-        if let Some((out, lse)) = host_attention(b, targets, [&q, &k, &v], None, causal, extras)? {
+        if let Some((out, lse)) = host_attention(b, targets, [&q, &k, &v], layout, causal, extras)? {
             return Ok(vec![out, b.convert(&lse, n.out(1)?.dtype)?]);
         }
     }
     let (q, k, mut v) = (b.convert(&q, f)?, b.convert(&k, f)?, b.convert(&v, f)?);
     if let (Some(targets), DType::F32) = (host.host_attention, f) {
-        let packed = Layout { operands: [None, None, None], interleaved: false };
-        if let Some((out, lse)) = host_attention(b, targets, [&q, &k, &v], Some(layout.unwrap_or(&packed)), causal, extras)? {
+        // Half inputs widened: read as the widening leaves them.
+        let layout = if q.dtype() == n.tensor(0, "query")?.dtype() { layout } else { &packed };
+        if let Some((out, lse)) = host_attention(b, targets, [&q, &k, &v], layout, causal, extras)? {
             return Ok(vec![b.convert(&out, n.out(0)?.dtype)?, b.convert(&lse, n.out(1)?.dtype)?]);
         }
     }
@@ -278,18 +286,17 @@ fn flash_attention<'a>(n: &NodeCtx<'a>, layout: Option<&Layout<'a>>) -> Res<'a> 
 /// `(output, logsumexp)` of queries `q` over `k`, `v`, by our host kernel
 /// (`tpu_dynamo_runtime::host_kernels`, `targets` without a mask and with the causal one)
 /// where a head's keys fit its scratch: one kernel where XLA:CPU runs two products and a
-/// softmax, each writing all the scores out. The kernel multiplies `q` by the f32 `scale` as
-/// it reads it. f32 operands (half inputs widened) go with their `layout` (the f32 kernel's
-/// only): each read where it says, or as it is, and the output written `[B, L, H, E]` where it
-/// says so (transposed back here, which what reads it undoes); bf16 ones go as they are to the
-/// tiles' kernel. A float mask (in f32) reaches it as a bias `[B or 1, H or 1, L, S]` added to
+/// softmax, each writing all the scores out: in f32 (half inputs widened), or for bf16 on the
+/// tiles, the f32 `scale` applied as eager applies it. Each operand is read where `layout`
+/// says, or as it is, and the output written `[B, L, H, E]` where it says so (transposed back
+/// here, which what reads it undoes). A float mask (in f32) reaches it as a bias `[B or 1, H or 1, L, S]` added to
 /// the scores; a padded graph's true key count as a 0-d i64, past which it reads neither keys,
 /// values nor mask (padding may hold anything).
 fn host_attention<'a>(
     b: &Builder<'a>,
     (plain, causal_target): (&'static str, &'static str),
     [q, k, v]: [&Val<'a>; 3],
-    layout: Option<&Layout<'a>>,
+    layout: &Layout<'a>,
     causal: bool,
     (mask, count, scale): (Option<&Val<'a>>, Option<&Val<'a>>, &Val<'a>),
 ) -> R<Option<(Val<'a>, Val<'a>)>> {
@@ -298,12 +305,12 @@ fn host_attention<'a>(
     if len_kv == 0 || len_kv > HOST_MAX_KEYS || dim > HOST_MAX_DIM || dim * len_kv > HOST_MAX_KEY_ELEMENTS {
         return Ok(None);
     }
-    let interleaved = layout.is_some_and(|l| l.interleaved);
+    let interleaved = layout.interleaved;
     // The runtime's `AttentionLayout`: the key heads and count, the output's order, and each
     // operand's offset and batch, head and row strides.
     let mut placement = vec![kv_heads, len_kv, i64::from(interleaved)];
     let mut operands: Vec<&Val<'a>> = vec![];
-    for (t, placed) in [q, k, v].into_iter().zip(layout.map_or(&[None, None, None], |l| &l.operands)) {
+    for (t, placed) in [q, k, v].into_iter().zip(&layout.operands) {
         let [h, l, e] = [1, 2, 3].map(|i| t.shape()[i]);
         match placed {
             Some(p) => {
@@ -326,11 +333,11 @@ fn host_attention<'a>(
         None => None,
     };
     let count = count.map(|c| b.convert(&b.reshape(c, &[])?, DType::I64)).transpose()?;
-    let placement = layout.map(|_| b.constant_i64(&placement)).transpose()?;
+    let placement = b.constant_i64(&placement)?;
     operands.extend(bias.as_ref());
     operands.extend(count.as_ref());
     operands.push(scale);
-    operands.extend(placement.as_ref());
+    operands.push(&placement);
     let out = if interleaved { TensorType::new(q.dtype(), vec![batch, len_q, heads, dim]) } else { q.ty.clone() };
     let results = vec![out, TensorType::new(DType::F32, vec![batch, heads, len_q])];
     let mut out = b.host_call(if causal { causal_target } else { plain }, &operands, results)?;

@@ -81,6 +81,27 @@ impl Strides {
         last.checked_add(dim)
     }
 
+    /// `data` (row-major `[batch, heads, rows, dim]`) where these strides place it, in `len`
+    /// values that are `fill` elsewhere (NaN: a stray read turns a result NaN).
+    #[cfg(test)]
+    pub fn lay_out<T: Copy>(&self, data: &[T], [batch, heads, rows, dim]: [usize; 4], len: usize, fill: T) -> Vec<T> {
+        let mut out = vec![fill; len];
+        for (at, row) in data.chunks_exact(dim).enumerate() {
+            let (b, h, r) = (at / (heads * rows), at / rows % heads, at % rows);
+            let first = self.offset + b * self.batch + h * self.head + r * self.row;
+            out[first..first + dim].copy_from_slice(row);
+        }
+        assert!(self.extent([batch, heads, rows, dim]).is_some_and(|e| e <= len));
+        out
+    }
+
+    /// A fused projection's third for `[batch, heads, rows, dim]`: rows of three heads' worth,
+    /// this operand's in the middle.
+    #[cfg(test)]
+    pub fn fused([_, heads, rows, dim]: [usize; 4]) -> Strides {
+        Strides { offset: heads * dim, batch: rows * 3 * heads * dim, head: dim, row: 3 * heads * dim }
+    }
+
     /// Row `row` of head `h` of batch entry `b` of `data`.
     ///
     /// # Safety
@@ -532,20 +553,6 @@ mod x86 {
 mod tests {
     use super::*;
 
-    /// `data` (row-major `[batch, heads, rows, dim]`) where `strides` place it, in `len` floats
-    /// that are NaN elsewhere (a stray read turns a result NaN).
-    fn placed(data: &[f32], dims: [usize; 4], strides: Strides, len: usize) -> Vec<f32> {
-        let [batch, heads, rows, dim] = dims;
-        let mut out = vec![f32::NAN; len];
-        for (at, row) in data.chunks_exact(dim).enumerate() {
-            let (b, h, r) = (at / (heads * rows), at / rows % heads, at % rows);
-            let first = strides.offset + b * strides.batch + h * strides.head + r * strides.row;
-            out[first..first + dim].copy_from_slice(row);
-        }
-        assert!(strides.extent([batch, heads, rows, dim]).is_some_and(|e| e <= len));
-        out
-    }
-
     /// Every shape class (grouped heads, causal with more keys than queries and fewer, query
     /// and key counts off the blocks, head sizes off the vectors, heads of 4-12 values in groups
     /// of keys), with and without a mask's bias (per batch entry, shared by the heads; about a
@@ -568,11 +575,10 @@ mod tests {
                 .map(|at| if next() < -0.33 || (len_q > 1 && at / len_kv == 1) { f32::NEG_INFINITY } else { next() })
                 .collect();
             let (q_dims, kv_dims) = ([batch, heads, len_q, dim], [batch, kv_heads, len_kv, dim]);
-            // A fused projection's third: rows of three heads' worth, this operand's in the middle.
-            let fused = |[_, h, rows, e]: [usize; 4]| Strides { offset: h * e, batch: rows * 3 * h * e, head: e, row: 3 * h * e };
+            let fused = Strides::fused;
             for in_place in [false, true] {
                 let strides = |dims: [usize; 4]| if in_place { fused(dims) } else { Strides::packed(dims[1], dims[2], dims[3]) };
-                let lay = |data: &[f32], dims: [usize; 4]| placed(data, dims, strides(dims), if in_place { 3 * data.len() } else { data.len() });
+                let lay = |data: &[f32], dims: [usize; 4]| strides(dims).lay_out(data, dims, if in_place { 3 * data.len() } else { data.len() }, f32::NAN);
                 let (qs, ks, vs) = (lay(&q, q_dims), lay(&k, kv_dims), lay(&v, kv_dims));
                 let out_strides = if in_place { Strides::interleaved(heads, len_q, dim) } else { Strides::packed(heads, len_q, dim) };
                 for (causal, masked) in [(false, false), (true, false), (false, true), (true, true)] {

@@ -12,7 +12,7 @@
 
 use super::amx::{self, x86::*, Values, STEP};
 use super::epilogue::Epilogue;
-use super::attention::{logsumexps, normalize, scores_stride, visible_keys, Bias, Plan, Shape, Unit};
+use super::attention::{logsumexps, normalize, scores_stride, visible_keys, Bias, Placed, Plan, Shape, Unit};
 use super::gemm::{Lines, COLUMNS};
 use super::pool::Chunked;
 use super::{Layout, Out};
@@ -28,15 +28,15 @@ pub(super) fn available() -> bool {
 }
 
 /// One attention of bf16 `q`, `k`, `v` into bf16 `out` and f32 `lse`, as `Attention` (but for
-/// `q` being unscaled: `scale` multiplies the scores).
+/// `scale` multiplying the scores, as eager's bf16 kernel scales them).
 pub(super) struct TileAttention {
-    q: *const u16,
-    k: *const u16,
-    v: *const u16,
+    q: Placed<u16>,
+    k: Placed<u16>,
+    v: Placed<u16>,
     scale: f32,
     bias: Option<Bias>,
     valid: usize,
-    out: *mut u16,
+    out: Placed<u16>,
     lse: *mut f32,
     shape: Shape,
     causal: bool,
@@ -47,9 +47,9 @@ impl TileAttention {
     /// The attention, how many units it splits into for `parts` threads and on how many
     /// threads (its units run only where `available()`).
     pub fn new(
-        (q, k, v, scale): (*const u16, *const u16, *const u16, f32),
+        (q, k, v, scale): (Placed<u16>, Placed<u16>, Placed<u16>, f32),
         (bias, valid): (Option<Bias>, usize),
-        (out, lse): (*mut u16, *mut f32),
+        (out, lse): (Placed<u16>, *mut f32),
         shape: Shape,
         causal: bool,
         parts: usize,
@@ -62,17 +62,19 @@ impl TileAttention {
 
 thread_local! {
     static SCRATCH: RefCell<Scratch> = const {
-        RefCell::new(Scratch { holds: (0, 0, 0), keys: Lines::new(), values: Lines::new(), rows: Lines::new(), scores: Lines::new(), sums: Lines::new(), partial: Lines::new() })
+        RefCell::new(Scratch { holds: (0, 0, 0), keys: Lines::new(), values: Lines::new(), gathered: Lines::new(), rows: Lines::new(), scores: Lines::new(), sums: Lines::new(), partial: Lines::new() })
     };
 }
 
 /// A thread's memory: which head's keys and values (attention id, batch entry, key/value
-/// head) `keys` and `values` hold as tiles, a block's queries or exponentials as tile rows,
-/// its scores, its products by the values and a partial tile's results.
+/// head) `keys` and `values` hold as tiles, rows placed apart gathered next to each other for
+/// the tiles' copies (`gathered`), a block's queries or exponentials as tile rows, its scores,
+/// its products by the values and a partial tile's results.
 struct Scratch {
     holds: (u64, usize, usize),
     keys: Lines,
     values: Lines,
+    gathered: Lines,
     rows: Lines,
     scores: Lines,
     sums: Lines,
@@ -91,15 +93,16 @@ impl Chunked for TileAttention {
         let (dim_steps, key_steps) = (s.dim.div_ceil(STEP), self.valid.div_ceil(STEP));
         // A block's scores, a row per query: every column block of keys the tiles write.
         let stride = scores_stride(key_steps * STEP);
+        let kv_head = kv - b * s.kv_heads;
         SCRATCH.with(|scratch| {
-            let Scratch { holds, keys, values, rows: tile_rows, scores, sums, partial } = &mut *scratch.borrow_mut();
+            let Scratch { holds, keys, values, gathered, rows: tile_rows, scores, sums, partial } = &mut *scratch.borrow_mut();
             let keys = keys.u16s(amx::packed_lines(self.valid, s.dim, Values::Bf16) * 2 * COLUMNS);
             let values = values.u16s(amx::packed_lines(s.dim, self.valid, Values::Bf16) * 2 * COLUMNS);
             if *holds != (self.plan.id, b, kv) {
                 // Only the keys and values before `valid` are read: padding may hold anything.
-                let at = kv * s.len_kv * s.dim;
-                pack(self.k.add(at) as *const u8, Values::Bf16, (self.valid, s.dim), Layout::RowPerOutput, keys);
-                pack(self.v.add(at) as *const u8, Values::Bf16, (s.dim, self.valid), Layout::RowPerInput, values);
+                let rows = |t: &Placed<u16>, gathered: &mut Lines| adjacent_rows(t, (b, kv_head), 0..self.valid, s.dim, gathered);
+                pack(rows(&self.k, gathered), Values::Bf16, (self.valid, s.dim), Layout::RowPerOutput, keys);
+                pack(rows(&self.v, gathered), Values::Bf16, (s.dim, self.valid), Layout::RowPerInput, values);
                 *holds = (self.plan.id, b, kv);
             }
             let (keys, values) = (keys.as_ptr() as *const _, values.as_ptr() as *const _);
@@ -110,7 +113,7 @@ impl Chunked for TileAttention {
             for r0 in queries.step_by(BLOCK) {
                 let rows = BLOCK.min(last - r0);
                 let seen = visible_keys(self.causal, self.valid, r0 + rows - 1);
-                let q = self.q.add((head * s.len_q + r0) * s.dim) as *const u8;
+                let q = adjacent_rows(&self.q, (b, h), r0..r0 + rows, s.dim, gathered);
                 let lda = dim_steps * STEP;
                 let a = tile_rows.u16s(BLOCK * lda);
                 split(q, Values::Bf16, s.dim, rows, a, BLOCK * lda, lda);
@@ -126,18 +129,35 @@ impl Chunked for TileAttention {
                     *softmax = exponentials_into_tiles(scores.add(i * stride), (self.scale, added), visible_keys(self.causal, self.valid, r0 + i), (a.as_mut_ptr(), i, lda));
                 }
                 logsumexps(&softmaxes[..rows], std::slice::from_raw_parts_mut(self.lse.add(head * s.len_q + r0), rows));
+                let (out, ldo) = (self.out.strides.row(self.out.data, (b, h), r0), self.out.strides.row);
                 if seen > 0 {
                     products(a.as_ptr(), (BLOCK, lda, seen.div_ceil(STEP)), Values::Bf16, (values, key_steps), (Out::F32(sums), s.dim, rows, Epilogue::NONE), 0..s.dim.div_ceil(COLUMNS), partial);
                 }
-                let out = self.out.add((head * s.len_q + r0) * s.dim);
                 for (i, &softmax) in softmaxes.iter().enumerate().take(rows) {
                     let row = std::slice::from_raw_parts_mut(sums.add(i * s.dim), s.dim);
                     normalize(row, softmax);
-                    write_row(Out::Bf16(out.add(i * s.dim)), row.as_ptr(), s.dim, &Epilogue::NONE);
+                    write_row(Out::Bf16(out.add(i * ldo)), row.as_ptr(), s.dim, &Epilogue::NONE);
                 }
             }
         });
     }
+}
+
+/// Rows `rows` of head `h` of batch entry `b` of `t` (`dim` values each) next to each other, as
+/// the tiles' copies read them: where they are, if they are so, else copied into `gathered`.
+///
+/// # Safety
+/// `t` must cover those rows.
+unsafe fn adjacent_rows(t: &Placed<u16>, (b, h): (usize, usize), rows: std::ops::Range<usize>, dim: usize, gathered: &mut Lines) -> *const u8 {
+    let first = t.strides.row(t.data, (b, h), rows.start);
+    if t.strides.row == dim {
+        return first as *const u8;
+    }
+    let out = gathered.u16s(rows.len() * dim);
+    for (i, row) in out.chunks_exact_mut(dim).enumerate() {
+        row.copy_from_slice(std::slice::from_raw_parts(first.add(i * t.strides.row), dim));
+    }
+    out.as_ptr() as *const u8
 }
 
 /// Row `r` of a block's exponentials `exp(x - max)` of its scores `x = row · scale + added`
@@ -214,13 +234,15 @@ unsafe fn exponentials_into_tiles(row: *const f32, (scale, added): (f32, Option<
 
 #[cfg(test)]
 mod tests {
+    use super::super::attention::Strides;
     use super::super::{bf16_to_f32, f32_to_bf16};
     use super::*;
 
     /// As the f32 kernel's test (grouped heads, causal with more keys than queries and fewer,
-    /// counts off the blocks, head sizes off the tiles, a mask's bias and padding), on bf16
-    /// inputs against f64 sums of them: within what rounding the exponentials and the output
-    /// to bf16 may take (2⁻⁹ of the values' size each).
+    /// counts off the blocks, head sizes off the tiles, a mask's bias and padding, operands
+    /// packed or placed as a fused projection leaves them and the output `[B, L, H, E]`), on
+    /// bf16 inputs against f64 sums of them: within what rounding the exponentials and the
+    /// output to bf16 may take (2⁻⁹ of the values' size each).
     #[test]
     fn agrees_with_f64() {
         if !available() {
@@ -238,13 +260,22 @@ mod tests {
                 .collect();
             let scale = 1.0 / (dim as f32).sqrt();
             let value = |x: u16| f64::from(bf16_to_f32(x));
-            for (causal, masked) in [(false, false), (true, false), (false, true), (true, true)] {
+            let (q_dims, kv_dims) = ([batch, heads, len_q, dim], [batch, kv_heads, len_kv, dim]);
+            for (in_place, (causal, masked)) in [false, true].into_iter().flat_map(|p| [(false, false), (true, false), (false, true), (true, true)].map(|c| (p, c))) {
+                let strides = |dims: [usize; 4]| if in_place { Strides::fused(dims) } else { Strides::packed(dims[1], dims[2], dims[3]) };
+                let nan = f32_to_bf16(f32::NAN);
+                let lay = |data: &[u16], dims: [usize; 4]| strides(dims).lay_out(data, dims, if in_place { 3 * data.len() } else { data.len() }, nan);
+                let (qs, ks, vs) = (lay(&q, q_dims), lay(&k, kv_dims), lay(&v, kv_dims));
+                let out_strides = if in_place { Strides::interleaved(heads, len_q, dim) } else { Strides::packed(heads, len_q, dim) };
                 let bias = masked.then(|| Bias { data: mask.as_ptr(), batch_stride: len_q * len_kv, head_stride: 0 });
                 let valid = if masked { len_kv.saturating_sub(3).max(1) } else { len_kv };
-                let mut out = vec![f32_to_bf16(f32::NAN); q.len()];
+                let mut out = vec![nan; q.len()];
                 let mut lse = vec![f32::NAN; batch * heads * len_q];
                 for parts in [1, 3] {
-                    let (attention, units, _) = TileAttention::new((q.as_ptr(), k.as_ptr(), v.as_ptr(), scale), (bias, valid), (out.as_mut_ptr(), lse.as_mut_ptr()), shape, causal, parts);
+                    let at = |data: &Vec<u16>, dims: [usize; 4]| Placed { data: data.as_ptr().cast_mut(), strides: strides(dims) };
+                    let operands = (at(&qs, q_dims), at(&ks, kv_dims), at(&vs, kv_dims), scale);
+                    let results = (Placed { data: out.as_mut_ptr(), strides: out_strides }, lse.as_mut_ptr());
+                    let (attention, units, _) = TileAttention::new(operands, (bias, valid), results, shape, causal, parts);
                     (0..units).for_each(|u| unsafe { attention.chunk(u) });
                     for head in 0..batch * heads {
                         let kv = head / heads * kv_heads + head % heads / (heads / kv_heads);
@@ -257,12 +288,14 @@ mod tests {
                             let sum: f64 = scores.iter().map(|s| (s - max).exp()).sum();
                             let at = head * len_q + i;
                             let want_lse = if max == f64::NEG_INFINITY { 0.0 } else { max + sum.ln() };
-                            assert!((f64::from(lse[at]) - want_lse).abs() < 1e-4, "{shape:?} causal {causal} masked {masked}: lse {} vs {want_lse}", lse[at]);
+                            let case = format!("{shape:?} causal {causal} masked {masked} in place {in_place} parts {parts}");
+                            assert!((f64::from(lse[at]) - want_lse).abs() < 1e-4, "{case}: lse {} vs {want_lse}", lse[at]);
+                            let row = out_strides.offset + head / heads * out_strides.batch + head % heads * out_strides.head + i * out_strides.row;
                             for e in 0..dim {
                                 let weighted = scores.iter().enumerate().map(|(j, s)| (s - max).exp() / sum * value(v[(kv * len_kv + j) * dim + e]));
                                 let want: f64 = if max == f64::NEG_INFINITY { 0.0 } else { weighted.sum() };
-                                let got = value(out[at * dim + e]);
-                                assert!((got - want).abs() <= (2.0 + want.abs()) / 256.0, "{shape:?} causal {causal} masked {masked} parts {parts} at {at},{e}: {got} vs {want}");
+                                let got = value(out[row + e]);
+                                assert!((got - want).abs() <= (2.0 + want.abs()) / 256.0, "{case} at {at},{e}: {got} vs {want}");
                             }
                         }
                     }
