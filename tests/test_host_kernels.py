@@ -1192,8 +1192,9 @@ def test_attention_reads_projections_in_place(form, batch, length, causal, kv_he
     """The kernel (f32, or bf16 on the tiles' layouts) reads queries, keys and values where the
     projections leave them (a fused projection's result, with each one's columns) and writes
     the output as `[B, L, H, E]` for the transpose after it, as eager's flash kernel does;
-    where something else reads the output too, it writes it `[B, H, L, E]`. Everything the
-    block returns (the keys and values as the graph's outputs too) within 1e-5 of eager in f32,
+    where something else reads the output too, it writes it `[B, H, L, E]`; the keys and values
+    the block returns (a cache's update) it copies out. Everything the block returns within
+    1e-5 of eager in f32,
     within bf16's rounding of the products around the attention in bf16."""
     if dtype == torch.bfloat16 and not BF16_PRODUCTS:
         pytest.skip("bf16 attention is ours where AMX or AVX-512 BF16 is")
@@ -1216,6 +1217,8 @@ def test_attention_reads_projections_in_place(form, batch, length, causal, kv_he
     assert operands.split(", ")[:3] == (separate if form == "separate" else [fused] * 3), call
     out = f"tensor<{batch}x{length}x4x16x{t}>" if not raw_out else f"tensor<{batch}x4x{length}x16x{t}>"
     assert results.startswith(out) and stablehlo.count(kernel) == 1, call
+    # The keys and values the block returns, copied out by the kernel that reads them in place.
+    assert results.count(f"tensor<{batch}x{kv_heads}x{length}x16x{t}>") == 2 + raw_out, call
 
 
 @needs_f32_kernels

@@ -636,15 +636,16 @@ unsafe extern "C" fn bf16_causal_attention(frame: *mut FfiCallFrame) -> *mut c_v
 /// f32, by which `q` is multiplied as it is read) and, where given, what a mask adds to the
 /// scores (f32 `[B or 1, H or 1, L, S]`), the count of keys that are not padding (a 0-d i64) and
 /// where `q`, `k`, `v` and `out` are (`AttentionLayout`), into `out` `[B, H, L, E]`
-/// (or as the layout says) and its f32 logsumexp `[B, H, L]`, on XLA's threads. f32, or bf16
-/// on AMX tiles.
+/// (or as the layout says), its f32 logsumexp `[B, H, L]` and, where two more results are
+/// asked for, copies of `k` and `v` as `[B, Hkv, S, E]`, on XLA's threads. f32, or bf16 on AMX
+/// tiles.
 unsafe fn attend(frame: &mut FfiCallFrame, target: &'static str, causal: bool) -> *mut c_void {
     let bf16 = target == BF16_ATTENTION_TARGET || target == BF16_CAUSAL_ATTENTION_TARGET;
     if !executes(frame) {
         return std::ptr::null_mut();
     }
-    if !(4..=7).contains(&frame.args.size) || frame.rets.size != 2 {
-        return error(frame, target, "expects q, k, v, the scale, and a mask's bias, a key count and a layout where given, and two results");
+    if !(4..=7).contains(&frame.args.size) || !(2..=4).contains(&frame.rets.size) {
+        return error(frame, target, "expects q, k, v, the scale, and a mask's bias, a key count and a layout where given; out, lse, and the keys' and values' copies the layout asks for");
     }
     let buffer = |list: &FfiList, i: usize| &**list.items.add(i);
     let [q, k, v] = [0, 1, 2].map(|i| buffer(&frame.args, i));
@@ -676,8 +677,24 @@ unsafe fn attend(frame: &mut FfiCallFrame, target: &'static str, causal: bool) -
     };
     let shape = placed.shape;
     let values = if bf16 { XLA_FFI_BF16 } else { XLA_FFI_F32 };
-    if ![q, k, v, out].iter().all(|b| b.dtype == values) || lse.dtype != XLA_FFI_F32 {
-        return error(frame, target, &format!("expects q, k, v and out of one type ({}) and an f32 lse", if bf16 { "bf16" } else { "f32" }));
+    // The copies asked for, in the results after `lse`.
+    let mut next = 2;
+    let presents = placed.presents.map(|asked| {
+        asked.then(|| {
+            next += 1;
+            next - 1
+        })
+    });
+    let kv_dims = [shape.batch, shape.kv_heads, shape.len_kv, shape.dim].map(|d| d as i64);
+    if next != frame.rets.size as usize {
+        return error(frame, target, &format!("the layout asks for {} copies of the keys and values, the call has {} results", next - 2, frame.rets.size));
+    }
+    let presents = presents.map(|i| i.map(|i| buffer(&frame.rets, i)));
+    if ![q, k, v, out].iter().chain(presents.iter().flatten()).all(|b| b.dtype == values) || lse.dtype != XLA_FFI_F32 {
+        return error(frame, target, &format!("expects q, k, v, out (and the copies) of one type ({}) and an f32 lse", if bf16 { "bf16" } else { "f32" }));
+    }
+    if let Some(copy) = presents.iter().flatten().find(|b| dims(b) != kv_dims) {
+        return error(frame, target, &format!("expects the keys' and values' copies as {kv_dims:?}, got {:?}", dims(copy)));
     }
     let bias = match bias.map(|b| (b, dims(b))) {
         None => None,
@@ -698,22 +715,27 @@ unsafe fn attend(frame: &mut FfiCallFrame, target: &'static str, causal: bool) -
     if bf16 {
         let at = |b: &FfiBuffer, strides| attention::Placed { data: b.data as *mut u16, strides };
         let inputs = (at(q, qs), at(k, ks), at(v, vs), scale);
-        let (job, units, parts) = tile_attention::TileAttention::new(inputs, (bias, valid), (at(out, os), lse), shape, causal, threads);
+        let presents = presents.map(|p| p.map(|b| b.data as *mut u16));
+        let (job, units, parts) = tile_attention::TileAttention::new(inputs, (bias, valid), (at(out, os), lse, presents), shape, causal, threads);
         return answer(frame, target, std::panic::catch_unwind(|| run_units(xla, job, units, parts - 1)));
     }
     let at = |b: &FfiBuffer, strides| attention::Placed { data: b.data as *mut f32, strides };
     let inputs = (at(q, qs), at(k, ks), at(v, vs), scale);
-    let (job, units, parts) = attention::Attention::new(inputs, (bias, valid), (at(out, os), lse), shape, causal, threads);
+    let presents = presents.map(|p| p.map(|b| b.data as *mut f32));
+    let (job, units, parts) = attention::Attention::new(inputs, (bias, valid), (at(out, os), lse, presents), shape, causal, threads);
     answer(frame, target, std::panic::catch_unwind(|| run_units(xla, job, units, parts - 1)))
 }
 
-/// An attention's shape and where its `q`, `k`, `v` and `out` are. Given to the f32 kernel as
-/// an i64 `[15]`: the key/value heads, the keys, 1 where `out` is `[B, L, H, E]` (0: `[B, H, L,
-/// E]`), then each of `q`, `k` and `v`'s `Strides` (offset, batch, head, row); the queries'
-/// batch, heads and count come from `lse` `[B, H, L]`, the head size from `out`.
+/// An attention's shape, where its `q`, `k`, `v` and `out` are, and whether the keys and the
+/// values are copied out. Given to the kernels as an i64 `[17]`: the key/value heads, the keys,
+/// 1 where `out` is `[B, L, H, E]` (0: `[B, H, L, E]`), each of `q`, `k` and `v`'s `Strides`
+/// (offset, batch, head, row), then 1 for each of `k` and `v` copied (as results after `lse`,
+/// in that order); the queries' batch, heads and count come from `lse` `[B, H, L]`, the head
+/// size from `out`.
 struct AttentionLayout {
     shape: attention::Shape,
     strides: [attention::Strides; 4],
+    presents: [bool; 2],
 }
 
 impl AttentionLayout {
@@ -725,16 +747,16 @@ impl AttentionLayout {
         }
         let [batch, heads, kv_heads, len_q, len_kv, dim] = [batch, heads, kv_heads, len_q, len_kv, dim].map(|d| d as usize);
         let (queries, keys) = (attention::Strides::packed(heads, len_q, dim), attention::Strides::packed(kv_heads, len_kv, dim));
-        Some(AttentionLayout { shape: attention::Shape { batch, heads, kv_heads, len_q, len_kv, dim }, strides: [queries, keys, keys, queries] })
+        Some(AttentionLayout { shape: attention::Shape { batch, heads, kv_heads, len_q, len_kv, dim }, strides: [queries, keys, keys, queries], presents: [false; 2] })
     }
 
     /// The layout operand `layout`, where every row it places lies within its operand
     /// (`elements` of `q`, `k` and `v`) and `out` and `lse` are as it says.
     unsafe fn read(layout: &FfiBuffer, od: &[i64], ld: &[i64], elements: [usize; 3]) -> Option<AttentionLayout> {
-        if dims(layout) != [15] {
+        if dims(layout) != [17] {
             return None;
         }
-        let values = std::slice::from_raw_parts(layout.data as *const i64, 15);
+        let values = std::slice::from_raw_parts(layout.data as *const i64, 17);
         let values: Vec<usize> = values.iter().map(|&x| usize::try_from(x).ok()).collect::<Option<_>>()?;
         let (&[batch, heads, len_q], &[.., dim]) = (ld, od) else { return None };
         let [batch, heads, len_q, dim] = [batch, heads, len_q, dim].map(|d| d as usize);
@@ -744,14 +766,15 @@ impl AttentionLayout {
             1 => [batch, len_q, heads, dim],
             _ => return None,
         };
-        if od.iter().map(|&d| d as usize).ne(out_dims) || kv_heads == 0 || heads % kv_heads != 0 || len_kv == 0 {
+        if od.iter().map(|&d| d as usize).ne(out_dims) || kv_heads == 0 || heads % kv_heads != 0 || len_kv == 0 || values[15..].iter().any(|&p| p > 1) {
             return None;
         }
         let strides = |i: usize| attention::Strides { offset: values[3 + 4 * i], batch: values[4 + 4 * i], head: values[5 + 4 * i], row: values[6 + 4 * i] };
         let out = if interleaved == 1 { attention::Strides::interleaved(heads, len_q, dim) } else { attention::Strides::packed(heads, len_q, dim) };
         let spans = [[batch, heads, len_q, dim], [batch, kv_heads, len_kv, dim], [batch, kv_heads, len_kv, dim]];
         let fits = (0..3).all(|i| strides(i).extent(spans[i]).is_some_and(|e| e <= elements[i]));
-        fits.then(|| AttentionLayout { shape: attention::Shape { batch, heads, kv_heads, len_q, len_kv, dim }, strides: [strides(0), strides(1), strides(2), out] })
+        let presents = [values[15] == 1, values[16] == 1];
+        fits.then(|| AttentionLayout { shape: attention::Shape { batch, heads, kv_heads, len_q, len_kv, dim }, strides: [strides(0), strides(1), strides(2), out], presents })
     }
 }
 

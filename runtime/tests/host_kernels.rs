@@ -155,7 +155,8 @@ func.func @main(%x: tensor<{b}x{m}x{k}xf32>, %w: {w_ty}) -> tensor<{b}x{m}x{n}xf
 /// Causal attention of grouped query heads (`[1, 4, 30, 24]` over `[1, 2, 30, 24]`, scaled by
 /// 0.5): output and logsumexp within 1e-5 of f64; the same operands read from one fused
 /// projection's `[1, 30, 192]` (queries, keys and values side by side in each row, as a layout
-/// places them) with the output written `[1, 30, 4, 24]`: the same bits; and calls whose shapes
+/// places them) with the output written `[1, 30, 4, 24]`: the same bits, and the keys and values
+/// copied out as `[1, 2, 30, 24]`; and calls whose shapes
 /// disagree, or whose layout reaches past an operand, fail the execute with the kernel's message.
 #[test]
 fn f32_attention_matches_f64_and_names_bad_shapes() {
@@ -179,16 +180,16 @@ func.func @main(%q: {q}, %k: {k}, %v: {v}) -> ({q}, tensor<1x4x30xf32>) {{
     };
     // q at column 0 of each row of 192, k at 96, v at 144 (k's and v's moved by `shift`).
     let fused = |shift: i64| {
-        let layout = [2, 30, 1, 0, 30 * 192, 24, 192, 96 + shift, 30 * 192, 24, 192, 144 + shift, 30 * 192, 24, 192];
+        let layout = [2, 30, 1, 0, 30 * 192, 24, 192, 96 + shift, 30 * 192, 24, 192, 144 + shift, 30 * 192, 24, 192, 1, 1];
         let layout = layout.map(|x| x.to_string()).join(", ");
-        let (x, o) = ("tensor<1x30x192xf32>", "tensor<1x30x4x24xf32>");
+        let (x, o, kv) = ("tensor<1x30x192xf32>", "tensor<1x30x4x24xf32>", "tensor<1x2x30x24xf32>");
         let text = format!(
             r#"
-func.func @main(%x: {x}) -> ({o}, tensor<1x4x30xf32>) {{
+func.func @main(%x: {x}) -> ({o}, tensor<1x4x30xf32>, {kv}, {kv}) {{
   {SCALE}
-  %l = stablehlo.constant dense<[{layout}]> : tensor<15xi64>
-  %o:2 = stablehlo.custom_call @{F32_CAUSAL_ATTENTION_TARGET}(%x, %x, %x, %s, %l) {{api_version = 4 : i32, backend_config = {{}}}} : ({x}, {x}, {x}, tensor<f32>, tensor<15xi64>) -> ({o}, tensor<1x4x30xf32>)
-  return %o#0, %o#1 : {o}, tensor<1x4x30xf32>
+  %l = stablehlo.constant dense<[{layout}]> : tensor<17xi64>
+  %o:4 = stablehlo.custom_call @{F32_CAUSAL_ATTENTION_TARGET}(%x, %x, %x, %s, %l) {{api_version = 4 : i32, backend_config = {{}}}} : ({x}, {x}, {x}, tensor<f32>, tensor<17xi64>) -> ({o}, tensor<1x4x30xf32>, {kv}, {kv})
+  return %o#0, %o#1, %o#2, %o#3 : {o}, tensor<1x4x30xf32>, {kv}, {kv}
 }}"#
         );
         compile(&client, &text, vec![f32_spec(&[1, 30, 192])])
@@ -216,6 +217,8 @@ func.func @main(%x: {x}) -> ({o}, tensor<1x4x30xf32>) {{
     let placed = fused(0).execute(&[&upload(&client, &x, &[1, 30, 192], dev)]).unwrap();
     let (placed_out, placed_lse) = (download_any(&placed[0], DType::F32), download_any(&placed[1], DType::F32));
     assert_eq!(placed_lse, lse);
+    let widened = |t: &[f32]| t.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
+    assert_eq!([download_any(&placed[2], DType::F32), download_any(&placed[3], DType::F32)], [widened(&k), widened(&v)], "the keys' and values' copies");
     for (h, i, e) in (0..4).flat_map(|h| (0..30).flat_map(move |i| (0..24).map(move |e| (h, i, e)))) {
         assert_eq!(placed_out[(i * 4 + h) * 24 + e], got[(h * 30 + i) * 24 + e], "head {h} query {i} lane {e}");
     }

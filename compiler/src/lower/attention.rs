@@ -37,12 +37,15 @@ pub struct Placements {
     by_node: HashMap<usize, Placement>,
 }
 
-/// An attention's operands read in place (`None`: as the node's operand) and whether its
-/// output is written `[B, L, H, E]` (only transposes back read it).
+/// An attention's operands read in place (`None`: as the node's operand), whether its output
+/// is written `[B, L, H, E]` (only transposes back read it), and the key and value operands the
+/// kernel also writes out: each where it is read in place and the graph reads it elsewhere
+/// too (a cache's update: XLA:CPU made each in two loops).
 #[derive(Clone, Copy, Debug, Default)]
 struct Placement {
     operands: [Option<InPlace>; 3],
     interleaved: bool,
+    presents: [Option<ValueId>; 2],
 }
 
 /// An operand `[B, H, L, E]` that is `[B, L, H, E]` rows transposed: `base`'s rows (`width`
@@ -74,24 +77,34 @@ impl Placements {
             if !ours(dtype) || operands.iter().any(|&v| uses.types[v as usize].dtype != dtype || uses.types[v as usize].rank() != 4) {
                 continue;
             }
+            let placed = [0, 1, 2].map(|j| in_place(uses, operands[j]));
+            let elsewhere = |v: ValueId| uses.graph.outputs.contains(&v) || uses.readers(v).iter().any(|&r| r != i);
             let placement = Placement {
-                operands: [0, 1, 2].map(|j| in_place(uses, operands[j])),
+                operands: placed,
                 interleaved: only_transposed(uses, uses.output(i), 0),
+                presents: [1, 2].map(|j| placed[j].and(Some(operands[j])).filter(|&v| elsewhere(v))),
             };
-            if placement.interleaved || placement.operands.iter().any(Option::is_some) {
+            if placement.interleaved || placed.iter().any(Option::is_some) {
                 by_node.insert(i, placement);
             }
         }
         Placements { by_node }
     }
 
-    /// Node `i` lowered with its placement, where it has one; `values`: those lowered so far.
-    pub fn lower<'a>(&self, i: usize, n: &NodeCtx<'a>, values: &[Option<Val<'a>>]) -> Option<Res<'a>> {
+    /// Node `i` lowered with its placement, where it has one, and the values the kernel wrote
+    /// for others (the keys and values), which replace theirs; `values`: those lowered so far.
+    pub fn lower<'a>(&self, i: usize, n: &NodeCtx<'a>, values: &[Option<Val<'a>>]) -> Option<R<WithWritten<'a>>> {
         let placement = self.by_node.get(&i)?;
         let operands = placement.operands.map(|o| {
             o.and_then(|o| values.get(o.base as usize).cloned().flatten().map(|base| Placed { base, offset: o.offset, width: o.width }))
         });
-        Some(flash_attention(n, Some(&Layout { operands, interleaved: placement.interleaved })))
+        // Copies only of operands read in place (their base lowered).
+        let presents = [1, 2].map(|j| placement.presents[j - 1].filter(|_| operands[j].is_some()));
+        let layout = Layout { presents: presents.map(|p| p.is_some()), operands, interleaved: placement.interleaved };
+        Some(flash_attention(n, Some(&layout)).map(|mut outs| {
+            let written = outs.split_off(2);
+            (outs, presents.into_iter().flatten().zip(written).collect())
+        }))
     }
 }
 
@@ -177,6 +190,9 @@ fn only_transposed(uses: &Uses, v: ValueId, depth: usize) -> bool {
         })
 }
 
+/// A node's outputs, and the values of other nodes its kernel wrote (which replace theirs).
+pub type WithWritten<'a> = (Vec<Val<'a>>, Vec<(ValueId, Val<'a>)>);
+
 /// An operand read in place (`InPlace` with its base lowered).
 struct Placed<'a> {
     base: Val<'a>,
@@ -184,11 +200,12 @@ struct Placed<'a> {
     width: i64,
 }
 
-/// One attention's placement as lowered: its q, k and v where read in place, and whether the
-/// output is written `[B, L, H, E]`.
+/// One attention's placement as lowered: its q, k and v where read in place, whether the
+/// output is written `[B, L, H, E]` and whether the kernel writes the keys and the values out.
 struct Layout<'a> {
     operands: [Option<Placed<'a>>; 3],
     interleaved: bool,
+    presents: [bool; 2],
 }
 
 /// `(output [B, H, L, E], logsumexp [B, H, L])` for q `[B, H, L, E]`, k/v `[B, Hkv, S, E]`
@@ -198,6 +215,9 @@ struct Layout<'a> {
 /// Rows whose mask hides every key give 0, output and logsumexp, as the CPU kernel does. They
 /// are told by the mask (a reduce over `[L, S]`, not over every head's scores); their
 /// exponentials are NaN (-inf - -inf) until the final select replaces them.
+///
+/// With a `layout` that asks for them, where our kernel runs, the keys and values it wrote
+/// (those asked for, in that order) follow the two outputs.
 fn flash_attention<'a>(n: &NodeCtx<'a>, layout: Option<&Layout<'a>>) -> Res<'a> {
     let (q, k, v) = (
         n.tensor(0, "query")?,
@@ -239,19 +259,19 @@ fn flash_attention<'a>(n: &NodeCtx<'a>, layout: Option<&Layout<'a>>) -> Res<'a> 
     let host = lowering_target();
     let scale_value = b.scalar(Scalar::Float(scale), DType::F32)?;
     let extras = (mask.as_ref(), count.as_ref(), &scale_value);
-    let packed = Layout { operands: [None, None, None], interleaved: false };
+    let packed = Layout { operands: [None, None, None], interleaved: false, presents: [false; 2] };
     let layout = layout.unwrap_or(&packed);
     if let (Some(targets), true) = (host.host_bf16_attention, [&q, &k, &v].iter().all(|t| t.dtype() == DType::Bf16)) {
-        if let Some((out, lse)) = host_attention(b, targets, [&q, &k, &v], layout, causal, extras)? {
-            return Ok(vec![out, b.convert(&lse, n.out(1)?.dtype)?]);
+        if let Some((out, lse, presents)) = host_attention(b, targets, [&q, &k, &v], layout, causal, extras)? {
+            return Ok([vec![out, b.convert(&lse, n.out(1)?.dtype)?], presents].concat());
         }
     }
     let (q, k, mut v) = (b.convert(&q, f)?, b.convert(&k, f)?, b.convert(&v, f)?);
     if let (Some(targets), DType::F32) = (host.host_attention, f) {
         // Half inputs widened: read as the widening leaves them.
         let layout = if q.dtype() == n.tensor(0, "query")?.dtype() { layout } else { &packed };
-        if let Some((out, lse)) = host_attention(b, targets, [&q, &k, &v], layout, causal, extras)? {
-            return Ok(vec![b.convert(&out, n.out(0)?.dtype)?, b.convert(&lse, n.out(1)?.dtype)?]);
+        if let Some((out, lse, presents)) = host_attention(b, targets, [&q, &k, &v], layout, causal, extras)? {
+            return Ok([vec![b.convert(&out, n.out(0)?.dtype)?, b.convert(&lse, n.out(1)?.dtype)?], presents].concat());
         }
     }
     // Scaled before the product: fewer multiplies than on the scores, and none that XLA:CPU
@@ -288,8 +308,9 @@ fn flash_attention<'a>(n: &NodeCtx<'a>, layout: Option<&Layout<'a>>) -> Res<'a> 
 /// where a head's keys fit its scratch: one kernel where XLA:CPU runs two products and a
 /// softmax, each writing all the scores out: in f32 (half inputs widened), or for bf16 on the
 /// tiles, the f32 `scale` applied as eager applies it. Each operand is read where `layout`
-/// says, or as it is, and the output written `[B, L, H, E]` where it says so (transposed back
-/// here, which what reads it undoes). A float mask (in f32) reaches it as a bias `[B or 1, H or 1, L, S]` added to
+/// says, or as it is, the output written `[B, L, H, E]` where it says so (transposed back
+/// here, which what reads it undoes), and `k` and `v` written out (the third result) where it
+/// asks. A float mask (in f32) reaches it as a bias `[B or 1, H or 1, L, S]` added to
 /// the scores; a padded graph's true key count as a 0-d i64, past which it reads neither keys,
 /// values nor mask (padding may hold anything).
 fn host_attention<'a>(
@@ -299,15 +320,15 @@ fn host_attention<'a>(
     layout: &Layout<'a>,
     causal: bool,
     (mask, count, scale): (Option<&Val<'a>>, Option<&Val<'a>>, &Val<'a>),
-) -> R<Option<(Val<'a>, Val<'a>)>> {
+) -> R<Option<(Val<'a>, Val<'a>, Vec<Val<'a>>)>> {
     let [batch, heads, len_q, dim] = [0, 1, 2, 3].map(|i| q.shape()[i]);
     let (kv_heads, len_kv) = (k.shape()[1], k.shape()[2]);
     if len_kv == 0 || len_kv > HOST_MAX_KEYS || dim > HOST_MAX_DIM || dim * len_kv > HOST_MAX_KEY_ELEMENTS {
         return Ok(None);
     }
     let interleaved = layout.interleaved;
-    // The runtime's `AttentionLayout`: the key heads and count, the output's order, and each
-    // operand's offset and batch, head and row strides.
+    // The runtime's `AttentionLayout`: the key heads and count, the output's order, each
+    // operand's offset and batch, head and row strides, and the copies asked for.
     let mut placement = vec![kv_heads, len_kv, i64::from(interleaved)];
     let mut operands: Vec<&Val<'a>> = vec![];
     for (t, placed) in [q, k, v].into_iter().zip(&layout.operands) {
@@ -333,17 +354,20 @@ fn host_attention<'a>(
         None => None,
     };
     let count = count.map(|c| b.convert(&b.reshape(c, &[])?, DType::I64)).transpose()?;
+    placement.extend(layout.presents.map(i64::from));
     let placement = b.constant_i64(&placement)?;
     operands.extend(bias.as_ref());
     operands.extend(count.as_ref());
     operands.push(scale);
     operands.push(&placement);
     let out = if interleaved { TensorType::new(q.dtype(), vec![batch, len_q, heads, dim]) } else { q.ty.clone() };
-    let results = vec![out, TensorType::new(DType::F32, vec![batch, heads, len_q])];
-    let mut out = b.host_call(if causal { causal_target } else { plain }, &operands, results)?;
-    let lse = out.remove(1);
-    let out = out.remove(0);
-    Ok(Some((if interleaved { b.transpose(&out, &[0, 2, 1, 3])? } else { out }, lse)))
+    let mut results = vec![out, TensorType::new(DType::F32, vec![batch, heads, len_q])];
+    results.extend([k, v].iter().zip(layout.presents).filter(|(_, asked)| *asked).map(|(t, _)| t.ty.clone()));
+    let mut outs = b.host_call(if causal { causal_target } else { plain }, &operands, results)?;
+    let presents = outs.split_off(2);
+    let lse = outs.remove(1);
+    let out = outs.remove(0);
+    Ok(Some((if interleaved { b.transpose(&out, &[0, 2, 1, 3])? } else { out }, lse, presents)))
 }
 
 /// The largest head size, key count and head of keys (elements) our attention kernel takes:

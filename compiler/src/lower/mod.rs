@@ -567,16 +567,26 @@ fn emit_body<'a>(
         let composite = rms_norms
             .lower(i, &n.b, &values)
             .or_else(|| modulated_norms.lower(i, &n.b, &values, out?))
-            .or_else(|| finished_products.lower(i, &n.b, &values, out?))
-            .or_else(|| attentions.lower(i, &n, &values));
+            .or_else(|| finished_products.lower(i, &n.b, &values, out?));
+        // Values an attention kernel wrote for other nodes (the keys and values it read in place).
+        let mut written = vec![];
         let produced = match composite {
             Some(lowered) => lowered,
-            None => rule(n),
+            None => match attentions.lower(i, &n, &values) {
+                Some(lowered) => lowered.map(|(outs, others)| {
+                    written = others;
+                    outs
+                }),
+                None => rule(n),
+            },
         }
         .map_err(|m| error(LowerErrorKind::Failed, arg_types.clone(), m))?;
         check_types(&produced, &node.outputs)
             .map_err(|m| error(LowerErrorKind::Failed, arg_types.clone(), m))?;
         values.extend(produced.into_iter().map(Some));
+        for (v, written) in written {
+            values[v as usize] = Some(written);
+        }
     }
     let outs = graph
         .outputs

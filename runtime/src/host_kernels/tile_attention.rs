@@ -12,7 +12,7 @@
 
 use super::amx::{self, x86::*, Values, STEP};
 use super::epilogue::Epilogue;
-use super::attention::{logsumexps, normalize, scores_stride, visible_keys, Bias, Placed, Plan, Shape, Unit};
+use super::attention::{logsumexps, normalize, scores_stride, visible_keys, write_presents, Bias, Placed, Plan, Presents, Shape, Unit};
 use super::gemm::{Lines, COLUMNS};
 use super::pool::Chunked;
 use super::{Layout, Out};
@@ -38,6 +38,7 @@ pub(super) struct TileAttention {
     valid: usize,
     out: Placed<u16>,
     lse: *mut f32,
+    presents: Presents<u16>,
     shape: Shape,
     causal: bool,
     plan: Plan,
@@ -49,14 +50,14 @@ impl TileAttention {
     pub fn new(
         (q, k, v, scale): (Placed<u16>, Placed<u16>, Placed<u16>, f32),
         (bias, valid): (Option<Bias>, usize),
-        (out, lse): (Placed<u16>, *mut f32),
+        (out, lse, presents): (Placed<u16>, *mut f32, Presents<u16>),
         shape: Shape,
         causal: bool,
         parts: usize,
     ) -> (Self, usize, usize) {
         let plan = Plan::new(shape, causal, parts, BLOCK);
         let (units, parts) = (plan.units, plan.parts);
-        (TileAttention { q, k, v, scale, bias, valid: valid.min(shape.len_kv), out, lse, shape, causal, plan }, units, parts)
+        (TileAttention { q, k, v, scale, bias, valid: valid.min(shape.len_kv), out, lse, presents, shape, causal, plan }, units, parts)
     }
 }
 
@@ -89,7 +90,9 @@ impl Chunked for TileAttention {
     /// rows of `out` and `lse`.
     unsafe fn chunk(&self, unit: usize) {
         let s = self.shape;
-        let Unit { head, b, h, kv, queries } = self.plan.unit(s, unit);
+        let unit = self.plan.unit(s, unit);
+        write_presents(self.presents, [&self.k, &self.v], s, &unit);
+        let Unit { head, b, h, kv, queries } = unit;
         let (dim_steps, key_steps) = (s.dim.div_ceil(STEP), self.valid.div_ceil(STEP));
         // A block's scores, a row per query: every column block of keys the tiles write.
         let stride = scores_stride(key_steps * STEP);
@@ -240,7 +243,8 @@ mod tests {
 
     /// As the f32 kernel's test (grouped heads, causal with more keys than queries and fewer,
     /// counts off the blocks, head sizes off the tiles, a mask's bias and padding, operands
-    /// packed or placed as a fused projection leaves them and the output `[B, L, H, E]`), on
+    /// packed or placed as a fused projection leaves them, the output `[B, L, H, E]` and the
+    /// keys and values copied out), on
     /// bf16 inputs against f64 sums of them: within what rounding the exponentials and the
     /// output to bf16 may take (2⁻⁹ of the values' size each).
     #[test]
@@ -271,12 +275,17 @@ mod tests {
                 let valid = if masked { len_kv.saturating_sub(3).max(1) } else { len_kv };
                 let mut out = vec![nan; q.len()];
                 let mut lse = vec![f32::NAN; batch * heads * len_q];
+                let mut presents = [vec![nan; k.len()], vec![nan; v.len()]];
                 for parts in [1, 3] {
                     let at = |data: &Vec<u16>, dims: [usize; 4]| Placed { data: data.as_ptr().cast_mut(), strides: strides(dims) };
                     let operands = (at(&qs, q_dims), at(&ks, kv_dims), at(&vs, kv_dims), scale);
-                    let results = (Placed { data: out.as_mut_ptr(), strides: out_strides }, lse.as_mut_ptr());
+                    let written = presents.each_mut().map(|p| in_place.then_some(p.as_mut_ptr()));
+                    let results = (Placed { data: out.as_mut_ptr(), strides: out_strides }, lse.as_mut_ptr(), written);
                     let (attention, units, _) = TileAttention::new(operands, (bias, valid), results, shape, causal, parts);
                     (0..units).for_each(|u| unsafe { attention.chunk(u) });
+                    if in_place {
+                        assert!(presents[0] == k && presents[1] == v, "{shape:?}: the presents are the keys and values");
+                    }
                     for head in 0..batch * heads {
                         let kv = head / heads * kv_heads + head % heads / (heads / kv_heads);
                         for i in 0..len_q {
