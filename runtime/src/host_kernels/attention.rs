@@ -81,27 +81,6 @@ impl Strides {
         last.checked_add(dim)
     }
 
-    /// `data` (row-major `[batch, heads, rows, dim]`) where these strides place it, in `len`
-    /// values that are `fill` elsewhere (NaN: a stray read turns a result NaN).
-    #[cfg(test)]
-    pub fn lay_out<T: Copy>(&self, data: &[T], [batch, heads, rows, dim]: [usize; 4], len: usize, fill: T) -> Vec<T> {
-        let mut out = vec![fill; len];
-        for (at, row) in data.chunks_exact(dim).enumerate() {
-            let (b, h, r) = (at / (heads * rows), at / rows % heads, at % rows);
-            let first = self.offset + b * self.batch + h * self.head + r * self.row;
-            out[first..first + dim].copy_from_slice(row);
-        }
-        assert!(self.extent([batch, heads, rows, dim]).is_some_and(|e| e <= len));
-        out
-    }
-
-    /// A fused projection's third for `[batch, heads, rows, dim]`: rows of three heads' worth,
-    /// this operand's in the middle.
-    #[cfg(test)]
-    pub fn fused([_, heads, rows, dim]: [usize; 4]) -> Strides {
-        Strides { offset: heads * dim, batch: rows * 3 * heads * dim, head: dim, row: 3 * heads * dim }
-    }
-
     /// Row `row` of head `h` of batch entry `b` of `data`.
     ///
     /// # Safety
@@ -109,6 +88,28 @@ impl Strides {
     pub unsafe fn row<T>(&self, data: *mut T, (b, h): (usize, usize), row: usize) -> *mut T {
         data.add(self.offset + b * self.batch + h * self.head + row * self.row)
     }
+}
+
+/// The kernels' tests' operands: `q`, `k` and `v` (row-major) packed, or each placed as the
+/// middle third of a fused projection's rows (`[B, S, 3, H, E]`) in memory that is `fill` (NaN:
+/// a stray read turns a result NaN) elsewhere; and where the four operands' rows are, the
+/// output `[B, L, H, E]` where placed.
+#[cfg(test)]
+pub(super) fn test_operands<T: Copy>(in_place: bool, s: Shape, [q, k, v]: [&[T]; 3], fill: T) -> ([Vec<T>; 3], [Strides; 4]) {
+    let dims = [[s.batch, s.heads, s.len_q, s.dim], [s.batch, s.kv_heads, s.len_kv, s.dim], [s.batch, s.kv_heads, s.len_kv, s.dim]];
+    let strides = dims.map(|[_, heads, rows, dim]| match in_place {
+        true => Strides { offset: heads * dim, batch: rows * 3 * heads * dim, head: dim, row: 3 * heads * dim },
+        false => Strides::packed(heads, rows, dim),
+    });
+    let mut laid = [q, k, v].map(|data| vec![fill; if in_place { 3 * data.len() } else { data.len() }]);
+    for ((out, data), (&[_, heads, rows, dim], strides)) in laid.iter_mut().zip([q, k, v]).zip(dims.iter().zip(strides)) {
+        for (at, row) in data.chunks_exact(dim).enumerate() {
+            let first = strides.offset + at / (heads * rows) * strides.batch + at / rows % heads * strides.head + at % rows * strides.row;
+            out[first..first + dim].copy_from_slice(row);
+        }
+    }
+    let out = if in_place { Strides::interleaved(s.heads, s.len_q, s.dim) } else { Strides::packed(s.heads, s.len_q, s.dim) };
+    (laid, [strides[0], strides[1], strides[2], out])
 }
 
 /// An operand where `strides` says its rows are.
@@ -603,13 +604,9 @@ mod tests {
             let mask: Vec<f32> = (0..batch * len_q * len_kv)
                 .map(|at| if next() < -0.33 || (len_q > 1 && at / len_kv == 1) { f32::NEG_INFINITY } else { next() })
                 .collect();
-            let (q_dims, kv_dims) = ([batch, heads, len_q, dim], [batch, kv_heads, len_kv, dim]);
-            let fused = Strides::fused;
             for in_place in [false, true] {
-                let strides = |dims: [usize; 4]| if in_place { fused(dims) } else { Strides::packed(dims[1], dims[2], dims[3]) };
-                let lay = |data: &[f32], dims: [usize; 4]| strides(dims).lay_out(data, dims, if in_place { 3 * data.len() } else { data.len() }, f32::NAN);
-                let (qs, ks, vs) = (lay(&q, q_dims), lay(&k, kv_dims), lay(&v, kv_dims));
-                let out_strides = if in_place { Strides::interleaved(heads, len_q, dim) } else { Strides::packed(heads, len_q, dim) };
+                let (laid, strides) = test_operands(in_place, shape, [&q, &k, &v], f32::NAN);
+                let out_strides = strides[3];
                 for (causal, masked) in [(false, false), (true, false), (false, true), (true, true)] {
                     let bias = masked.then(|| Bias { data: mask.as_ptr(), batch_stride: len_q * len_kv, head_stride: 0 });
                     // With the mask, the last 3 keys are a padded graph's too.
@@ -618,8 +615,8 @@ mod tests {
                     let mut lse = vec![f32::NAN; batch * heads * len_q];
                     let mut presents = [vec![f32::NAN; k.len()], vec![f32::NAN; v.len()]];
                     for parts in [1, 3] {
-                        let at = |data: &Vec<f32>, dims: [usize; 4]| Placed { data: data.as_ptr().cast_mut(), strides: strides(dims) };
-                        let operands = (at(&qs, q_dims), at(&ks, kv_dims), at(&vs, kv_dims), scale);
+                        let at = |i: usize| Placed { data: laid[i].as_ptr().cast_mut(), strides: strides[i] };
+                        let operands = (at(0), at(1), at(2), scale);
                         let written = presents.each_mut().map(|p| in_place.then_some(p.as_mut_ptr()));
                         let results = (Placed { data: out.as_mut_ptr(), strides: out_strides }, lse.as_mut_ptr(), written);
                         let (attention, units, _) = Attention::new(operands, (bias, valid), results, shape, causal, parts);

@@ -237,7 +237,7 @@ unsafe fn exponentials_into_tiles(row: *const f32, (scale, added): (f32, Option<
 
 #[cfg(test)]
 mod tests {
-    use super::super::attention::Strides;
+    use super::super::attention::test_operands;
     use super::super::{bf16_to_f32, f32_to_bf16};
     use super::*;
 
@@ -264,21 +264,18 @@ mod tests {
                 .collect();
             let scale = 1.0 / (dim as f32).sqrt();
             let value = |x: u16| f64::from(bf16_to_f32(x));
-            let (q_dims, kv_dims) = ([batch, heads, len_q, dim], [batch, kv_heads, len_kv, dim]);
+            let nan = f32_to_bf16(f32::NAN);
             for (in_place, (causal, masked)) in [false, true].into_iter().flat_map(|p| [(false, false), (true, false), (false, true), (true, true)].map(|c| (p, c))) {
-                let strides = |dims: [usize; 4]| if in_place { Strides::fused(dims) } else { Strides::packed(dims[1], dims[2], dims[3]) };
-                let nan = f32_to_bf16(f32::NAN);
-                let lay = |data: &[u16], dims: [usize; 4]| strides(dims).lay_out(data, dims, if in_place { 3 * data.len() } else { data.len() }, nan);
-                let (qs, ks, vs) = (lay(&q, q_dims), lay(&k, kv_dims), lay(&v, kv_dims));
-                let out_strides = if in_place { Strides::interleaved(heads, len_q, dim) } else { Strides::packed(heads, len_q, dim) };
+                let (laid, strides) = test_operands(in_place, shape, [&q, &k, &v], nan);
+                let out_strides = strides[3];
                 let bias = masked.then(|| Bias { data: mask.as_ptr(), batch_stride: len_q * len_kv, head_stride: 0 });
                 let valid = if masked { len_kv.saturating_sub(3).max(1) } else { len_kv };
                 let mut out = vec![nan; q.len()];
                 let mut lse = vec![f32::NAN; batch * heads * len_q];
                 let mut presents = [vec![nan; k.len()], vec![nan; v.len()]];
                 for parts in [1, 3] {
-                    let at = |data: &Vec<u16>, dims: [usize; 4]| Placed { data: data.as_ptr().cast_mut(), strides: strides(dims) };
-                    let operands = (at(&qs, q_dims), at(&ks, kv_dims), at(&vs, kv_dims), scale);
+                    let at = |i: usize| Placed { data: laid[i].as_ptr().cast_mut(), strides: strides[i] };
+                    let operands = (at(0), at(1), at(2), scale);
                     let written = presents.each_mut().map(|p| in_place.then_some(p.as_mut_ptr()));
                     let results = (Placed { data: out.as_mut_ptr(), strides: out_strides }, lse.as_mut_ptr(), written);
                     let (attention, units, _) = TileAttention::new(operands, (bias, valid), results, shape, causal, parts);
