@@ -636,9 +636,8 @@ unsafe extern "C" fn bf16_causal_attention(frame: *mut FfiCallFrame) -> *mut c_v
 /// f32, by which `q` is multiplied as it is read) and, where given, what a mask adds to the
 /// scores (f32 `[B or 1, H or 1, L, S]`), the count of keys that are not padding (a 0-d i64) and
 /// where `q`, `k`, `v` and `out` are (`AttentionLayout`), into `out` `[B, H, L, E]`
-/// (or as the layout says), its f32 logsumexp `[B, H, L]` and, where two more results are
-/// asked for, copies of `k` and `v` as `[B, Hkv, S, E]`, on XLA's threads. f32, or bf16 on AMX
-/// tiles.
+/// (or as the layout says), its f32 logsumexp `[B, H, L]` and, where the layout asks for them,
+/// copies of `k` and `v` as `[B, Hkv, S, E]`, on XLA's threads. f32, or bf16 on AMX tiles.
 unsafe fn attend(frame: &mut FfiCallFrame, target: &'static str, causal: bool) -> *mut c_void {
     let bf16 = target == BF16_ATTENTION_TARGET || target == BF16_CAUSAL_ATTENTION_TARGET;
     if !executes(frame) {
