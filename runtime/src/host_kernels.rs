@@ -677,18 +677,13 @@ unsafe fn attend(frame: &mut FfiCallFrame, target: &'static str, causal: bool) -
     let shape = placed.shape;
     let values = if bf16 { XLA_FFI_BF16 } else { XLA_FFI_F32 };
     // The copies asked for, in the results after `lse`.
-    let mut next = 2;
-    let presents = placed.presents.map(|asked| {
-        asked.then(|| {
-            next += 1;
-            next - 1
-        })
-    });
-    let kv_dims = [shape.batch, shape.kv_heads, shape.len_kv, shape.dim].map(|d| d as i64);
-    if next != frame.rets.size as usize {
-        return error(frame, target, &format!("the layout asks for {} copies of the keys and values, the call has {} results", next - 2, frame.rets.size));
+    let asked = placed.presents.iter().filter(|&&asked| asked).count();
+    if 2 + asked != frame.rets.size as usize {
+        return error(frame, target, &format!("the layout asks for {asked} copies of the keys and values, the call has {} results", frame.rets.size));
     }
-    let presents = presents.map(|i| i.map(|i| buffer(&frame.rets, i)));
+    let mut copies = (2..2 + asked).map(|i| buffer(&frame.rets, i));
+    let presents = placed.presents.map(|asked| if asked { copies.next() } else { None });
+    let kv_dims = [shape.batch, shape.kv_heads, shape.len_kv, shape.dim].map(|d| d as i64);
     if ![q, k, v, out].iter().chain(presents.iter().flatten()).all(|b| b.dtype == values) || lse.dtype != XLA_FFI_F32 {
         return error(frame, target, &format!("expects q, k, v, out (and the copies) of one type ({}) and an f32 lse", if bf16 { "bf16" } else { "f32" }));
     }

@@ -17,7 +17,7 @@ use super::builder::{broadcast_shapes, lowering_target, opmath, Builder, Combine
 use super::patterns::{value, Uses};
 use super::reduction::{exponentials, zero_rows};
 use super::{NodeCtx, Registry, Res, A};
-use crate::ir::{Arg, DType, TensorType, ValueId};
+use crate::ir::{Arg, DType, Node, TensorType, ValueId};
 use crate::padding::{KEYS_VALID, KEYS_VALID_PLUS};
 use std::collections::HashMap;
 
@@ -81,7 +81,7 @@ impl Placements {
             let elsewhere = |v: ValueId| uses.graph.outputs.contains(&v) || uses.readers(v).iter().any(|&r| r != i);
             let placement = Placement {
                 operands: placed,
-                interleaved: only_transposed(uses, uses.output(i), 0),
+                interleaved: only_transposed(uses, uses.output(i)),
                 presents: [1, 2].map(|j| placed[j].and(Some(operands[j])).filter(|&v| elsewhere(v))),
             };
             if placement.interleaved || placed.iter().any(Option::is_some) {
@@ -136,10 +136,7 @@ fn in_place(uses: &Uses, v: ValueId) -> Option<InPlace> {
     let &[batch, len, heads, dim] = &shape(*x)[..] else { return None };
     let placed = InPlace { base: *x, offset: 0, width: heads * dim };
     // `x` a view of `y`'s rows of `H · E`, `y` the columns `offset..` of `z`'s rows.
-    let y = ["aten.view.default", "aten._unsafe_view.default"]
-        .iter()
-        .find_map(|op| uses.node_of(*x, op))
-        .and_then(|view| value(graph.nodes[view].args.first()?));
+    let y = uses.viewed(*x).map(|(_, y)| y);
     let columns = y.filter(|&y| shape(y).last() == Some(&(heads * dim)) && uses.types[y as usize].numel() == batch * len * heads * dim).and_then(|y| {
         let last = shape(y).len() as i64 - 1;
         let on_last = |d: &Arg| matches!(d, Arg::Int(d) if *d == last || *d == -1);
@@ -172,22 +169,13 @@ fn in_place(uses: &Uses, v: ValueId) -> Option<InPlace> {
 
 /// Whether only `permute(v, [0, 2, 1, 3])`s read `v`, directly or through (up to four) views
 /// of its own shape, and it is not a graph output.
-fn only_transposed(uses: &Uses, v: ValueId, depth: usize) -> bool {
-    let readers = uses.readers(v);
+fn only_transposed(uses: &Uses, v: ValueId) -> bool {
     let shape = &uses.types[v as usize].shape;
-    depth < 4
-        && !readers.is_empty()
-        && !uses.graph.outputs.contains(&v)
-        && readers.iter().all(|&r| {
-            let node = &uses.graph.nodes[r];
-            match (node.op.as_str(), &node.args[..]) {
-                ("aten.permute.default", [Arg::Value(_), Arg::List(perm)]) => *perm == [0, 2, 1, 3].map(Arg::Int),
-                ("aten.view.default" | "aten._unsafe_view.default", _) => {
-                    uses.types[uses.output(r) as usize].shape == *shape && only_transposed(uses, uses.output(r), depth + 1)
-                }
-                _ => false,
-            }
-        })
+    let same_shape_view = |node: &Node| {
+        matches!(node.op.as_str(), "aten.view.default" | "aten._unsafe_view.default") && node.outputs.first().is_some_and(|t| t.shape == *shape)
+    };
+    let transposed = |node: &Node| node.op == "aten.permute.default" && matches!(&node.args[..], [Arg::Value(_), Arg::List(perm)] if *perm == [0, 2, 1, 3].map(Arg::Int));
+    uses.only_read_by(v, &same_shape_view, &transposed)
 }
 
 /// A node's outputs, and the values of other nodes its kernel wrote (which replace theirs).

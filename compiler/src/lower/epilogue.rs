@@ -175,12 +175,7 @@ fn finished_products(uses: &Uses) -> HashMap<usize, Finished> {
         })
     };
     // The view node `v` is, if any, and the value it views (`v` itself where none).
-    let viewed = |v: ValueId| -> (Option<usize>, Option<ValueId>) {
-        match defined(v, "aten.view.default").or_else(|| defined(v, "aten._unsafe_view.default")) {
-            Some(view) => (Some(view), nodes[view].args.first().and_then(value)),
-            None => (None, Some(v)),
-        }
-    };
+    let viewed = |v: ValueId| -> (Option<usize>, ValueId) { uses.viewed(v).map_or((None, v), |(view, of)| (Some(view), of)) };
     // `v` and the residual, where node `last` is `v + residual` (either order, `alpha` 1), all
     // three of one type, and `v` is a product or a view of one.
     let residual_add = |last: usize| -> Option<(ValueId, ValueId)> {
@@ -191,7 +186,10 @@ fn finished_products(uses: &Uses) -> HashMap<usize, Finished> {
             return None;
         }
         let sum = uses.types[uses.output(last) as usize];
-        let product = |v: ValueId| viewed(v).1.and_then(|p| defined(p, "aten.mm.default").or_else(|| defined(p, "aten.addmm.default")));
+        let product = |v: ValueId| {
+            let p = viewed(v).1;
+            defined(p, "aten.mm.default").or_else(|| defined(p, "aten.addmm.default"))
+        };
         [(p, q), (q, p)].into_iter().find(|&(v, r)| uses.types[v as usize] == sum && uses.types[r as usize] == sum && product(v).is_some())
     };
     let mut found = HashMap::new();
@@ -211,12 +209,12 @@ fn finished_products(uses: &Uses) -> HashMap<usize, Finished> {
         // `v`: the product, or a view of it.
         let (view, viewed) = viewed(v);
         let (product, finish) = match finish {
-            Finish::SiluTimes => (viewed.and_then(|p| defined(p, "aten.mm.default")), finish),
-            Finish::Plus => match viewed.and_then(|p| defined(p, "aten.addmm.default")) {
+            Finish::SiluTimes => (defined(viewed, "aten.mm.default"), finish),
+            Finish::Plus => match defined(viewed, "aten.addmm.default") {
                 Some(addmm) => (Some(addmm), Finish::BiasPlus),
-                None => (viewed.and_then(|p| defined(p, "aten.mm.default")), Finish::Plus),
+                None => (defined(viewed, "aten.mm.default"), Finish::Plus),
             },
-            _ => (viewed.and_then(|p| defined(p, "aten.addmm.default")), finish),
+            _ => (defined(viewed, "aten.addmm.default"), finish),
         };
         let Some(product) = product else { continue };
         let node = &nodes[product];

@@ -424,7 +424,7 @@ fn rms_norms(uses: &Uses) -> HashMap<usize, RmsNorm> {
             Some((weighting, weight)) => (weighting, norm(Some(weight))),
             None => (scaled, norm(None)),
         };
-        if uses.only_products(uses.output(node), 0) || types[x as usize].numel() >= LARGE_NORM {
+        if uses.only_products(uses.output(node)) || types[x as usize].numel() >= LARGE_NORM {
             norms.insert(node, norm);
         }
     }

@@ -1,7 +1,7 @@
 //! What the passes that find a composite among a graph's ATen ops (RMSNorm, a product's GELU)
 //! ask of the graph: which node defines a value, which nodes read it, its type.
 
-use crate::ir::{Arg, DType, Graph, TensorType, ValueId};
+use crate::ir::{Arg, DType, Graph, Node, TensorType, ValueId};
 use std::collections::HashMap;
 
 /// A graph's values by the nodes that define and read them.
@@ -64,17 +64,33 @@ impl<'g> Uses<'g> {
     }
 
     /// Whether only products read `v`, directly or through (up to four) views of it.
-    pub fn only_products(&self, v: ValueId, depth: usize) -> bool {
+    pub fn only_products(&self, v: ValueId) -> bool {
         const PRODUCTS: [&str; 3] = ["aten.mm.default", "aten.addmm.default", "aten.bmm.default"];
         const VIEWS: [&str; 4] = ["aten.view.default", "aten._unsafe_view.default", "aten.alias.default", "aten.slice.Tensor"];
+        self.only_read_by(v, &|node: &Node| VIEWS.contains(&node.op.as_str()), &|node: &Node| PRODUCTS.contains(&node.op.as_str()))
+    }
+
+    /// Whether only nodes `reads` accepts read `v`, directly or through (up to four) nodes
+    /// `through` accepts (views of it), and it is not a graph output.
+    pub fn only_read_by(&self, v: ValueId, through: &dyn Fn(&Node) -> bool, reads: &dyn Fn(&Node) -> bool) -> bool {
+        self.only_read_within(v, through, reads, 0)
+    }
+
+    fn only_read_within(&self, v: ValueId, through: &dyn Fn(&Node) -> bool, reads: &dyn Fn(&Node) -> bool, depth: usize) -> bool {
         let nodes = self.readers(v);
         depth < 4
             && !nodes.is_empty()
             && !self.graph.outputs.contains(&v)
             && nodes.iter().all(|&i| {
-                let op = self.graph.nodes[i].op.as_str();
-                PRODUCTS.contains(&op) || (VIEWS.contains(&op) && self.only_products(self.output(i), depth + 1))
+                let node = &self.graph.nodes[i];
+                reads(node) || (through(node) && self.only_read_within(self.output(i), through, reads, depth + 1))
             })
+    }
+
+    /// Where `v` is a view (`view` or `_unsafe_view`): the node, and the value it views.
+    pub fn viewed(&self, v: ValueId) -> Option<(usize, ValueId)> {
+        let view = self.node_of(v, "aten.view.default").or_else(|| self.node_of(v, "aten._unsafe_view.default"))?;
+        Some((view, value(self.graph.nodes[view].args.first()?)?))
     }
 }
 

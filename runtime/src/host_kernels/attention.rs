@@ -112,6 +112,44 @@ pub(super) fn test_operands<T: Copy>(in_place: bool, s: Shape, [q, k, v]: [&[T];
     (laid, [strides[0], strides[1], strides[2], out])
 }
 
+/// The kernels' tests' reference: checks `lse` and the output (`out(at)` its element `at`, its
+/// rows where `out_strides` place them) of an attention of `s` over `q` (already scaled), `k`
+/// and `v` (row-major, element `at` read as f64), with the mask's bias and the count of keys
+/// not padding as the kernels take them, against f64: the logsumexp within 1e-4, each output
+/// as `close(got, want)` says.
+#[cfg(test)]
+pub(super) fn check_against_f64(
+    s: Shape,
+    (causal, mask, valid): (bool, Option<&[f32]>, usize),
+    [q, k, v]: [&dyn Fn(usize) -> f64; 3],
+    (out, out_strides, lse): (&dyn Fn(usize) -> f64, Strides, &[f32]),
+    close: &dyn Fn(f64, f64) -> bool,
+    case: &str,
+) {
+    let Shape { batch, heads, kv_heads, len_q, len_kv, dim } = s;
+    for head in 0..batch * heads {
+        let kv = head / heads * kv_heads + head % heads / (heads / kv_heads);
+        for i in 0..len_q {
+            let visible = if causal { (i + 1).min(valid) } else { valid };
+            let added = |j: usize| mask.map_or(0.0, |m| f64::from(m[(head / heads * len_q + i) * len_kv + j]));
+            let score = |j: usize| added(j) + (0..dim).map(|e| q((head * len_q + i) * dim + e) * k((kv * len_kv + j) * dim + e)).sum::<f64>();
+            let scores: Vec<f64> = (0..visible).map(score).collect();
+            let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let sum: f64 = scores.iter().map(|s| (s - max).exp()).sum();
+            let at = head * len_q + i;
+            let want_lse = if max == f64::NEG_INFINITY { 0.0 } else { max + sum.ln() };
+            assert!((f64::from(lse[at]) - want_lse).abs() < 1e-4, "{case}: lse {} vs {want_lse}", lse[at]);
+            let row = out_strides.offset + head / heads * out_strides.batch + head % heads * out_strides.head + i * out_strides.row;
+            for e in 0..dim {
+                let weighted = scores.iter().enumerate().map(|(j, s)| (s - max).exp() / sum * v((kv * len_kv + j) * dim + e));
+                let want: f64 = if max == f64::NEG_INFINITY { 0.0 } else { weighted.sum() };
+                let got = out(row + e);
+                assert!(close(got, want), "{case} at {at},{e}: {got} vs {want}");
+            }
+        }
+    }
+}
+
 /// An operand where `strides` says its rows are.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Placed<T> {
@@ -624,29 +662,11 @@ mod tests {
                         if in_place {
                             assert!(presents[0] == k && presents[1] == v, "{shape:?}: the presents are the keys and values");
                         }
-                        for head in 0..batch * heads {
-                            let kv = head / heads * kv_heads + head % heads / (heads / kv_heads);
-                            for i in 0..len_q {
-                                let visible = if causal { (i + 1).min(valid) } else { valid };
-                                let added = |j: usize| if masked { f64::from(mask[(head / heads * len_q + i) * len_kv + j]) } else { 0.0 };
-                                let query = |e: usize| f64::from(q[(head * len_q + i) * dim + e] * scale);
-                                let score = |j: usize| -> f64 { added(j) + (0..dim).map(|e| query(e) * f64::from(k[(kv * len_kv + j) * dim + e])).sum::<f64>() };
-                                let scores: Vec<f64> = (0..visible).map(score).collect();
-                                let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                                let sum: f64 = scores.iter().map(|s| (s - max).exp()).sum();
-                                let at = head * len_q + i;
-                                let want_lse = if max == f64::NEG_INFINITY { 0.0 } else { max + sum.ln() };
-                                let case = format!("{shape:?} causal {causal} masked {masked} in place {in_place} parts {parts}");
-                                assert!((f64::from(lse[at]) - want_lse).abs() < 1e-4, "{case}: lse {} vs {want_lse}", lse[at]);
-                                let row = out_strides.offset + head / heads * out_strides.batch + head % heads * out_strides.head + i * out_strides.row;
-                                for e in 0..dim {
-                                    let weighted = scores.iter().enumerate().map(|(j, s)| (s - max).exp() / sum * f64::from(v[(kv * len_kv + j) * dim + e]));
-                                    let want: f64 = if max == f64::NEG_INFINITY { 0.0 } else { weighted.sum() };
-                                    let got = f64::from(out[row + e]);
-                                    assert!((got - want).abs() < 5e-5, "{case} at {at},{e}: {got} vs {want}");
-                                }
-                            }
-                        }
+                        let case = format!("{shape:?} causal {causal} masked {masked} in place {in_place} parts {parts}");
+                        let (q, k, v) = (|at: usize| f64::from(q[at] * scale), |at: usize| f64::from(k[at]), |at: usize| f64::from(v[at]));
+                        let got = |at: usize| f64::from(out[at]);
+                        let close = |got: f64, want: f64| (got - want).abs() < 5e-5;
+                        check_against_f64(shape, (causal, masked.then_some(&mask[..]), valid), [&q, &k, &v], (&got, out_strides, &lse), &close, &case);
                     }
                 }
             }

@@ -237,7 +237,7 @@ unsafe fn exponentials_into_tiles(row: *const f32, (scale, added): (f32, Option<
 
 #[cfg(test)]
 mod tests {
-    use super::super::attention::test_operands;
+    use super::super::attention::{check_against_f64, test_operands};
     use super::super::{bf16_to_f32, f32_to_bf16};
     use super::*;
 
@@ -283,28 +283,11 @@ mod tests {
                     if in_place {
                         assert!(presents[0] == k && presents[1] == v, "{shape:?}: the presents are the keys and values");
                     }
-                    for head in 0..batch * heads {
-                        let kv = head / heads * kv_heads + head % heads / (heads / kv_heads);
-                        for i in 0..len_q {
-                            let visible = if causal { (i + 1).min(valid) } else { valid };
-                            let added = |j: usize| if masked { f64::from(mask[(head / heads * len_q + i) * len_kv + j]) } else { 0.0 };
-                            let product = |j: usize| (0..dim).map(|e| value(q[(head * len_q + i) * dim + e]) * value(k[(kv * len_kv + j) * dim + e])).sum::<f64>();
-                            let scores: Vec<f64> = (0..visible).map(|j| product(j) * f64::from(scale) + added(j)).collect();
-                            let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                            let sum: f64 = scores.iter().map(|s| (s - max).exp()).sum();
-                            let at = head * len_q + i;
-                            let want_lse = if max == f64::NEG_INFINITY { 0.0 } else { max + sum.ln() };
-                            let case = format!("{shape:?} causal {causal} masked {masked} in place {in_place} parts {parts}");
-                            assert!((f64::from(lse[at]) - want_lse).abs() < 1e-4, "{case}: lse {} vs {want_lse}", lse[at]);
-                            let row = out_strides.offset + head / heads * out_strides.batch + head % heads * out_strides.head + i * out_strides.row;
-                            for e in 0..dim {
-                                let weighted = scores.iter().enumerate().map(|(j, s)| (s - max).exp() / sum * value(v[(kv * len_kv + j) * dim + e]));
-                                let want: f64 = if max == f64::NEG_INFINITY { 0.0 } else { weighted.sum() };
-                                let got = value(out[row + e]);
-                                assert!((got - want).abs() <= (2.0 + want.abs()) / 256.0, "{case} at {at},{e}: {got} vs {want}");
-                            }
-                        }
-                    }
+                    let case = format!("{shape:?} causal {causal} masked {masked} in place {in_place} parts {parts}");
+                    let (q, k, v) = (|at: usize| value(q[at]) * f64::from(scale), |at: usize| value(k[at]), |at: usize| value(v[at]));
+                    let got = |at: usize| value(out[at]);
+                    let close = |got: f64, want: f64| (got - want).abs() <= (2.0 + want.abs()) / 256.0;
+                    check_against_f64(shape, (causal, masked.then_some(&mask[..]), valid), [&q, &k, &v], (&got, out_strides, &lse), &close, &case);
                 }
             }
         }
