@@ -172,7 +172,7 @@ pub(super) unsafe fn rows((x, y, finish): (*const u8, Out, Epilogue), values: Va
 
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
-    use super::super::epilogue::x86::{gelu_tanh_of_bf16, silu_of_bf16};
+    use super::super::epilogue::x86::{gelu_tanh_as_sigmoid, silu_of_bf16};
     use super::super::epilogue::{Activation, Factor};
     use super::super::vector_math::{lanes, rounded_bf16, through_bf16, transpose, widened_bf16};
     use super::super::{bf16_dots, Out};
@@ -520,7 +520,7 @@ pub(super) mod x86 {
             }
             match finish.activation {
                 Activation::Identity => {}
-                Activation::GeluTanh => v = gelu_tanh_of_bf16(stored(out, v)),
+                Activation::GeluTanh => v = gelu_tanh_as_sigmoid(stored(out, v)),
                 Activation::Silu => v = silu_of_bf16(stored(out, v)),
             }
             if let Factor::Bf16(times) = finish.times {

@@ -4,8 +4,13 @@
 //! own over the whole result, read back from memory: on GPT-2's `[128, 256]` hidden rows 26-36 µs
 //! a layer; a residual added to a `[1024, 64]` product 16-30 µs.
 //!
-//! The functions are computed op by op as the graph's ops round them (each step rounded to f32,
-//! no fused multiply-adds), with a tanh and an e^x within about an ulp of the exact ones.
+//! SiLU is computed op by op as the graph's ops round them (each step rounded to f32, no fused
+//! multiply-adds), with an e^x within about an ulp of the exact one. The GELU is computed in the
+//! σ form of the bf16 results' (`x86::gelu_tanh_as_sigmoid`), within a few f32 ulps of the exact
+//! function, where eager's `1 + tanh(u)` loses up to an ulp of `0.5 · v` to cancellation: on
+//! GPT-2's hidden rows the tanh's polynomial, e^x and division made it a third of a product's
+//! time, the σ form's e^x and reciprocal half that (tiny GPT-2 at batch 8, bare executes in
+//! turns: 1.5-2 % less).
 
 use std::ops::Range;
 
@@ -111,7 +116,7 @@ fn silu(v: f32) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
-    use super::super::vector_math::{exp, lanes, tanh};
+    use super::super::vector_math::{exp, lanes};
     use super::{Activation, Epilogue, Factor, Range, BETA, KAPPA, SATURATED_2U};
     use std::arch::x86_64::*;
 
@@ -127,7 +132,7 @@ pub(super) mod x86 {
                 }
                 let mut v = match e.activation {
                     Activation::Identity => v,
-                    Activation::GeluTanh => gelu_tanh(v),
+                    Activation::GeluTanh => gelu_tanh_as_sigmoid(v),
                     Activation::Silu => silu(v),
                 };
                 if let Factor::F32(times) = e.times {
@@ -149,14 +154,13 @@ pub(super) mod x86 {
         _mm512_mul_ps(v, _mm512_div_ps(one, _mm512_add_ps(one, exp(negated))))
     }
 
-    /// The tanh GELU of a bf16 product's rounded values for a bf16 result, as `v · σ(2u)` (the
-    /// same function as `0.5 · v · (1 + tanh(u))`): one exponential and a reciprocal, where
-    /// `gelu_tanh`'s tanh takes a polynomial, an exponential and a division (on SD3.5's `[1178,
-    /// 6144]` rows 3.2 ms against 5.6 on one core). Its error, a few f32 ulps, is far below half
-    /// a bf16 step. Where `2u < -18`, `tanh(u)` rounds to -1 in f32 and eager's GELU is `v · 0`
-    /// (±0, NaN for -∞): so is this one.
+    /// The tanh GELU as `v · σ(2u)` (the same function as `0.5 · v · (1 + tanh(u))`): one
+    /// exponential and a reciprocal, where a tanh takes a polynomial, an exponential and a
+    /// division (on SD3.5's `[1178, 6144]` bf16 rows 3.2 ms against 5.6 on one core). Its
+    /// error, a few f32 ulps, is far below half a bf16 step. Where `2u < -18`, `tanh(u)` rounds
+    /// to -1 in f32 and eager's GELU is `v · 0` (±0, NaN for -∞): so is this one.
     #[target_feature(enable = "avx512f,fma")]
-    pub(in crate::host_kernels) unsafe fn gelu_tanh_of_bf16(v: __m512) -> __m512 {
+    pub(in crate::host_kernels) unsafe fn gelu_tanh_as_sigmoid(v: __m512) -> __m512 {
         let cube = _mm512_mul_ps(_mm512_mul_ps(v, v), v);
         let minus_2u = _mm512_mul_ps(_mm512_add_ps(v, _mm512_mul_ps(cube, _mm512_set1_ps(KAPPA))), _mm512_set1_ps(-2.0 * BETA));
         let d = _mm512_add_ps(exp(minus_2u), _mm512_set1_ps(1.0));
@@ -177,15 +181,6 @@ pub(super) mod x86 {
         let sigmoid = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0)));
         let saturated = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(v, _mm512_set1_ps(-80.0));
         _mm512_mask_mov_ps(_mm512_mul_ps(v, sigmoid), saturated, _mm512_mul_ps(v, _mm512_setzero_ps()))
-    }
-
-    /// `super::gelu_tanh` on 16 lanes.
-    #[target_feature(enable = "avx512f,fma")]
-    pub(super) unsafe fn gelu_tanh(v: __m512) -> __m512 {
-        let cube = _mm512_mul_ps(_mm512_mul_ps(v, v), v);
-        let inner = _mm512_mul_ps(_mm512_add_ps(v, _mm512_mul_ps(cube, _mm512_set1_ps(KAPPA))), _mm512_set1_ps(BETA));
-        let half = _mm512_mul_ps(v, _mm512_set1_ps(0.5));
-        _mm512_mul_ps(half, _mm512_add_ps(tanh(inner), _mm512_set1_ps(1.0)))
     }
 }
 
@@ -254,18 +249,18 @@ mod tests {
         out
     }
 
-    /// The σ form of the GELU for bf16 results against f64's (in that form, which does not
+    /// The σ form of the GELU (f32 and bf16 results) against f64's (in that form, which does not
     /// cancel): within a few f32 ulps and its argument's rounding, ±0 where eager's is, and on
     /// the special values as eager.
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn gelu_of_bf16_is_the_exact_gelu_within_a_few_ulps() {
+    fn gelu_is_the_exact_gelu_within_a_few_ulps() {
         if !std::arch::is_x86_feature_detected!("avx512f") {
             return;
         }
         let two_u = |v: f64| 2.0 * 0.797_884_560_802_865_4 * v * (1.0 + 0.044715 * v * v);
         let exact = |v: f64| v / (1.0 + (-two_u(v)).exp());
-        for (v, g) in on_lanes(x86::gelu_tanh_of_bf16, 20.0) {
+        for (v, g) in on_lanes(x86::gelu_tanh_as_sigmoid, 20.0) {
             let (want, two_u) = (exact(f64::from(v)), two_u(f64::from(v)));
             if v.is_nan() || v == f32::NEG_INFINITY {
                 assert!(g.is_nan(), "{v} gave {g}");

@@ -131,82 +131,9 @@ pub(super) unsafe fn softmax_exp(x: __m512) -> __m512 {
     _mm512_scalef_ps(p, n)
 }
 
-/// `(tanh(u) - u) / u³` as a polynomial in `u²` on `|u| < SMALL` (a least-squares fit in f64 at
-/// Chebyshev nodes; within 0.75 ulp of tanh there once rounded to f32), lowest order first.
-const TANH_SMALL: [f32; 6] = [-0.333_333_13, 0.133_326_66, -0.053_890_612, 0.021_444_825, -0.007_645_958_6, 0.001_730_296_8];
-/// Below it tanh is the polynomial, above it `1 − 2 / (e^{2|u|} + 1)`, which loses no more
-/// than a bit to cancellation from here on.
-const SMALL: f32 = 0.75;
-/// From here on tanh rounds to ±1.
-const SATURATED: f32 = 10.0;
-
-/// tanh on 16 lanes, within an ulp; NaN stays NaN.
-#[target_feature(enable = "avx512f,fma")]
-pub(super) unsafe fn tanh(u: __m512) -> __m512 {
-    let sign = _mm512_set1_epi32(i32::MIN);
-    let magnitude = _mm512_castsi512_ps(_mm512_andnot_si512(sign, _mm512_castps_si512(u)));
-    // Near 0: u + u³ · P(u²).
-    let s = _mm512_mul_ps(u, u);
-    let mut p = _mm512_set1_ps(TANH_SMALL[5]);
-    for &c in TANH_SMALL[..5].iter().rev() {
-        p = _mm512_fmadd_ps(p, s, _mm512_set1_ps(c));
-    }
-    let small = _mm512_fmadd_ps(_mm512_mul_ps(u, s), p, u);
-    // Elsewhere: 1 − 2 / (e^{2|u|} + 1), its sign then u's. `min` keeps a NaN (its second operand).
-    let clamped = _mm512_min_ps(_mm512_set1_ps(SATURATED), magnitude);
-    let one = _mm512_set1_ps(1.0);
-    let large = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0), _mm512_add_ps(exp(_mm512_add_ps(clamped, clamped)), one)));
-    let large = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(large), _mm512_and_si512(sign, _mm512_castps_si512(u))));
-    let is_small = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(magnitude, _mm512_set1_ps(SMALL));
-    _mm512_mask_blend_ps(is_small, large, small)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn ulps(got: f32, want: f64) -> f64 {
-        let rounded = want as f32;
-        ((got as f64 - want) / (rounded.abs().max(f32::MIN_POSITIVE) as f64 * f32::EPSILON as f64)).abs()
-    }
-
-    #[test]
-    fn tanh_is_within_an_ulp() {
-        if !std::arch::is_x86_feature_detected!("avx512f") {
-            return;
-        }
-        let mut worst = (0f64, 0f32);
-        // Every 97th f32 from 1e-30 to past saturation, both signs.
-        let (from, to) = (1e-30f32.to_bits(), 12f32.to_bits());
-        let inputs: Vec<f32> = (from..to).step_by(97).flat_map(|b| [f32::from_bits(b), -f32::from_bits(b)]).collect();
-        for chunk in inputs.chunks(16) {
-            let mut lanes = [0f32; 16];
-            lanes[..chunk.len()].copy_from_slice(chunk);
-            let mut out = [0f32; 16];
-            unsafe { _mm512_storeu_ps(out.as_mut_ptr(), tanh(_mm512_loadu_ps(lanes.as_ptr()))) };
-            for (&u, &t) in chunk.iter().zip(&out) {
-                let e = ulps(t, (u as f64).tanh());
-                if e > worst.0 {
-                    worst = (e, u);
-                }
-            }
-        }
-        assert!(worst.0 <= 1.0, "{} ulps at {}", worst.0, worst.1);
-    }
-
-    #[test]
-    fn special_values_go_as_tanh_does() {
-        if !std::arch::is_x86_feature_detected!("avx512f") {
-            return;
-        }
-        let inputs = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, 1e-40, 88.0, -88.0, 9.5, -9.5, 0.75, -0.75, 0.7499999, f32::MAX, f32::MIN, 3.0];
-        let mut out = [0f32; 16];
-        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), tanh(_mm512_loadu_ps(inputs.as_ptr()))) };
-        for (&u, &t) in inputs.iter().zip(&out) {
-            let want = u.tanh();
-            assert!(t.to_bits() == want.to_bits() || (t.is_nan() && want.is_nan()) || ulps(t, (u as f64).tanh()) <= 1.5, "tanh({u}) = {t}, want {want}");
-        }
-    }
 
     #[test]
     fn vector_ln_is_within_f32_epsilon() {
