@@ -1145,6 +1145,43 @@ def test_keys_padded_to_a_bucket_are_never_read_by_the_kernel():
     assert "tensor<i64>" in call and "dot_general" not in stablehlo
 
 
+@needs_f32_kernels
+@pytest.mark.parametrize("kv_heads", [2, 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_a_padded_decode_step_grows_its_cache_in_the_attention_kernel(kv_heads, dtype):
+    """A decode step fed back its own keys and values pads them to a bucket, packed (the true
+    tensor the start of the buffer): its attention kernel reads the cache there and the step's
+    new row, and writes the grown cache packed, the step's results (one pass over the cache,
+    where XLA unpacked it to the bucket, appended and packed it again). Each step's cache as
+    eager's exactly, its output within 1e-5 in f32 (bf16: 2e-2, its rounding)."""
+    if dtype == torch.bfloat16 and not BF16_PRODUCTS:
+        pytest.skip("bf16 attention is ours where AMX or AVX-512 BF16 is")
+
+    def step(q, k, v, new_k, new_v):
+        k, v = torch.cat([k, new_k], 2), torch.cat([v, new_v], 2)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True), k, v
+
+    modules = []
+    run = compile_tpu(step, options={"debug_callback": lambda d: modules.append(d["stablehlo"])})
+    torch.manual_seed(kv_heads)
+    k = want_k = torch.randn(2, kv_heads, 5, 16, dtype=dtype)
+    v = want_v = torch.randn(2, kv_heads, 5, 16, dtype=dtype)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    with torch.no_grad():
+        for _ in range(12):
+            q, new_k, new_v = torch.randn(2, 4, 1, 16, dtype=dtype), torch.randn(2, kv_heads, 1, 16, dtype=dtype), torch.randn(2, kv_heads, 1, 16, dtype=dtype)
+            out, k, v = run(q, k, v, new_k, new_v)
+            want, want_k, want_v = step(q, want_k, want_v, new_k, new_v)
+            assert torch.equal(k, want_k) and torch.equal(v, want_v)
+            torch.testing.assert_close(out, want, rtol=tolerance, atol=tolerance)
+    assert tpu_dynamo.stats()["packed_in_place"] > 0
+    kernel = (ATTENTION_KERNELS if dtype == torch.float32 else BF16_ATTENTION_KERNELS)[0]
+    calls = [line for m in modules for line in m.splitlines() if kernel in line]
+    # Out, lse and both grown caches; the caches (bucket of 8 or 16) read as operands.
+    grown = [call for call in calls if call.split(") -> (")[1].count("tensor<") == 4]
+    assert grown and all(call.split(" : (")[1].split(") -> (")[0].count(f"tensor<2x{kv_heads}x") == 4 for call in grown), calls
+
+
 class Projected(torch.nn.Module):
     """An attention block as transformers writes one: a fused projection split in three
     (GPT-2's `c_attn`, `"fused"`; by slicing, `"sliced"`) or a projection each, grouped key

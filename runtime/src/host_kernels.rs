@@ -638,24 +638,23 @@ unsafe extern "C" fn bf16_causal_attention(frame: *mut FfiCallFrame) -> *mut c_v
 /// where `q`, `k`, `v` and `out` are (`AttentionLayout`), into `out` `[B, H, L, E]`
 /// (or as the layout says), its f32 logsumexp `[B, H, L]` and, where the layout asks for them,
 /// copies of `k` and `v` as `[B, Hkv, S, E]`, on XLA's threads. f32, or bf16 on AMX tiles.
+/// Where the layout appends (`AttentionLayout::appended`), `k` and `v` are a step's new rows,
+/// the cache's keys and values before them follow (packed, `[B, Hkv, S - rows, E]`), and the
+/// copies are the grown cache, packed.
 unsafe fn attend(frame: &mut FfiCallFrame, target: &'static str, causal: bool) -> *mut c_void {
     let bf16 = target == BF16_ATTENTION_TARGET || target == BF16_CAUSAL_ATTENTION_TARGET;
     if !executes(frame) {
         return std::ptr::null_mut();
     }
-    if !(4..=7).contains(&frame.args.size) || !(2..=4).contains(&frame.rets.size) {
+    if !(4..=9).contains(&frame.args.size) || !(2..=4).contains(&frame.rets.size) {
         return error(frame, target, "expects q, k, v, the scale, and a mask's bias, a key count and a layout where given; out, lse, and the keys' and values' copies the layout asks for");
     }
     let buffer = |list: &FfiList, i: usize| &**list.items.add(i);
     let [q, k, v] = [0, 1, 2].map(|i| buffer(&frame.args, i));
-    // After them, a mask's bias (4-d), a key count (0-d i64), the scale (0-d f32) and a layout
-    // (1-d i64), each where given.
-    let extra = |rank: i64, dtype: Option<c_int>| (3..frame.args.size as usize).map(|i| buffer(&frame.args, i)).find(|b| b.rank == rank && dtype.is_none_or(|d| b.dtype == d));
-    let (bias, count, scale, layout) = (extra(4, None), extra(0, Some(XLA_FFI_S64)), extra(0, Some(XLA_FFI_F32)), extra(1, Some(XLA_FFI_S64)));
-    let given = 3 + [bias.is_some(), count.is_some(), scale.is_some(), layout.is_some()].iter().filter(|&&g| g).count();
-    let (Some(scale), true) = (scale, frame.args.size as usize == given) else {
-        return error(frame, target, "expects the scale (0-d f32), and at most one mask bias, one key count (0-d i64) and one layout (1-d i64)");
-    };
+    // After them, an appended attention's cache (two 4-d), then a mask's bias (4-d), a key
+    // count (0-d i64), the scale (0-d f32) and a layout (1-d i64), each where given.
+    let extra = |from: usize, rank: i64, dtype: Option<c_int>| (from..frame.args.size as usize).map(|i| buffer(&frame.args, i)).find(|b| b.rank == rank && dtype.is_none_or(|d| b.dtype == d));
+    let layout = extra(3, 1, Some(XLA_FFI_S64));
     let [out, lse] = [0, 1].map(|i| buffer(&frame.rets, i));
     let (qd, kd, vd, od, ld) = (dims(q), dims(k), dims(v), dims(out), dims(lse));
     let placed = match layout {
@@ -673,6 +672,12 @@ unsafe fn attend(frame: &mut FfiCallFrame, target: &'static str, causal: bool) -
                 return error(frame, target, &format!("expects {name} q [B, H, L, E], k and v [B, Hkv, S, E], out [B, H, L, E] and f32 lse [B, H, L], got {qd:?}, {kd:?}, {vd:?}, {od:?}, {ld:?}"));
             }
         },
+    };
+    let after = if placed.appended == 0 { 3 } else { 5 };
+    let (bias, count, scale) = (extra(after, 4, None), extra(after, 0, Some(XLA_FFI_S64)), extra(after, 0, Some(XLA_FFI_F32)));
+    let given = after + [bias.is_some(), count.is_some(), scale.is_some(), layout.is_some()].iter().filter(|&&g| g).count();
+    let (Some(scale), true) = (scale, frame.args.size as usize == given) else {
+        return error(frame, target, "expects the scale (0-d f32), and at most one mask bias, one key count (0-d i64) and one layout (1-d i64), after an appended attention's cache");
     };
     let shape = placed.shape;
     let values = if bf16 { XLA_FFI_BF16 } else { XLA_FFI_F32 };
@@ -701,35 +706,81 @@ unsafe fn attend(frame: &mut FfiCallFrame, target: &'static str, causal: bool) -
         },
     };
     let valid = count.map_or(shape.len_kv, |c| (*(c.data as *const i64)).max(0) as usize);
+    // An appended attention's cache: `before` rows a head, the key count less the new rows.
+    let cache = match placed.appended {
+        0 => None,
+        rows => {
+            let pasts = [3, 4].map(|i| buffer(&frame.args, i));
+            let capacity = [shape.batch, shape.kv_heads, shape.len_kv - rows, shape.dim].map(|d| d as i64);
+            match valid.checked_sub(rows).filter(|&before| count.is_some() && before <= shape.len_kv - rows) {
+                Some(before) if pasts.iter().all(|p| p.dtype == values && dims(p) == capacity) => Some((pasts, before, rows)),
+                _ => return error(frame, target, &format!("expects the cache's keys and values as {capacity:?} and a key count of {rows} to {}, got {:?}, {:?} and {valid}", shape.len_kv, dims(pasts[0]), dims(pasts[1]))),
+            }
+        }
+    };
     let scale = *(scale.data as *const f32);
     let (xla, threads) = XlaPool::with_threads(frame);
     let [qs, ks, vs, os] = placed.strides;
     let lse = lse.data as *mut f32;
+    /// The operands of element type `T` as the kernels take them: `k` and `v` read where they
+    /// are, or for an appended attention where the grown cache was written (first, here), which
+    /// then needs no other copy.
+    unsafe fn operands<T: Copy + 'static>(
+        xla: Option<XlaPool>,
+        (threads, shape): (usize, attention::Shape),
+        [k, v]: [attention::Placed<T>; 2],
+        presents: [Option<&FfiBuffer>; 2],
+        cache: Option<([&FfiBuffer; 2], usize, usize)>,
+    ) -> ([attention::Placed<T>; 2], attention::Presents<T>) {
+        let presents = presents.map(|p| p.map(|b| b.data as *mut T));
+        let Some((pasts, before, rows)) = cache else { return ([k, v], presents) };
+        let to = presents.map(|p| p.expect("an appended layout asks for both copies"));
+        let grow = attention::Appended { past: pasts.map(|p| p.data as *const T), new: [k, v], to, kv_heads: shape.kv_heads, before, rows, dim: shape.dim };
+        let grown = grow.grown();
+        let units = 2 * shape.batch * shape.kv_heads;
+        let helpers = if units * (before + rows) * shape.dim * std::mem::size_of::<T>() >= ALONE_MAX_COPY_BYTES { threads.saturating_sub(1) } else { 0 };
+        run_units(xla, grow, units, helpers.min(units - 1));
+        (grown, [None, None])
+    }
     #[cfg(target_arch = "x86_64")]
     if bf16 {
         let at = |b: &FfiBuffer, strides| attention::Placed { data: b.data as *mut u16, strides };
-        let inputs = (at(q, qs), at(k, ks), at(v, vs), scale);
-        let presents = presents.map(|p| p.map(|b| b.data as *mut u16));
-        let (job, units, parts) = tile_attention::TileAttention::new(inputs, (bias, valid), (at(out, os), lse, presents), shape, causal, threads);
-        return answer(frame, target, std::panic::catch_unwind(|| run_units(xla, job, units, parts - 1)));
+        let ran = std::panic::catch_unwind(|| {
+            let ([k, v], presents) = operands(xla, (threads, shape), [at(k, ks), at(v, vs)], presents, cache);
+            let (job, units, parts) = tile_attention::TileAttention::new((at(q, qs), k, v, scale), (bias, valid), (at(out, os), lse, presents), shape, causal, threads);
+            run_units(xla, job, units, parts - 1)
+        });
+        return answer(frame, target, ran);
     }
     let at = |b: &FfiBuffer, strides| attention::Placed { data: b.data as *mut f32, strides };
-    let inputs = (at(q, qs), at(k, ks), at(v, vs), scale);
-    let presents = presents.map(|p| p.map(|b| b.data as *mut f32));
-    let (job, units, parts) = attention::Attention::new(inputs, (bias, valid), (at(out, os), lse, presents), shape, causal, threads);
-    answer(frame, target, std::panic::catch_unwind(|| run_units(xla, job, units, parts - 1)))
+    let ran = std::panic::catch_unwind(|| {
+        let ([k, v], presents) = operands(xla, (threads, shape), [at(k, ks), at(v, vs)], presents, cache);
+        let (job, units, parts) = attention::Attention::new((at(q, qs), k, v, scale), (bias, valid), (at(out, os), lse, presents), shape, causal, threads);
+        run_units(xla, job, units, parts - 1)
+    });
+    answer(frame, target, ran)
 }
 
+/// The fewest bytes an appended attention's copy of its grown cache splits between threads at:
+/// below, the copy takes a few µs, less than handing half of it to a helper costs. Above, two
+/// threads copy SmolLM-135M's caches after a 1024-token prompt (1.6 MB a layer) a little
+/// faster than one: its step 25.8-34.9 against 29.2-41.9 ms in turns (AMD EPYC, noisy).
+const ALONE_MAX_COPY_BYTES: usize = 256 << 10;
+
 /// An attention's shape, where its `q`, `k`, `v` and `out` are, and whether the keys and the
-/// values are copied out. Given to the kernels as an i64 `[17]`: the key/value heads, the keys,
+/// values are copied out. Given to the kernels as an i64 `[18]`: the key/value heads, the keys,
 /// 1 where `out` is `[B, L, H, E]` (0: `[B, H, L, E]`), each of `q`, `k` and `v`'s `Strides`
 /// (offset, batch, head, row), then 1 for each of `k` and `v` copied (as results after `lse`,
-/// in that order); the queries' batch, heads and count come from `lse` `[B, H, L]`, the head
-/// size from `out`.
+/// in that order), then `appended`; the queries' batch, heads and count come from `lse`
+/// `[B, H, L]`, the head size from `out`.
 struct AttentionLayout {
     shape: attention::Shape,
     strides: [attention::Strides; 4],
     presents: [bool; 2],
+    /// 0, or how many new rows `k` and `v` hold (their strides place that many): a padded
+    /// decode step's keys are its cache's (packed, before them) grown by these, written packed
+    /// into both copies (`attention::Appended`), the key count's last rows.
+    appended: usize,
 }
 
 impl AttentionLayout {
@@ -741,16 +792,16 @@ impl AttentionLayout {
         }
         let [batch, heads, kv_heads, len_q, len_kv, dim] = [batch, heads, kv_heads, len_q, len_kv, dim].map(|d| d as usize);
         let (queries, keys) = (attention::Strides::packed(heads, len_q, dim), attention::Strides::packed(kv_heads, len_kv, dim));
-        Some(AttentionLayout { shape: attention::Shape { batch, heads, kv_heads, len_q, len_kv, dim }, strides: [queries, keys, keys, queries], presents: [false; 2] })
+        Some(AttentionLayout { shape: attention::Shape { batch, heads, kv_heads, len_q, len_kv, dim }, strides: [queries, keys, keys, queries], presents: [false; 2], appended: 0 })
     }
 
     /// The layout operand `layout`, where every row it places lies within its operand
     /// (`elements` of `q`, `k` and `v`) and `out` and `lse` are as it says.
     unsafe fn read(layout: &FfiBuffer, od: &[i64], ld: &[i64], elements: [usize; 3]) -> Option<AttentionLayout> {
-        if dims(layout) != [17] {
+        if dims(layout) != [18] {
             return None;
         }
-        let values = std::slice::from_raw_parts(layout.data as *const i64, 17);
+        let values = std::slice::from_raw_parts(layout.data as *const i64, 18);
         let values: Vec<usize> = values.iter().map(|&x| usize::try_from(x).ok()).collect::<Option<_>>()?;
         let (&[batch, heads, len_q], &[.., dim]) = (ld, od) else { return None };
         let [batch, heads, len_q, dim] = [batch, heads, len_q, dim].map(|d| d as usize);
@@ -760,15 +811,20 @@ impl AttentionLayout {
             1 => [batch, len_q, heads, dim],
             _ => return None,
         };
-        if od.iter().map(|&d| d as usize).ne(out_dims) || kv_heads == 0 || heads % kv_heads != 0 || len_kv == 0 || values[15..].iter().any(|&p| p > 1) {
+        let appended = values[17];
+        let presents = [values[15] == 1, values[16] == 1];
+        if od.iter().map(|&d| d as usize).ne(out_dims) || kv_heads == 0 || heads % kv_heads != 0 || len_kv == 0 || values[15..17].iter().any(|&p| p > 1) {
             return None;
         }
+        if appended > len_kv || (appended > 0 && presents != [true; 2]) {
+            return None;
+        }
+        let rows = if appended > 0 { appended } else { len_kv };
         let strides = |i: usize| attention::Strides { offset: values[3 + 4 * i], batch: values[4 + 4 * i], head: values[5 + 4 * i], row: values[6 + 4 * i] };
         let out = if interleaved == 1 { attention::Strides::interleaved(heads, len_q, dim) } else { attention::Strides::packed(heads, len_q, dim) };
-        let spans = [[batch, heads, len_q, dim], [batch, kv_heads, len_kv, dim], [batch, kv_heads, len_kv, dim]];
+        let spans = [[batch, heads, len_q, dim], [batch, kv_heads, rows, dim], [batch, kv_heads, rows, dim]];
         let fits = (0..3).all(|i| strides(i).extent(spans[i]).is_some_and(|e| e <= elements[i]));
-        let presents = [values[15] == 1, values[16] == 1];
-        fits.then(|| AttentionLayout { shape: attention::Shape { batch, heads, kv_heads, len_q, len_kv, dim }, strides: [strides(0), strides(1), strides(2), out], presents })
+        fits.then(|| AttentionLayout { shape: attention::Shape { batch, heads, kv_heads, len_q, len_kv, dim }, strides: [strides(0), strides(1), strides(2), out], presents, appended })
     }
 }
 

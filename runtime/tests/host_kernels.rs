@@ -3,7 +3,7 @@
 mod common;
 
 use common::*;
-use tpu_dynamo_runtime::host_kernels::{register, BF16_MATVEC_TARGET, BF16_VECMAT_TARGET, F32_CAUSAL_ATTENTION_TARGET, F32_MATMUL_NN_TARGET, F32_MATMUL_NT_TARGET};
+use tpu_dynamo_runtime::host_kernels::{register, BF16_MATVEC_TARGET, BF16_VECMAT_TARGET, F32_ATTENTION_TARGET, F32_CAUSAL_ATTENTION_TARGET, F32_MATMUL_NN_TARGET, F32_MATMUL_NT_TARGET};
 use tpu_dynamo_runtime::*;
 
 fn bf16(v: f32) -> u16 {
@@ -152,6 +152,65 @@ func.func @main(%x: tensor<{b}x{m}x{k}xf32>, %w: {w_ty}) -> tensor<{b}x{m}x{n}xf
     }
 }
 
+/// A decode step's attention over its cache grown by the step's row (the layout's `appended`):
+/// caches `[1, 2, 7, 24]` holding 5 rows a head packed (head 1's from row 5), a key count of 6;
+/// the grown copies `[1, 2, 8, 24]` hold the 6 rows a head packed, the output is that of the 6
+/// keys (within 1e-5 of f64); a count the new row does not fit in fails with the kernel's message.
+#[test]
+fn f32_attention_grows_a_packed_cache() {
+    let client = client(1);
+    if !registers(&client, F32_ATTENTION_TARGET) {
+        return;
+    }
+    let (q_t, new_t, cache_t, grown_t) = ("tensor<1x4x1x24xf32>", "tensor<1x2x1x24xf32>", "tensor<1x2x7x24xf32>", "tensor<1x2x8x24xf32>");
+    let layout = [2, 8, 0, 0, 96, 24, 24, 0, 48, 24, 24, 0, 48, 24, 24, 1, 1, 1].map(|x: i64| x.to_string()).join(", ");
+    let call = |count: i64| {
+        let text = format!(
+            r#"
+func.func @main(%q: {q_t}, %k: {new_t}, %v: {new_t}, %ck: {cache_t}, %cv: {cache_t}) -> ({q_t}, tensor<1x4x1xf32>, {grown_t}, {grown_t}) {{
+  %s = stablehlo.constant dense<5.000000e-01> : tensor<f32>
+  %n = stablehlo.constant dense<{count}> : tensor<i64>
+  %l = stablehlo.constant dense<[{layout}]> : tensor<18xi64>
+  %o:4 = stablehlo.custom_call @{F32_ATTENTION_TARGET}(%q, %k, %v, %ck, %cv, %n, %s, %l) {{api_version = 4 : i32, backend_config = {{}}}} : ({q_t}, {new_t}, {new_t}, {cache_t}, {cache_t}, tensor<i64>, tensor<f32>, tensor<18xi64>) -> ({q_t}, tensor<1x4x1xf32>, {grown_t}, {grown_t})
+  return %o#0, %o#1, %o#2, %o#3 : {q_t}, tensor<1x4x1xf32>, {grown_t}, {grown_t}
+}}"#
+        );
+        compile(&client, &text, [[1, 4, 1, 24], [1, 2, 1, 24], [1, 2, 1, 24], [1, 2, 7, 24], [1, 2, 7, 24]].iter().map(|d| f32_spec(d)).collect())
+    };
+    let mut rng = Rng::new(9);
+    let (q, new_k, new_v, cache_k, cache_v) = (rng.f32s(4 * 24), rng.f32s(2 * 24), rng.f32s(2 * 24), rng.f32s(2 * 7 * 24), rng.f32s(2 * 7 * 24));
+    let dev = &client.devices()[0];
+    let inputs = [
+        upload(&client, &q, &[1, 4, 1, 24], dev),
+        upload(&client, &new_k, &[1, 2, 1, 24], dev),
+        upload(&client, &new_v, &[1, 2, 1, 24], dev),
+        upload(&client, &cache_k, &[1, 2, 7, 24], dev),
+        upload(&client, &cache_v, &[1, 2, 7, 24], dev),
+    ];
+    let out = call(6).execute(&inputs.iter().collect::<Vec<_>>()).unwrap();
+    // Head `h`'s 6 rows: the cache's 5 from row 5h, then the new one.
+    let grown = |cache: &[f32], new: &[f32]| (0..2).flat_map(|h| [&cache[h * 5 * 24..(h + 1) * 5 * 24], &new[h * 24..(h + 1) * 24]].concat()).collect::<Vec<f32>>();
+    let (keys, values) = (grown(&cache_k, &new_k), grown(&cache_v, &new_v));
+    for (copy, want) in [(&out[2], &keys), (&out[3], &values)] {
+        let got = download_any(copy, DType::F32);
+        assert!(got[..2 * 6 * 24].iter().zip(want.iter()).all(|(&g, &w)| g == f64::from(w)), "the grown cache, packed");
+    }
+    let (got, lse) = (download_any(&out[0], DType::F32), download_any(&out[1], DType::F32));
+    for h in 0..4 {
+        let kv = h / 2 * 6 * 24;
+        let scores: Vec<f64> = (0..6).map(|j| (0..24).map(|e| f64::from(q[h * 24 + e] * 0.5) * f64::from(keys[kv + j * 24 + e])).sum()).collect();
+        let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let sum: f64 = scores.iter().map(|s| (s - max).exp()).sum();
+        assert!((lse[h] - (max + sum.ln())).abs() < 1e-5, "lse of head {h}");
+        for e in 0..24 {
+            let want: f64 = scores.iter().enumerate().map(|(j, s)| (s - max).exp() / sum * f64::from(values[kv + j * 24 + e])).sum();
+            assert!((got[h * 24 + e] - want).abs() < 1e-5, "head {h} lane {e}");
+        }
+    }
+    let error = call(0).execute(&inputs.iter().collect::<Vec<_>>()).map(|_| ()).unwrap_err();
+    assert!(error.to_string().contains("a key count of 1 to 8"), "{error}");
+}
+
 /// Causal attention of grouped query heads (`[1, 4, 30, 24]` over `[1, 2, 30, 24]`, scaled by
 /// 0.5): output and logsumexp within 1e-5 of f64; the same operands read from one fused
 /// projection's `[1, 30, 192]` (queries, keys and values side by side in each row, as a layout
@@ -180,15 +239,15 @@ func.func @main(%q: {q}, %k: {k}, %v: {v}) -> ({q}, tensor<1x4x30xf32>) {{
     };
     // q at column 0 of each row of 192, k at 96, v at 144 (k's and v's moved by `shift`).
     let fused = |shift: i64| {
-        let layout = [2, 30, 1, 0, 30 * 192, 24, 192, 96 + shift, 30 * 192, 24, 192, 144 + shift, 30 * 192, 24, 192, 1, 1];
+        let layout = [2, 30, 1, 0, 30 * 192, 24, 192, 96 + shift, 30 * 192, 24, 192, 144 + shift, 30 * 192, 24, 192, 1, 1, 0];
         let layout = layout.map(|x| x.to_string()).join(", ");
         let (x, o, kv) = ("tensor<1x30x192xf32>", "tensor<1x30x4x24xf32>", "tensor<1x2x30x24xf32>");
         let text = format!(
             r#"
 func.func @main(%x: {x}) -> ({o}, tensor<1x4x30xf32>, {kv}, {kv}) {{
   {SCALE}
-  %l = stablehlo.constant dense<[{layout}]> : tensor<17xi64>
-  %o:4 = stablehlo.custom_call @{F32_CAUSAL_ATTENTION_TARGET}(%x, %x, %x, %s, %l) {{api_version = 4 : i32, backend_config = {{}}}} : ({x}, {x}, {x}, tensor<f32>, tensor<17xi64>) -> ({o}, tensor<1x4x30xf32>, {kv}, {kv})
+  %l = stablehlo.constant dense<[{layout}]> : tensor<18xi64>
+  %o:4 = stablehlo.custom_call @{F32_CAUSAL_ATTENTION_TARGET}(%x, %x, %x, %s, %l) {{api_version = 4 : i32, backend_config = {{}}}} : ({x}, {x}, {x}, tensor<f32>, tensor<18xi64>) -> ({o}, tensor<1x4x30xf32>, {kv}, {kv})
   return %o#0, %o#1, %o#2, %o#3 : {o}, tensor<1x4x30xf32>, {kv}, {kv}
 }}"#
         );

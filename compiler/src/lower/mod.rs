@@ -29,7 +29,7 @@ mod trig;
 mod view;
 mod window;
 
-use crate::ir::{self, Arg, DType, Graph, TensorType};
+use crate::ir::{self, Arg, DType, Graph, TensorType, ValueId};
 use builder::{mlir_type, type_str, Builder, Operand, Scalar, Val, R};
 use melior::{
     dialect::{func, DialectHandle},
@@ -514,7 +514,13 @@ fn emit_body<'a>(
     let modulated_norms = normalization::ModulatedNorms::of(&uses);
     let finished_products = epilogue::FinishedProducts::of(&uses);
     let attentions = attention::Placements::of(&uses);
+    // Values a kernel wrote for nodes not lowered yet, which then take them as theirs.
+    let mut ahead: HashMap<ValueId, Val> = HashMap::new();
     for (i, node) in graph.nodes.iter().enumerate() {
+        if let Some(written) = ahead.remove(&(values.len() as ValueId)).filter(|w| check_types(std::slice::from_ref(w), &node.outputs).is_ok()) {
+            values.push(Some(written));
+            continue;
+        }
         let source = sources.get(i).cloned().flatten();
         let resolved = node
             .args
@@ -585,7 +591,10 @@ fn emit_body<'a>(
             .map_err(|m| error(LowerErrorKind::Failed, arg_types.clone(), m))?;
         values.extend(produced.into_iter().map(Some));
         for (v, written) in written {
-            values[v as usize] = Some(written);
+            match values.get_mut(v as usize) {
+                Some(value) => *value = Some(written),
+                None => drop(ahead.insert(v, written)),
+            }
         }
     }
     let outs = graph

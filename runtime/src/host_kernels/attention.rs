@@ -182,6 +182,50 @@ pub(super) unsafe fn write_presents<T: Copy>(presents: Presents<T>, [k, v]: [&Pl
     }
 }
 
+/// A cache's keys and values grown by a step's, written where the step returns them: per
+/// key/value head, the cache's `before` rows (`past`, packed as a padded graph's packed input
+/// keeps them: head `j`'s rows from row `j · before`) and the step's `rows` new ones (where
+/// their strides place them), into `to` packed with `before + rows` rows per head. The
+/// attention then reads its keys and values there: one pass over the cache, where XLA:CPU
+/// unpacked it to the bucket's size, appended the new rows and packed it again, three loops
+/// over the bucket's capacity for each of a layer's keys and values.
+pub(super) struct Appended<T> {
+    pub past: [*const T; 2],
+    pub new: [Placed<T>; 2],
+    pub to: [*mut T; 2],
+    pub kv_heads: usize,
+    pub before: usize,
+    pub rows: usize,
+    pub dim: usize,
+}
+
+impl<T> Appended<T> {
+    /// Where the attention reads the grown keys and values.
+    pub fn grown(&self) -> [Placed<T>; 2] {
+        let strides = Strides::packed(self.kv_heads, self.before + self.rows, self.dim);
+        self.to.map(|data| Placed { data, strides })
+    }
+}
+
+impl<T: Copy> Chunked for Appended<T> {
+    /// Unit `unit`: the keys (even units) or the values (odd) of one key/value head.
+    ///
+    /// # Safety
+    /// `past` must hold `before` rows per head, `new` the rows its strides place, `to` the
+    /// grown rows.
+    unsafe fn chunk(&self, unit: usize) {
+        let (which, head) = (unit % 2, unit / 2);
+        let (before, grown, dim) = (self.before, self.before + self.rows, self.dim);
+        let to = self.to[which].add(head * grown * dim);
+        std::ptr::copy_nonoverlapping(self.past[which].add(head * before * dim), to, before * dim);
+        let new = &self.new[which];
+        for r in 0..self.rows {
+            let from = new.strides.row(new.data, (head / self.kv_heads, head % self.kv_heads), r);
+            std::ptr::copy_nonoverlapping(from, to.add((before + r) * dim), dim);
+        }
+    }
+}
+
 /// The keys `query` sees: those before `valid` (a padded graph's count), and with the causal
 /// mask only up to itself.
 pub(super) fn visible_keys(causal: bool, valid: usize, query: usize) -> usize {
@@ -619,6 +663,49 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A cache grown by new rows: each key/value head's cache rows (packed, `before` a head)
+    /// then its new ones (here placed as `[B, L, Hkv, E]`), packed `before + rows` a head, and
+    /// nothing written past them; the grown rows are where `grown` says.
+    #[test]
+    fn appended_rows_grow_each_head_packed() {
+        let (batch, kv_heads, before, rows, dim) = (2, 3, 5, 2, 4);
+        let heads = batch * kv_heads;
+        let value = |which: usize, head: usize, r: usize, e: usize| (1000 * which + 100 * head + 10 * r + e) as f32;
+        let past: [Vec<f32>; 2] = [0, 1].map(|w| (0..heads * before * dim).map(|i| value(w, i / (before * dim), i / dim % before, i % dim)).collect());
+        let interleaved = Strides::interleaved(kv_heads, rows, dim);
+        let new: [Vec<f32>; 2] = [0, 1].map(|w| {
+            let mut laid = vec![f32::NAN; heads * rows * dim];
+            for head in 0..heads {
+                for r in 0..rows {
+                    let at = interleaved.offset + head / kv_heads * interleaved.batch + head % kv_heads * interleaved.head + r * interleaved.row;
+                    (0..dim).for_each(|e| laid[at + e] = value(w, head, before + r, e));
+                }
+            }
+            laid
+        });
+        let mut to = [vec![-1.0; heads * (before + rows + 3) * dim], vec![-1.0; heads * (before + rows + 3) * dim]];
+        let [to_k, to_v] = &mut to;
+        let grow = Appended {
+            past: [past[0].as_ptr(), past[1].as_ptr()],
+            new: [0, 1].map(|w| Placed { data: new[w].as_ptr() as *mut f32, strides: interleaved }),
+            to: [to_k.as_mut_ptr(), to_v.as_mut_ptr()],
+            kv_heads,
+            before,
+            rows,
+            dim,
+        };
+        (0..2 * heads).for_each(|unit| unsafe { grow.chunk(unit) });
+        let grown = grow.grown();
+        for (w, written) in to.iter().enumerate() {
+            let exact = heads * (before + rows) * dim;
+            let want: Vec<f32> = (0..exact).map(|i| value(w, i / ((before + rows) * dim), i / dim % (before + rows), i % dim)).collect();
+            assert_eq!(written[..exact], want[..], "packed, {} rows a head", before + rows);
+            assert!(written[exact..].iter().all(|&x| x == -1.0), "nothing past the grown rows");
+            let row = unsafe { grown[w].strides.row(grown[w].data, (1, 2), before + 1) };
+            assert_eq!(unsafe { *row }, value(w, kv_heads + 2, before + 1, 0));
+        }
+    }
 
     /// Every shape class (grouped heads, causal with more keys than queries and fewer, query
     /// and key counts off the blocks, head sizes off the vectors, heads of 4-12 values in groups
