@@ -11,7 +11,8 @@
 //! Where the process's plugin has our attention kernel (XLA:CPU on a CPU with AVX-512; for bf16
 //! in AMX tiles' layouts, one with AMX or AVX-512 BF16), the whole op is one call of it instead
 //! (`host_attention`), reading the queries, keys and values where the projections leave them and
-//! writing the output as what reads it next wants it (`Placements`).
+//! writing the output as what reads it next wants it (`Placements`), and growing a padded decode
+//! step's cache by its new keys and values where the step returns it (`Grown`).
 
 use super::builder::{broadcast_shapes, lowering_target, opmath, Builder, Combiner, Scalar, Val, R};
 use super::patterns::{value, Uses};
