@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 import tpu_dynamo
 from tpu_dynamo import _native
@@ -291,6 +292,53 @@ def test_a_kept_weight_s_long_contraction_runs_on_the_tiles(rows, k, n, module, 
             got = f(x)
             assert ((got.double() - exact).abs() <= k * 2.0**-24 * magnitudes).all()
     assert kernel_calls(compiled, F32_KERNELS if layer.bias is None else BIAS_KERNELS) == int(kept_long_contraction(k))
+
+
+@needs_f32_kernels
+@pytest.mark.parametrize("rows, k, n, module", [(1, 576, 1536, "linear"), (1, 1536, 576, "linear_bias"), (4, 576, 576, "conv1d"), (1, 576, 4000, "linear"), (3, 256, 512, "linear_bias")])
+def test_a_decode_step_s_few_rows_times_a_kept_weight_run_our_kernel(rows, k, n, module, compiled):
+    """A decode step's rows (up to 4) times a resident weight of 256 K values or more: on AVX-512
+    without AMX, our vector kernel from the kept panels (faster than XLA's matrix-vector product,
+    the columns of a weight of 1 MiB or more split between both threads); elsewhere XLA's. Within
+    f32 summation's rounding of the exact product, on each call."""
+    torch.manual_seed(rows + k + n)
+    layer = KeptConv1D(k, n) if module == "conv1d" else torch.nn.Linear(k, n, bias=module == "linear_bias")
+    x = torch.randn(rows, k)
+    f = compile_tpu(layer)
+    weight = layer.weight.double() if module == "conv1d" else layer.weight.double().T
+    bias = 0.0 if layer.bias is None else layer.bias.double()
+    exact, magnitudes = x.double() @ weight + bias, x.double().abs() @ weight.abs() + abs(bias)
+    with torch.no_grad():
+        for _ in range(2):
+            got = f(x)
+            assert ((got.double() - exact).abs() <= k * 2.0**-24 * magnitudes).all()
+    assert kernel_calls(compiled, F32_KERNELS if layer.bias is None else BIAS_KERNELS) == int(not tpu_dynamo.device_info()["amx"])
+
+
+@needs_f32_kernels
+def test_a_decode_at_a_real_width_matches_eager_with_its_rows_on_our_kernel():
+    """A Llama with 1 MiB projections (hidden 256, MLP 1024) decoding greedily: its steps' single
+    rows run on our kernel (split by columns, the gated SiLU and residual adds applied by it),
+    the same tokens as eager and every step's logits within 1e-4."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(1, 512, (1, 9), generator=torch.Generator().manual_seed(2))
+    kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        want = model.generate(ids, **kwargs)
+        modules = []
+        model.forward = compile_tpu(model.forward, options={"debug_callback": lambda d: modules.append(d["stablehlo"])})
+        got = model.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    for g, w in zip(got.logits, want.logits, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    if not tpu_dynamo.device_info()["amx"]:
+        steps = [m for m in modules if "tensor<1x1x256xf32>" in m]
+        assert steps and all(any(f'"{t}"' in m for t in F32_KERNELS + BIAS_KERNELS) for m in steps)
 
 
 @needs_f32_kernels

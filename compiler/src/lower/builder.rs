@@ -1413,6 +1413,16 @@ const HOST_GEMM_FLOPS: std::ops::RangeInclusive<i64> = (1 << 18)..=(1 << 27);
 const HOST_GEMM_MAX_K: i64 = 256;
 const HOST_GEMM_MIN_ROWS: i64 = 64;
 
+/// Rows up to which a product of a weight kept as f32 panels (AVX-512 without AMX) runs on our
+/// vector kernel however few they are: a decode step's. Bound by reading the weight, the kernel
+/// reads the panels faster than XLA's matrix-vector product does the weight, and splits a wide
+/// one's columns between both threads (the runtime's `SPLIT_COLUMNS_MIN_BYTES`). SmolLM-135M's
+/// f32 decode step (the model without its head, bare executes in turns, AMD EPYC): 22.9-25.7
+/// ms on XLA's, 20.0-21.4 on ours alone, 15.2-20.5 split. A weight below `HOST_GEMM_FLOPS` (a
+/// tiny model's) keeps XLA's product: ours ran a tiny Llama's step no faster (bench/RESULTS.md,
+/// "Forty-ninth session").
+const PANELS_FEW_ROWS_MAX: i64 = 4;
+
 /// Columns below which a weight kept on tiles still keeps XLA's product for a long contraction:
 /// one block of 32 columns is the runtime's vector kernel, whose panel no longer fits L1.
 const TILES_MIN_COLUMNS: i64 = 64;
@@ -1468,7 +1478,8 @@ impl<'a> Builder<'a> {
         let sized = k <= HOST_GEMM_MAX_K && HOST_GEMM_FLOPS.contains(&flops);
         let contraction_kept = lowering_target().host_f32_gemm_kept != Some(KeptF32::Panels) || k <= F32_PANELS_MAX_K;
         let on_tiles = || flops >= *HOST_GEMM_FLOPS.start() && n >= TILES_MIN_COLUMNS && contraction_kept && self.kept_on_tiles(b, batch.1, contract.1);
-        rows >= HOST_GEMM_MIN_ROWS && (sized || on_tiles())
+        let few_rows_on_panels = rows <= PANELS_FEW_ROWS_MAX && lowering_target().host_f32_gemm_kept == Some(KeptF32::Panels);
+        (rows >= HOST_GEMM_MIN_ROWS || few_rows_on_panels) && (sized && !few_rows_on_panels || on_tiles())
     }
 
     /// Whether the product weight `b` (with its batch and contracting dims), or the value it is

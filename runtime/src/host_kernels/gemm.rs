@@ -69,6 +69,14 @@ pub(super) const ALONE_MAX_FLOPS: usize = 1 << 21;
 const TILES_SPLIT_MIN_ROWS: usize = 256;
 const TILES_FEW_ROWS_ALONE_MAX_FLOPS: usize = 1 << 24;
 
+/// A product of at most this many rows (a decode step's) from kept f32 panels of at least
+/// `SPLIT_COLUMNS_MIN_BYTES` splits by columns between the threads, each reading its share of
+/// the weight once: bound by reading the weight, one thread left the other core's bandwidth
+/// unused. SmolLM-135M's f32 decode step (bare executes in turns, AMD EPYC): 20.0-21.4 ms on
+/// one thread, 15.2-20.5 split.
+const SPLIT_COLUMNS_MAX_ROWS: usize = 4;
+const SPLIT_COLUMNS_MIN_BYTES: usize = 1 << 20;
+
 /// Whether a product runs on AMX tiles here, given its weight kept as their pieces: splitting `x`
 /// into pieces costs about what the tiles save on one block of 32 columns (`[256, 32] x [32,
 /// 128]`: 12.0 µs against 11.9, `[264, 160] x [160, 32]` 11.1 against 8.8), and a K of 16 fills
@@ -124,14 +132,15 @@ impl Gemm {
         let tiles = matches!(kept, Kept::Pieces(_));
         let flops = 2 * m * n * k;
         let few_rows_on_tiles = tiles && m < TILES_SPLIT_MIN_ROWS && flops <= TILES_FEW_ROWS_ALONE_MAX_FLOPS;
-        let parts = if flops <= ALONE_MAX_FLOPS || few_rows_on_tiles { 1 } else { parts };
+        let few_rows_wide = matches!(kept, Kept::Panels(_)) && m <= SPLIT_COLUMNS_MAX_ROWS && read >= SPLIT_COLUMNS_MIN_BYTES;
+        let parts = if (flops <= ALONE_MAX_FLOPS && !few_rows_wide) || few_rows_on_tiles { 1 } else { parts };
         let unit = if tiles { amx::rows_unit() } else { ROWS };
         let blocks = n.div_ceil(COLUMNS).max(1);
         // Split by columns where the weight's pieces are past L2's share and all the rows' within
         // it: each thread then reads its share of the weight once, where by rows each would read
         // all of it (GPT-2 small's LM head, `[128, 768] x [768, 50257]`: 36 ms → 24-27).
         let rows_fit_l2 = 2 * values.pieces() * m * k <= amx::L2_SHARE_BYTES;
-        let by_columns = matches!(&kept, Kept::Pieces(pieces) if n > m && size_of_val(&**pieces) > amx::L2_SHARE_BYTES && rows_fit_l2);
+        let by_columns = few_rows_wide || matches!(&kept, Kept::Pieces(pieces) if n > m && size_of_val(&**pieces) > amx::L2_SHARE_BYTES && rows_fit_l2);
         let (rows_per_chunk, blocks_per_chunk) =
             if by_columns { (m.max(1), blocks.div_ceil(parts.max(1))) } else { (m.div_ceil(unit).div_ceil(parts.max(1)) * unit, blocks) };
         let id = PRODUCTS.fetch_add(1, Ordering::Relaxed);
