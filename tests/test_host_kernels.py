@@ -295,9 +295,9 @@ def test_a_kept_weight_s_long_contraction_runs_on_the_tiles(rows, k, n, module, 
 
 
 @needs_f32_kernels
-@pytest.mark.parametrize("rows, k, n, module", [(1, 576, 1536, "linear"), (1, 1536, 576, "linear_bias"), (4, 576, 576, "conv1d"), (1, 576, 4000, "linear"), (3, 256, 512, "linear_bias")])
+@pytest.mark.parametrize("rows, k, n, module", [(1, 576, 1536, "linear"), (1, 1536, 576, "linear_bias"), (4, 576, 576, "conv1d"), (1, 576, 4000, "linear"), (3, 256, 512, "linear_bias"), (8, 576, 1536, "linear_bias")])
 def test_a_decode_step_s_few_rows_times_a_kept_weight_run_our_kernel(rows, k, n, module, compiled):
-    """A decode step's rows (up to 4) times a resident weight of 256 K values or more: on AVX-512
+    """A decode step's rows (up to 8) times a resident weight of 256 K values or more: on AVX-512
     without AMX, our vector kernel from the kept panels (faster than XLA's matrix-vector product,
     the columns of a weight of 1 MiB or more split between both threads); elsewhere XLA's. Within
     f32 summation's rounding of the exact product, on each call."""

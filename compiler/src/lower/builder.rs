@@ -1414,14 +1414,15 @@ const HOST_GEMM_MAX_K: i64 = 256;
 const HOST_GEMM_MIN_ROWS: i64 = 64;
 
 /// Rows up to which a product of a weight kept as f32 panels (AVX-512 without AMX) runs on our
-/// vector kernel however few they are: a decode step's. Bound by reading the weight, the kernel
-/// reads the panels faster than XLA's matrix-vector product does the weight, and splits a wide
-/// one's columns between both threads (the runtime's `SPLIT_COLUMNS_MIN_BYTES`). SmolLM-135M's
-/// f32 decode step (the model without its head, bare executes in turns, AMD EPYC): 22.9-25.7
-/// ms on XLA's, 20.0-21.4 on ours alone, 15.2-20.5 split. A weight below `HOST_GEMM_FLOPS` (a
-/// tiny model's) keeps XLA's product: ours ran a tiny Llama's step no faster (bench/RESULTS.md,
-/// "Forty-ninth session").
-const PANELS_FEW_ROWS_MAX: i64 = 4;
+/// vector kernel however few they are: a decode step's, of up to eight prompts. Bound by reading
+/// the weight, the kernel reads the panels faster than XLA's matrix-vector product or
+/// single-threaded GEMM does the weight, and splits a wide one's columns between both threads
+/// (the runtime's `SPLIT_COLUMNS_MIN_BYTES`). SmolLM-135M's f32 decode step (the model without
+/// its head, bare executes in turns, AMD EPYC): one prompt 22.9-25.7 ms on XLA's, 20.0-21.4 on
+/// ours alone, 15.2-20.5 split; eight prompts 51.2-60.7 → 24.3-29.1. A weight below
+/// `HOST_GEMM_FLOPS` (a tiny model's) keeps XLA's product: ours ran a tiny Llama's step no
+/// faster (bench/RESULTS.md, "Forty-ninth session").
+const PANELS_FEW_ROWS_MAX: i64 = 8;
 
 /// Columns below which a weight kept on tiles still keeps XLA's product for a long contraction:
 /// one block of 32 columns is the runtime's vector kernel, whose panel no longer fits L1.
