@@ -267,19 +267,32 @@ LONG_CONTRACTIONS = [
 ]
 
 
-def kept_long_contraction(k: int) -> bool:
-    """Whether our kernel takes an f32 product of a resident weight past K = 256: on AMX tiles
-    from the weight's pieces at any K, on AVX-512 from its f32 panels up to K = 2048."""
-    return bool(tpu_dynamo.device_info()["amx"]) or k <= 2048
+# (rows, K, N, module): a decode step's rows (one prompt's to eight's) times weights of 256 K
+# values or more, split by columns between the threads from 1 MiB.
+DECODE_ROWS = [
+    (1, 576, 1536, "linear"), (1, 1536, 576, "linear_bias"), (4, 576, 576, "conv1d"), (1, 576, 4000, "linear"),
+    (3, 256, 512, "linear_bias"), (8, 576, 1536, "linear_bias"),
+]
+
+
+def kept_product(rows: int, k: int) -> bool:
+    """Whether our kernel takes an f32 product of `rows` rows times a resident weight past K = 256
+    (or, for a decode step's few rows, of 256 K values or more): on AMX tiles from the weight's
+    pieces at any K, from 64 rows; on AVX-512 from its f32 panels up to K = 2048, from 64 rows
+    or up to 8."""
+    amx = bool(tpu_dynamo.device_info()["amx"])
+    return (rows >= 64 and (amx or k <= 2048)) or (not amx and rows <= 8 and k <= 2048)
 
 
 @needs_f32_kernels
-@pytest.mark.parametrize("rows, k, n, module", LONG_CONTRACTIONS)
+@pytest.mark.parametrize("rows, k, n, module", LONG_CONTRACTIONS + DECODE_ROWS)
 def test_a_kept_weight_s_long_contraction_runs_on_the_tiles(rows, k, n, module, compiled):
     """Past K = 256 our kernel takes a product only from a resident weight it keeps packed: on
     AMX tiles from its pieces (1.6× XLA's speed on GPT-2 small's shapes), or on AVX-512 from its
-    panels up to K = 2048 (0.86-0.98 of XLA's time on SmolLM-135M's); elsewhere XLA keeps it.
-    Either way the result is within f32 summation's rounding of the exact product, on each call."""
+    panels up to K = 2048 (0.86-0.98 of XLA's time on SmolLM-135M's), there a decode step's few
+    rows too (faster than XLA's matrix-vector product, a wide weight's columns split between
+    both threads); elsewhere XLA keeps it. Either way the result is within f32 summation's
+    rounding of the exact product, on each call."""
     torch.manual_seed(rows + k + n)
     layer = KeptConv1D(k, n) if module == "conv1d" else torch.nn.Linear(k, n, bias=module == "linear_bias")
     x = torch.randn(rows, k)
@@ -291,28 +304,7 @@ def test_a_kept_weight_s_long_contraction_runs_on_the_tiles(rows, k, n, module, 
         for _ in range(2):
             got = f(x)
             assert ((got.double() - exact).abs() <= k * 2.0**-24 * magnitudes).all()
-    assert kernel_calls(compiled, F32_KERNELS if layer.bias is None else BIAS_KERNELS) == int(kept_long_contraction(k))
-
-
-@needs_f32_kernels
-@pytest.mark.parametrize("rows, k, n, module", [(1, 576, 1536, "linear"), (1, 1536, 576, "linear_bias"), (4, 576, 576, "conv1d"), (1, 576, 4000, "linear"), (3, 256, 512, "linear_bias"), (8, 576, 1536, "linear_bias")])
-def test_a_decode_step_s_few_rows_times_a_kept_weight_run_our_kernel(rows, k, n, module, compiled):
-    """A decode step's rows (up to 8) times a resident weight of 256 K values or more: on AVX-512
-    without AMX, our vector kernel from the kept panels (faster than XLA's matrix-vector product,
-    the columns of a weight of 1 MiB or more split between both threads); elsewhere XLA's. Within
-    f32 summation's rounding of the exact product, on each call."""
-    torch.manual_seed(rows + k + n)
-    layer = KeptConv1D(k, n) if module == "conv1d" else torch.nn.Linear(k, n, bias=module == "linear_bias")
-    x = torch.randn(rows, k)
-    f = compile_tpu(layer)
-    weight = layer.weight.double() if module == "conv1d" else layer.weight.double().T
-    bias = 0.0 if layer.bias is None else layer.bias.double()
-    exact, magnitudes = x.double() @ weight + bias, x.double().abs() @ weight.abs() + abs(bias)
-    with torch.no_grad():
-        for _ in range(2):
-            got = f(x)
-            assert ((got.double() - exact).abs() <= k * 2.0**-24 * magnitudes).all()
-    assert kernel_calls(compiled, F32_KERNELS if layer.bias is None else BIAS_KERNELS) == int(not tpu_dynamo.device_info()["amx"])
+    assert kernel_calls(compiled, F32_KERNELS if layer.bias is None else BIAS_KERNELS) == int(kept_product(rows, k))
 
 
 @needs_f32_kernels
@@ -871,7 +863,7 @@ def test_a_long_contraction_s_gelu_or_gated_silu_runs_on_the_tiles(form, compile
     k, n = (768, 3072) if form == "gelu_new" else (576, 1536)
     module = gelu_mlp(form, k, n) if form == "gelu_new" else gated_mlp(form, k, n)
     targets = GELU_KERNELS if form == "gelu_new" else SILU_KERNELS
-    check_finished_product(module, torch.randn(1, 64, k), targets, compiled, calls=int(kept_long_contraction(k)))
+    check_finished_product(module, torch.randn(1, 64, k), targets, compiled, calls=int(kept_product(64, k)))
 
 
 @needs_f32_kernels
