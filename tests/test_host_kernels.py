@@ -267,8 +267,9 @@ LONG_CONTRACTIONS = [
 ]
 
 
-# (rows, K, N, module): a decode step's rows (one prompt's to eight's) times weights of 256 K
-# values or more, split by columns between the threads from 1 MiB.
+# (rows, K, N, module): a decode step's rows (one prompt's to eight's) times resident weights,
+# products of 2^18 flops or more (one row times 128 K values), split by columns between the
+# threads from 1 MiB.
 DECODE_ROWS = [
     (1, 576, 1536, "linear"), (1, 1536, 576, "linear_bias"), (4, 576, 576, "conv1d"), (1, 576, 4000, "linear"),
     (3, 256, 512, "linear_bias"), (8, 576, 1536, "linear_bias"),
@@ -277,7 +278,7 @@ DECODE_ROWS = [
 
 def kept_product(rows: int, k: int) -> bool:
     """Whether our kernel takes an f32 product of `rows` rows times a resident weight past K = 256
-    (or, for a decode step's few rows, of 256 K values or more): on AMX tiles from the weight's
+    (or, for a decode step's few rows, of 2^18 flops or more): on AMX tiles from the weight's
     pieces at any K, from 64 rows; on AVX-512 from its f32 panels up to K = 2048, from 64 rows
     or up to 8."""
     amx = bool(tpu_dynamo.device_info()["amx"])
