@@ -267,32 +267,31 @@ LONG_CONTRACTIONS = [
 ]
 
 
-# (rows, K, N, module): a decode step's rows (one prompt's to eight's) times resident weights,
-# products of 2^18 flops or more (one row times 128 K values), split by columns between the
-# threads from 1 MiB.
-DECODE_ROWS = [
+# (rows, K, N, module): a decode step's rows (one prompt's to eight's; split by columns between
+# the threads from 1 MiB) and a short prompt's times resident weights, products of 2^18 flops or
+# more (one row times 128 K values).
+FEW_ROWS = [
     (1, 576, 1536, "linear"), (1, 1536, 576, "linear_bias"), (4, 576, 576, "conv1d"), (1, 576, 4000, "linear"),
-    (3, 256, 512, "linear_bias"), (8, 576, 1536, "linear_bias"),
+    (3, 256, 512, "linear_bias"), (8, 576, 1536, "linear_bias"), (16, 576, 1536, "linear"), (40, 1536, 576, "conv1d"),
 ]
 
 
 def kept_product(rows: int, k: int) -> bool:
     """Whether our kernel takes an f32 product of `rows` rows times a resident weight past K = 256
-    (or, for a decode step's few rows, of 2^18 flops or more): on AMX tiles from the weight's
-    pieces at any K, from 64 rows; on AVX-512 from its f32 panels up to K = 2048, from 64 rows
-    or up to 8."""
+    (or, below 64 rows, of 2^18 flops or more): on AMX tiles from the weight's pieces at any K,
+    from 64 rows; on AVX-512 from its f32 panels up to K = 2048, any rows."""
     amx = bool(tpu_dynamo.device_info()["amx"])
-    return (rows >= 64 and (amx or k <= 2048)) or (not amx and rows <= 8 and k <= 2048)
+    return (amx and rows >= 64) or (not amx and k <= 2048)
 
 
 @needs_f32_kernels
-@pytest.mark.parametrize("rows, k, n, module", LONG_CONTRACTIONS + DECODE_ROWS)
+@pytest.mark.parametrize("rows, k, n, module", LONG_CONTRACTIONS + FEW_ROWS)
 def test_a_kept_weight_s_long_contraction_runs_on_the_tiles(rows, k, n, module, compiled):
     """Past K = 256 our kernel takes a product only from a resident weight it keeps packed: on
     AMX tiles from its pieces (1.6× XLA's speed on GPT-2 small's shapes), or on AVX-512 from its
-    panels up to K = 2048 (0.86-0.98 of XLA's time on SmolLM-135M's), there a decode step's few
-    rows too (faster than XLA's matrix-vector product, a wide weight's columns split between
-    both threads); elsewhere XLA keeps it. Either way the result is within f32 summation's
+    panels up to K = 2048 (0.86-0.98 of XLA's time on SmolLM-135M's), there a decode step's or
+    a short prompt's few rows too (faster than XLA's matrix-vector product or one-thread GEMM, a
+    decode step's wide weight's columns split between both threads); elsewhere XLA keeps it. Either way the result is within f32 summation's
     rounding of the exact product, on each call."""
     torch.manual_seed(rows + k + n)
     layer = KeptConv1D(k, n) if module == "conv1d" else torch.nn.Linear(k, n, bias=module == "linear_bias")

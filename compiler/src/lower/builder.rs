@@ -1413,17 +1413,6 @@ const HOST_GEMM_FLOPS: std::ops::RangeInclusive<i64> = (1 << 18)..=(1 << 27);
 const HOST_GEMM_MAX_K: i64 = 256;
 const HOST_GEMM_MIN_ROWS: i64 = 64;
 
-/// Rows up to which a product of a weight kept as f32 panels (AVX-512 without AMX) runs on our
-/// vector kernel however few they are: a decode step's, of up to eight prompts. Bound by reading
-/// the weight, the kernel reads the panels faster than XLA's matrix-vector product or
-/// single-threaded GEMM does the weight, and splits a wide one's columns between both threads
-/// (the runtime's `SPLIT_COLUMNS_MIN_BYTES`). SmolLM-135M's f32 decode step (the model without
-/// its head, bare executes in turns, AMD EPYC): one prompt 22.9-25.7 ms on XLA's, 20.0-21.4 on
-/// ours alone, 15.2-20.5 split; eight prompts 51.2-60.7 → 24.3-29.1. A weight below
-/// `HOST_GEMM_FLOPS` (a tiny model's) keeps XLA's product: ours ran a tiny Llama's step no
-/// faster (bench/RESULTS.md, "Forty-ninth session").
-const PANELS_FEW_ROWS_MAX: i64 = 8;
-
 /// Columns below which a weight kept on tiles still keeps XLA's product for a long contraction:
 /// one block of 32 columns is the runtime's vector kernel, whose panel no longer fits L1.
 const TILES_MIN_COLUMNS: i64 = 64;
@@ -1479,8 +1468,7 @@ impl<'a> Builder<'a> {
         let sized = k <= HOST_GEMM_MAX_K && HOST_GEMM_FLOPS.contains(&flops);
         let contraction_kept = lowering_target().host_f32_gemm_kept != Some(KeptF32::Panels) || k <= F32_PANELS_MAX_K;
         let on_tiles = || flops >= *HOST_GEMM_FLOPS.start() && n >= TILES_MIN_COLUMNS && contraction_kept && self.kept_on_tiles(b, batch.1, contract.1);
-        let few_rows_on_panels = rows <= PANELS_FEW_ROWS_MAX && lowering_target().host_f32_gemm_kept == Some(KeptF32::Panels);
-        (rows >= HOST_GEMM_MIN_ROWS || few_rows_on_panels) && (sized && !few_rows_on_panels || on_tiles())
+        (rows >= HOST_GEMM_MIN_ROWS && sized) || ((rows >= HOST_GEMM_MIN_ROWS || any_rows_on_panels()) && on_tiles())
     }
 
     /// Whether the product weight `b` (with its batch and contracting dims), or the value it is
@@ -1492,6 +1480,20 @@ impl<'a> Builder<'a> {
             arg.owner().to_raw().ptr == self.block.to_raw().ptr && self.kept_on_tiles.get(arg.argument_number()).copied().unwrap_or(false)
         })
     }
+}
+
+/// Whether a product of a weight kept as f32 panels (AVX-512 without AMX here) runs on our
+/// vector kernel however few its rows (`HOST_GEMM_MIN_ROWS` is for weights packed on every
+/// call): a decode step's, or a short prompt's. XLA ran a matrix-vector product, or a GEMM below
+/// ~16 MFLOP, on one thread; bound by reading the weight, the kernel reads the panels faster, and
+/// splits a wide one's columns between both threads where its rows are one unit (the runtime's
+/// `SPLIT_COLUMNS_MAX_ROWS`). SmolLM-135M without its head (bare executes in turns, AMD EPYC): a
+/// decode step of one prompt 22.9-25.7 ms on XLA's, 20.0-21.4 on ours alone, 15.2-20.5 split, of
+/// eight prompts 51.2-60.7 → 24.3-29.1; a 16-token prompt 48.2-52.4 → 27.3-31.6, a 40-token one
+/// 76.2-82.1 → 52.3-53.9. A product below `HOST_GEMM_FLOPS` (a tiny model's) keeps XLA's: ours ran
+/// a tiny Llama's step no faster (bench/RESULTS.md, "Forty-ninth session").
+fn any_rows_on_panels() -> bool {
+    lowering_target().host_f32_gemm_kept == Some(KeptF32::Panels)
 }
 
 /// The rows of `a` when `dot_general(a, b)` multiplies bf16 rows (no batch dims; the product of

@@ -70,7 +70,7 @@ const TILES_SPLIT_MIN_ROWS: usize = 256;
 const TILES_FEW_ROWS_ALONE_MAX_FLOPS: usize = 1 << 24;
 
 /// A product of at most this many rows (a decode step's, of up to eight prompts: by rows it
-/// would be one unit) from kept f32 panels of at least `SPLIT_COLUMNS_MIN_BYTES` splits by
+/// would be one unit of `ROWS`) from kept f32 panels of at least `SPLIT_COLUMNS_MIN_BYTES` splits by
 /// columns between the threads, each reading its share of the weight once: bound by reading the
 /// weight, one thread left the other core's bandwidth unused. SmolLM-135M's f32 decode step
 /// (bare executes in turns, AMD EPYC): 20.0-21.4 ms on one thread, 15.2-20.5 split.
