@@ -137,8 +137,9 @@ impl Gemm {
         let unit = if tiles { amx::rows_unit() } else { ROWS };
         let blocks = n.div_ceil(COLUMNS).max(1);
         // Split by columns where the weight's pieces are past L2's share and all the rows' within
-        // it: each thread then reads its share of the weight once, where by rows each would read
-        // all of it (GPT-2 small's LM head, `[128, 768] x [768, 50257]`: 36 ms → 24-27).
+        // it, or a few rows read wide panels (`SPLIT_COLUMNS_MAX_ROWS`): each thread then reads
+        // its share of the weight once, where by rows each would read all of it (GPT-2 small's
+        // LM head, `[128, 768] x [768, 50257]`: 36 ms → 24-27), or one thread all of it.
         let rows_fit_l2 = 2 * values.pieces() * m * k <= amx::L2_SHARE_BYTES;
         let by_columns = few_rows_wide || matches!(&kept, Kept::Pieces(pieces) if n > m && size_of_val(&**pieces) > amx::L2_SHARE_BYTES && rows_fit_l2);
         let (rows_per_chunk, blocks_per_chunk) =
