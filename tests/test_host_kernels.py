@@ -51,6 +51,8 @@ BF16_LAYER_NORM_KERNEL = "tpu_dynamo.bf16_layer_norm"
 RMS_NORM_KERNEL = "tpu_dynamo.f32_rms_norm"
 BF16_RMS_NORM_KERNEL = "tpu_dynamo.bf16_rms_norm"
 AVX512 = "avx512f" in Path("/proc/cpuinfo").read_text()
+# f32 products and attention run on AVX2's vectors with FMA too (AMD Zen 2 and 3).
+F32_PRODUCTS = AVX512 or {"avx2", "fma"} <= set(Path("/proc/cpuinfo").read_text().split())
 # bf16 rows' loads and stores take AVX-512's word and 256-bit forms (every AVX-512 CPU but Xeon Phi).
 AVX512_BW = {"avx512bw", "avx512vl"} <= set(Path("/proc/cpuinfo").read_text().split())
 AMX = {"amx_bf16", "amx_tile"} <= set(Path("/proc/cpuinfo").read_text().split())
@@ -59,11 +61,13 @@ BF16_PRODUCTS = AMX or {"avx512_bf16", "avx512bw", "avx512vl"} <= set(Path("/pro
 
 
 def test_the_embedded_plugin_runs_our_kernels():
-    """On x86-64 with AVX2 (this CI's machines) the embedded plugin registers the bf16 ones,
-    with AVX-512 the f32 ones too, and with AMX or AVX-512 BF16 bf16 products and attention."""
-    f32_kernels = F32_KERNELS + BIAS_KERNELS + GELU_KERNELS + SILU_KERNELS + PLUS_KERNELS + BIAS_PLUS_KERNELS + ATTENTION_KERNELS + [CONV_KERNEL, LAYER_NORM_KERNEL, RMS_NORM_KERNEL]
-    f32_kernels += [BF16_LAYER_NORM_KERNEL, BF16_RMS_NORM_KERNEL] if AVX512_BW else []
-    assert host_kernels() == ["tpu_dynamo.bf16_matvec", "tpu_dynamo.bf16_vecmat"] + (f32_kernels if AVX512 else []) + (
+    """On x86-64 with AVX2 and FMA (this CI's machines) the embedded plugin registers the bf16
+    ones and f32 products (with their epilogues) and attention, with AVX-512 f32 convolutions and
+    norms too, and with AMX or AVX-512 BF16 bf16 products and attention."""
+    products = F32_KERNELS + BIAS_KERNELS + GELU_KERNELS + SILU_KERNELS + PLUS_KERNELS + BIAS_PLUS_KERNELS + ATTENTION_KERNELS
+    avx512_kernels = [CONV_KERNEL, LAYER_NORM_KERNEL, RMS_NORM_KERNEL] + ([BF16_LAYER_NORM_KERNEL, BF16_RMS_NORM_KERNEL] if AVX512_BW else [])
+    f32_kernels = (products if F32_PRODUCTS else []) + (avx512_kernels if AVX512 else [])
+    assert host_kernels() == ["tpu_dynamo.bf16_matvec", "tpu_dynamo.bf16_vecmat"] + f32_kernels + (
         BF16_TILE_KERNELS + BF16_TILE_BIAS_KERNELS + BF16_TILE_GELU_KERNELS + BF16_TILE_SILU_KERNELS + BF16_CONV_KERNELS + [BF16_CONV3X3_KERNEL] + BF16_ATTENTION_KERNELS
         if BF16_PRODUCTS
         else []
@@ -133,7 +137,8 @@ def test_nan_and_infinity_reach_the_outputs_they_touch():
     assert torch.isfinite(got[0, 0, [0, 1, 2, 4, 69, 71]]).all()
 
 
-needs_f32_kernels = pytest.mark.skipif(not AVX512, reason="the f32 kernel is registered on CPUs with AVX-512 only")
+needs_f32_kernels = pytest.mark.skipif(not F32_PRODUCTS, reason="f32 products and attention are registered on CPUs with AVX2 and FMA or AVX-512")
+needs_avx512 = pytest.mark.skipif(not AVX512, reason="f32 convolutions and norms are registered on CPUs with AVX-512 only")
 
 
 def check_f32_product(fn, args, target, compiled):
@@ -155,7 +160,7 @@ def check_f32_product(fn, args, target, compiled):
 CONVS = [(1, 4, 32, 32, 32), (1, 32, 32, 32, 32), (1, 64, 64, 16, 16), (2, 8, 13, 8, 8), (1, 3, 5, 5, 7), (2, 20, 30, 9, 40)]
 
 
-@needs_f32_kernels
+@needs_avx512
 @pytest.mark.parametrize("n, c, o, h, w", CONVS)
 @pytest.mark.parametrize("bias", [False, True])
 def test_an_f32_3x3_convolution_runs_our_kernel(n, c, o, h, w, bias, compiled):
@@ -173,7 +178,7 @@ def test_an_f32_3x3_convolution_runs_our_kernel(n, c, o, h, w, bias, compiled):
     assert kernel_calls(compiled, [CONV_KERNEL]) == 1
 
 
-@needs_f32_kernels
+@needs_avx512
 @pytest.mark.parametrize(
     "form",
     [dict(stride=2, padding=1), dict(padding=0), dict(padding=1, dilation=2), dict(padding=1, groups=2), dict(padding=2, kernel=5)],
@@ -191,7 +196,7 @@ def test_other_f32_convolutions_stay_xla_s(form, compiled):
     assert kernel_calls(compiled, [CONV_KERNEL]) == 0
 
 
-@needs_f32_kernels
+@needs_avx512
 def test_a_convolution_s_nan_and_infinity_reach_the_outputs_they_touch(compiled):
     """A NaN input makes every output whose window holds it NaN, an infinite one ±inf (NaN where
     infinities of both signs meet), as eager's; the others stay finite and agree."""
@@ -654,7 +659,7 @@ def test_a_gelu_product_s_nan_and_infinity_go_as_eager_s(compiled):
     assert kernel_calls(compiled, GELU_KERNELS) == 1
 
 
-@needs_f32_kernels
+@needs_avx512
 @pytest.mark.parametrize("shape, n", [((2, 128, 256), 1024), ((300, 200), 500), ((2, 40, 96), 130)])
 @pytest.mark.parametrize("form", ["gelu_pytorch_tanh", "diffusers"])
 def test_a_bf16_tanh_gelu_after_a_kept_product_runs_on_the_tiles(shape, n, form, compiled):
@@ -812,7 +817,7 @@ def bf16_steps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     return ((got.double() - want.double()) / step).abs().nan_to_num(0.0).where(got != want, 0.0)
 
 
-@needs_f32_kernels
+@needs_avx512
 @pytest.mark.parametrize("shape, n", [((1, 128, 256), 512), ((300, 200), 500), ((2, 40, 96), 130)])
 @pytest.mark.parametrize("form", ["llama", "up_first"])
 def test_a_bf16_gated_mlp_s_silu_and_product_run_on_the_tiles(shape, n, form, compiled):
@@ -836,7 +841,7 @@ def test_a_bf16_gated_mlp_s_silu_and_product_run_on_the_tiles(shape, n, form, co
     assert kernel_calls(compiled, BF16_TILE_SILU_KERNELS) == int(tpu_dynamo.device_info()["bf16_products"])
 
 
-@needs_f32_kernels
+@needs_avx512
 def test_a_bf16_gated_mlp_s_nan_and_infinities_go_as_eager_s(compiled):
     """A NaN row of `x` stays NaN, a gate of -∞ gives NaN (−∞ · 0), one of ∞ times the up
     value ∞: as eager's, the rest within two bf16 steps."""
@@ -1327,7 +1332,7 @@ def test_f32_attention_nan_reaches_the_queries_that_see_it():
     torch.testing.assert_close(got[0, 0], want[0, 0], rtol=0, atol=1e-5)
 
 
-@needs_f32_kernels
+@needs_avx512
 @pytest.mark.parametrize("shape, normalized", [((1, 128, 64), 1), ((8, 128, 64), 1), ((2, 264, 32), 1), ((3, 5, 7), 2), ((4, 1), 1)])
 @pytest.mark.parametrize("affine", [True, False])
 def test_f32_layer_norm_runs_our_kernel(shape, normalized, affine, compiled):
@@ -1378,7 +1383,7 @@ def modulated_calls(text: str, target: str) -> int:
     return len(re.findall(r'custom_call"\((?:%[\w#]+, ){5}%[\w#]+\)[^\n]*"' + re.escape(target) + '"', text))
 
 
-@needs_f32_kernels
+@needs_avx512
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("shape", [(2, 128, 256), (1, 300, 264), (2, 8, 32)], ids=["sd35-like", "one-batch", "small"])
 def test_a_modulated_layer_norm_is_one_kernel_call(shape, dtype):
@@ -1406,7 +1411,7 @@ def test_a_modulated_layer_norm_is_one_kernel_call(shape, dtype):
     assert sum(modulated_calls(t, target) for t in texts) == int(large)
 
 
-@needs_f32_kernels
+@needs_avx512
 def test_a_row_with_nan_or_infinity_normalizes_to_nan_as_in_eager():
     x = torch.randn(6, 40)
     x[1, 3], x[4, 0] = float("nan"), float("inf")
@@ -1435,7 +1440,7 @@ def rms_norm(form: str, width: int) -> torch.nn.Module:
     return norm
 
 
-@needs_f32_kernels
+@needs_avx512
 @pytest.mark.parametrize("shape", [(1, 128, 64), (8, 128, 64), (2, 5, 33), (3, 576), (4, 1)])
 @pytest.mark.parametrize("form", ["llama", "diffusers", "unweighted", "torch"])
 def test_an_rms_norm_a_product_reads_runs_our_kernel(shape, form, compiled):
@@ -1475,7 +1480,7 @@ def test_a_bf16_rms_norm_a_product_reads_runs_our_kernel(shape, form, compiled):
     assert kernel_calls(compiled, [BF16_RMS_NORM_KERNEL]) == int(AVX512_BW and form != "torch")
 
 
-@needs_f32_kernels
+@needs_avx512
 def test_an_rms_norm_read_by_elementwise_work_stays_xla_s():
     """Diffusers' query norm before the rotary embedding: XLA fuses it into that work, which our
     kernel would cut in two. So would a norm over another dim, or one returned as it is."""
@@ -1489,7 +1494,7 @@ def test_an_rms_norm_read_by_elementwise_work_stays_xla_s():
         assert all(RMS_NORM_KERNEL not in t for t in texts)
 
 
-@needs_f32_kernels
+@needs_avx512
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("heads_first", [False, True], ids=["rows", "transposed"])
 def test_a_large_rms_norm_read_by_elementwise_work_runs_our_kernel(dtype, heads_first):
@@ -1510,7 +1515,7 @@ def test_a_large_rms_norm_read_by_elementwise_work_runs_our_kernel(dtype, heads_
     assert any(kernel in t for t in texts) == (dtype == torch.float32 or AVX512_BW)
 
 
-@needs_f32_kernels
+@needs_avx512
 def test_an_rms_norm_row_with_nan_or_infinity_is_nan_as_in_eager(compiled):
     """A row with a NaN or an infinity is NaN after the product, the others as eager's (the
     kernel's own values there, NaN for ∞ · 0 and 0 for the rest of the row, are checked by its

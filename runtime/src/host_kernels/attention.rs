@@ -445,7 +445,7 @@ const GROUP: usize = 4;
 /// many, and the copy into groups costs more than the broadcasts it saves.
 fn grouped_values(shape: Shape) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if super::gemm::available() && std::arch::is_x86_feature_detected!("avx512vl") {
+    if super::gemm::avx512() && std::arch::is_x86_feature_detected!("avx512vl") {
         return shape.dim <= 3 * GROUP && shape.len_q >= GROUPED_MIN_QUERIES;
     }
     let _ = shape;
@@ -483,7 +483,7 @@ pub(super) fn logsumexps(softmaxes: &[(f32, f32)], lse: &mut [f32]) {
 /// The natural log of each of `sums`.
 fn lns(sums: [f32; 16]) -> [f32; 16] {
     #[cfg(target_arch = "x86_64")]
-    if super::gemm::available() {
+    if super::gemm::avx512() {
         // SAFETY: AVX-512 is available; the array is 16 f32s.
         return unsafe { std::mem::transmute::<std::arch::x86_64::__m512, [f32; 16]>(super::vector_math::ln(std::arch::x86_64::_mm512_loadu_ps(sums.as_ptr()))) };
     }
@@ -495,8 +495,10 @@ fn lns(sums: [f32; 16]) -> [f32; 16] {
 /// -inf).
 unsafe fn exponentials(row: *mut f32, visible: usize, len: usize) -> (f32, f32) {
     #[cfg(target_arch = "x86_64")]
-    if super::gemm::available() {
+    if super::gemm::avx512() {
         return x86::exponentials(row, visible, len);
+    } else if super::avx2::available() {
+        return super::avx2::exponentials(row, visible, len);
     }
     let row = std::slice::from_raw_parts_mut(row, len);
     let max = row[..visible].iter().copied().fold(f32::NEG_INFINITY, |m, x| if x.is_nan() || m.is_nan() { f32::NAN } else { m.max(x) });

@@ -223,7 +223,7 @@ unsafe fn bf16_tile(s: &Shape, operands: (*const u32, *const u32, *mut u16, *con
 /// `rows` ≤ `ROWS` output channels (weights `w`, outputs `y`) at the tile's positions.
 unsafe fn tile(s: &Shape, x: *const f32, w: *const f32, y: *mut f32, pair: &[Positions; 2], rows: usize) {
     #[cfg(target_arch = "x86_64")]
-    if super::gemm::available() {
+    if super::gemm::avx512() {
         let wide = pair[1].mask != 0;
         macro_rules! rows {
             ($($n:literal)*) => {

@@ -65,11 +65,11 @@ impl Epilogue {
     }
 }
 
-const KAPPA: f32 = 0.044715;
+pub(super) const KAPPA: f32 = 0.044715;
 /// `-2u` past which `1 + tanh(u)` is 0 in f32 (`2e^{2u}` below half an ulp of 1).
 #[cfg(target_arch = "x86_64")]
-const SATURATED_2U: f32 = 18.0;
-const BETA: f32 = 0.797_884_6; // √(2/π), as f32
+pub(super) const SATURATED_2U: f32 = 18.0;
+pub(super) const BETA: f32 = 0.797_884_6; // √(2/π), as f32
 
 impl Epilogue {
     /// Applies itself to columns `cols` of rows `rows` of `y` (and of `times`), each `n` long,
@@ -80,8 +80,10 @@ impl Epilogue {
     /// `[n]`.
     pub unsafe fn apply(&self, y: *mut f32, n: usize, rows: Range<usize>, cols: Range<usize>) {
         #[cfg(target_arch = "x86_64")]
-        if super::gemm::available() {
+        if super::gemm::avx512() {
             return x86::apply(self, y, n, rows, cols);
+        } else if super::avx2::available() {
+            return super::avx2::apply(self, y, n, rows, cols);
         }
         for r in rows {
             for j in cols.clone() {

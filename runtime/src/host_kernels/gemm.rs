@@ -285,8 +285,10 @@ unsafe fn pack(w: *const f32, n: usize, k: usize, cols: usize, panel: &mut [f32]
 /// the columns past `cols` left as they are.
 pub(super) unsafe fn pack_transposed((w, ldw): (*const f32, usize), k: usize, cols: usize, panel: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if available() {
+    if avx512() {
         return x86::pack_transposed((w, ldw), k, cols, panel);
+    } else if super::avx2::available() {
+        return super::avx2::pack_transposed((w, ldw), k, cols, panel);
     }
     for j in 0..cols {
         for kk in 0..k {
@@ -316,7 +318,12 @@ impl Tile {
     pub unsafe fn run(&self, x: *const f32, y: *mut f32, rows: usize) -> usize {
         let done = rows.min(ROWS);
         #[cfg(target_arch = "x86_64")]
-        if available() {
+        if super::avx2::available() && !avx512() {
+            super::avx2::tile(self, x, y, done);
+            return done;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if avx512() {
             // One vector of columns where the second would hold none (attention's values of
             // heads up to 16 wide): half the multiply-adds.
             let wide = self.cols > 16;
@@ -355,8 +362,20 @@ impl Tile {
     }
 }
 
-/// Whether this CPU runs the vector tile (the kernel is registered only where it does).
+/// Whether this CPU runs the vector tile (the kernel is registered only where it does): on
+/// AVX-512, or on AVX2 with FMA (`avx2`).
 pub(super) fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        avx512() || super::avx2::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Whether this CPU has AVX-512, which the tile's widest form and the kernels written for it
+/// alone need.
+pub(super) fn avx512() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avx512f")

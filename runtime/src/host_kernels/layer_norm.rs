@@ -64,7 +64,7 @@ pub(super) trait Rows {
     /// Rows `first..first + count`.
     ///
     /// # Safety
-    /// The pointers must cover the shapes, and the CPU have AVX-512 (`gemm::available()`).
+    /// The pointers must cover the shapes, and the CPU have AVX-512 (`gemm::avx512()`).
     unsafe fn rows(&self, first: usize, count: usize);
 
     /// Units of work for up to `threads`: runs of whole rows.
@@ -245,7 +245,7 @@ mod tests {
     /// Rows of several widths (off the 16 lanes too) with a large common offset, against f64.
     #[test]
     fn agrees_with_f64() {
-        if !super::super::gemm::available() {
+        if !super::super::gemm::avx512() {
             return;
         }
         let mut next = super::super::uniform(5);
@@ -273,7 +273,7 @@ mod tests {
     /// once, within half a bf16 step and f32's rounding of the f64 value.
     #[test]
     fn bf16_rows_round_once() {
-        if !super::super::gemm::available() {
+        if !super::super::gemm::avx512() {
             return;
         }
         let mut next = super::super::uniform(3);
@@ -301,7 +301,7 @@ mod tests {
     /// factor, plus its shift, each step rounded as the row's type: bit for bit, f32 and bf16.
     #[test]
     fn modulated_rows_are_the_norm_then_each_rounded_step() {
-        if !super::super::gemm::available() {
+        if !super::super::gemm::avx512() {
             return;
         }
         let mut next = super::super::uniform(17);
@@ -337,7 +337,7 @@ mod tests {
     /// a row with a NaN is NaN, one with an infinity NaN there and 0 elsewhere (`x · rsqrt(∞)`).
     #[test]
     fn rms_agrees_with_f64() {
-        if !super::super::gemm::available() {
+        if !super::super::gemm::avx512() {
             return;
         }
         let mut next = super::super::uniform(7);
@@ -363,7 +363,7 @@ mod tests {
     /// f64's rstd (a rounding tie may fall the other way).
     #[test]
     fn bf16_rms_rounds_before_and_after_the_weight() {
-        if !super::super::gemm::available() {
+        if !super::super::gemm::avx512() {
             return;
         }
         let mut next = super::super::uniform(11);
@@ -388,7 +388,7 @@ mod tests {
 
     #[test]
     fn rms_of_a_row_with_nan_or_infinity() {
-        if !super::super::gemm::available() {
+        if !super::super::gemm::avx512() {
             return;
         }
         let mut x: Vec<f32> = (0..3 * 20).map(|i| i as f32 - 7.0).collect();

@@ -87,6 +87,11 @@ pub(super) unsafe fn ln(x: __m512) -> __m512 {
     _mm512_fmadd_ps(e, _mm512_set1_ps(0.693_359_4), _mm512_add_ps(f, y))
 }
 
+/// `ln 2` in two parts, the first exact in few bits, so that `x - n ln 2` loses nothing.
+pub(super) const EXP_LN2: [f32; 2] = [0.693_359_4, -2.121_944_4e-4];
+/// Cephes' `expf` polynomial for `(e^r - 1 - r) / r²`, the highest order first.
+pub(super) const EXP: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5];
+
 /// `e^x` to about 1 ulp: `x = n ln 2 + r` with `|r| ≤ ln 2 / 2`, `e^r` by Cephes' `expf`
 /// polynomial, scaled by `2^n` (`scalef` gives 0 below f32's range, inf above it, and keeps
 /// NaN). `x` is raised to -120 first, so that -inf (a hidden key) gives 0, not NaN (`max`
@@ -95,10 +100,11 @@ pub(super) unsafe fn ln(x: __m512) -> __m512 {
 pub(super) unsafe fn exp(x: __m512) -> __m512 {
     let x = _mm512_max_ps(_mm512_set1_ps(-120.0), x);
     let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)));
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
-    let mut p = _mm512_set1_ps(1.987_569_1e-4);
-    for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5] {
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2[0]), x);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2[1]), r);
+    let [highest, lower @ ..] = EXP;
+    let mut p = _mm512_set1_ps(highest);
+    for c in lower {
         p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
     }
     let e = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0)));
@@ -107,9 +113,9 @@ pub(super) unsafe fn exp(x: __m512) -> __m512 {
 
 /// `e^r` on `|r| ≤ ln 2 / 2` as a polynomial of degree 5 (a relative minimax fit in f64 with
 /// `e^0 = 1`, rounded to f32), the highest order first.
-const SOFTMAX_EXP: [f32; 6] = [0.008_290_315, 0.041_897_93, 0.166_676_36, 0.499_991_5, 0.999_999_7, 1.0];
+pub(super) const SOFTMAX_EXP: [f32; 6] = [0.008_290_315, 0.041_897_93, 0.166_676_36, 0.499_991_5, 0.999_999_7, 1.0];
 /// Added to `x log₂e`, it leaves that rounded to an integer (f32's 24th bit is 1 unit).
-const ROUNDER: f32 = 12_582_912.0;
+pub(super) const ROUNDER: f32 = 12_582_912.0;
 
 /// `e^x` for a softmax's `x ≤ 0` (a score less its row's maximum, -inf for a hidden key) in 10
 /// instructions to `exp`'s 14: within 2 ulp from 1 down to 2^-24 (half an ulp of the row's

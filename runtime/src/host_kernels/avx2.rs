@@ -1,0 +1,375 @@
+//! The f32 product tile, the copy of a weight into panels, the products' epilogues and
+//! attention's exponentials on eight-lane AVX2 vectors with FMA, for CPUs without AVX-512 (AMD
+//! Zen 2 and 3, Intel before Ice Lake): there XLA:CPU's own products and softmax ran every f32
+//! model, our kernels being AVX-512's alone. Same results as those, to the products' summation
+//! order and the last ulp of a GELU's reciprocal.
+
+use super::epilogue::{Activation, Epilogue, Factor, BETA, KAPPA, SATURATED_2U};
+use super::gemm::{Tile, COLUMNS, ROWS};
+use std::ops::Range;
+use super::vector_math::{EXP, EXP_LN2, ROUNDER, SOFTMAX_EXP};
+use std::arch::x86_64::*;
+
+/// Whether this CPU runs these kernels.
+pub(super) fn available() -> bool {
+    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+}
+
+/// The lanes of an eight-wide step at `at` that lie before `len`, as a mask of whole lanes.
+#[target_feature(enable = "avx2")]
+unsafe fn lanes(len: usize, at: usize) -> __m256i {
+    let left = len.saturating_sub(at).min(8) as i32;
+    _mm256_cmpgt_epi32(_mm256_set1_epi32(left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))
+}
+
+/// `Tile::run` for `rows` ≤ `ROWS`: the panel's columns sixteen at a time, as two vectors of
+/// eight, by up to six rows, so that the sums, two panel vectors and a broadcast value fit the
+/// sixteen registers (three rows by four vectors spilled sums in the loop over K).
+///
+/// # Safety
+/// As `Tile::run`'s; the CPU must be `available()`.
+pub(super) unsafe fn tile(t: &Tile, x: *const f32, y: *mut f32, rows: usize) {
+    debug_assert!(rows <= ROWS && t.cols <= COLUMNS);
+    for first in (0..t.cols).step_by(16) {
+        let half = Tile { b: t.b.add(first), cols: (t.cols - first).min(16), ..*t };
+        let (vectors, whole) = (half.cols.div_ceil(8), half.cols % 8 == 0);
+        let per_pass = 12 / vectors;
+        let mut r = 0;
+        while r < rows {
+            let m = per_pass.min(rows - r);
+            let (x, y) = (x.add(r * t.ldx), y.add(r * t.ldy + first));
+            macro_rules! pass {
+                ($($v:literal: $($m:literal)*;)*) => {
+                    match (vectors, m, whole) {
+                        $($(
+                            ($v, $m, true) => rows_by_vectors::<$m, $v, true>(&half, x, y),
+                            ($v, $m, false) => rows_by_vectors::<$m, $v, false>(&half, x, y),
+                        )*)*
+                        _ => unreachable!(),
+                    }
+                };
+            }
+            pass!(1: 1 2 3 4 5 6 7 8 9 10 11 12; 2: 1 2 3 4 5 6;);
+            r += m;
+        }
+    }
+}
+
+/// `M` rows times the panel's first `8 V` columns, those past `cols` masked off (none when
+/// `WHOLE`).
+#[target_feature(enable = "avx2,fma")]
+unsafe fn rows_by_vectors<const M: usize, const V: usize, const WHOLE: bool>(t: &Tile, x: *const f32, y: *mut f32) {
+    let masks: [__m256i; V] = std::array::from_fn(|c| lanes(t.cols, 8 * c));
+    let mut sums = [[_mm256_setzero_ps(); V]; M];
+    for kk in 0..t.k {
+        let b = t.b.add(kk * t.ldb);
+        let panel: [__m256; V] = std::array::from_fn(|c| if WHOLE { _mm256_loadu_ps(b.add(8 * c)) } else { _mm256_maskload_ps(b.add(8 * c), masks[c]) });
+        for (r, row) in sums.iter_mut().enumerate() {
+            let a = _mm256_broadcast_ss(&*x.add(r * t.ldx + kk));
+            for (sum, &p) in row.iter_mut().zip(&panel) {
+                *sum = _mm256_fmadd_ps(a, p, *sum);
+            }
+        }
+    }
+    for (r, row) in sums.iter().enumerate() {
+        let out = y.add(r * t.ldy);
+        for (c, &sum) in row.iter().enumerate() {
+            if WHOLE {
+                _mm256_storeu_ps(out.add(8 * c), sum);
+            } else {
+                _mm256_maskstore_ps(out.add(8 * c), masks[c], sum);
+            }
+        }
+    }
+}
+
+/// `gemm::pack_transposed` in 8 × 8 blocks transposed in registers, the columns of a block past
+/// `cols` written as zeros.
+///
+/// # Safety
+/// As `gemm::pack_transposed`'s; the CPU must be `available()`.
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn pack_transposed((w, ldw): (*const f32, usize), k: usize, cols: usize, panel: &mut [f32]) {
+    for k0 in (0..k).step_by(8) {
+        let width = (k - k0).min(8);
+        let k_mask = lanes(width, 0);
+        for j0 in (0..cols).step_by(8) {
+            let rows = (cols - j0).min(8);
+            let r: [__m256; 8] = std::array::from_fn(|j| if j < rows { _mm256_maskload_ps(w.add((j0 + j) * ldw + k0), k_mask) } else { _mm256_setzero_ps() });
+            for (i, column) in transpose(r).iter().enumerate().take(width) {
+                _mm256_storeu_ps(panel.as_mut_ptr().add((k0 + i) * COLUMNS + j0), *column);
+            }
+        }
+    }
+}
+
+/// The 8 × 8 transpose of `r` (row `i` of the result is lane `i` of every input).
+#[target_feature(enable = "avx2")]
+unsafe fn transpose(r: [__m256; 8]) -> [__m256; 8] {
+    // Pairs of rows interleaved, then quads: `u[4h + j]`'s 128-bit lane `l` holds column
+    // `4l + j` of rows `4h..4h + 4`; the lanes are then swapped into place.
+    let t: [__m256; 8] = std::array::from_fn(|i| if i % 2 == 0 { _mm256_unpacklo_ps(r[i], r[i + 1]) } else { _mm256_unpackhi_ps(r[i - 1], r[i]) });
+    let u: [__m256; 8] = std::array::from_fn(|i| {
+        let (a, b) = (t[4 * (i / 4) + (i % 4) / 2], t[4 * (i / 4) + (i % 4) / 2 + 2]);
+        if i % 2 == 0 { _mm256_shuffle_ps::<0x44>(a, b) } else { _mm256_shuffle_ps::<0xEE>(a, b) }
+    });
+    std::array::from_fn(|c| if c < 4 { _mm256_permute2f128_ps::<0x20>(u[c], u[4 + c]) } else { _mm256_permute2f128_ps::<0x31>(u[c - 4], u[c]) })
+}
+
+/// `epilogue::x86::apply` on eight lanes.
+///
+/// # Safety
+/// As `Epilogue::apply`'s; the CPU must be `available()`.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn apply(e: &Epilogue, y: *mut f32, n: usize, rows: Range<usize>, cols: Range<usize>) {
+    for r in rows {
+        let row = y.add(r * n);
+        for j in cols.clone().step_by(8) {
+            let mask = lanes(cols.end, j);
+            let whole = j + 8 <= cols.end;
+            let load = |p: *const f32| if whole { _mm256_loadu_ps(p) } else { _mm256_maskload_ps(p, mask) };
+            let mut v = load(row.add(j));
+            if !e.bias.is_null() {
+                v = _mm256_add_ps(v, load(e.bias.add(j)));
+            }
+            let mut v = match e.activation {
+                Activation::Identity => v,
+                Activation::GeluTanh => gelu_tanh_as_sigmoid(v),
+                Activation::Silu => silu(v),
+            };
+            if let Factor::F32(times) = e.times {
+                v = _mm256_mul_ps(v, load(times.add(r * n + j)));
+            }
+            if !e.plus.is_null() {
+                v = _mm256_add_ps(v, load(e.plus.add(r * n + j)));
+            }
+            if whole {
+                _mm256_storeu_ps(row.add(j), v);
+            } else {
+                _mm256_maskstore_ps(row.add(j), mask, v);
+            }
+        }
+    }
+}
+
+/// `epilogue::silu` on eight lanes, each step rounded as the graph's ops round it.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn silu(v: __m256) -> __m256 {
+    let one = _mm256_set1_ps(1.0);
+    _mm256_mul_ps(v, _mm256_div_ps(one, _mm256_add_ps(one, exp(_mm256_sub_ps(_mm256_setzero_ps(), v)))))
+}
+
+/// `epilogue::x86::gelu_tanh_as_sigmoid` on eight lanes, σ by a division (AVX2's reciprocal
+/// has 12 bits to AVX-512's 14, one Newton step short of f32's).
+#[target_feature(enable = "avx2,fma")]
+unsafe fn gelu_tanh_as_sigmoid(v: __m256) -> __m256 {
+    let cube = _mm256_mul_ps(_mm256_mul_ps(v, v), v);
+    let minus_2u = _mm256_mul_ps(_mm256_add_ps(v, _mm256_mul_ps(cube, _mm256_set1_ps(KAPPA))), _mm256_set1_ps(-2.0 * BETA));
+    let sigmoid = _mm256_div_ps(_mm256_set1_ps(1.0), _mm256_add_ps(exp(minus_2u), _mm256_set1_ps(1.0)));
+    let saturated = _mm256_cmp_ps::<_CMP_GT_OQ>(minus_2u, _mm256_set1_ps(SATURATED_2U));
+    _mm256_blendv_ps(_mm256_mul_ps(v, sigmoid), _mm256_mul_ps(v, _mm256_setzero_ps()), saturated)
+}
+
+/// `vector_math::exp` on eight lanes: `2^n` as two factors put into exponents' bits, each a
+/// normal number over `n`'s range, where AVX-512 has `scalef`; 0 below f32's range, inf above
+/// it, NaN kept.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp(x: __m256) -> __m256 {
+    let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x);
+    let clamped = _mm256_min_ps(_mm256_max_ps(_mm256_set1_ps(-120.0), x), _mm256_set1_ps(100.0));
+    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(clamped, _mm256_set1_ps(std::f32::consts::LOG2_E)));
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2[0]), clamped);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2[1]), r);
+    let [highest, lower @ ..] = EXP;
+    let mut p = _mm256_set1_ps(highest);
+    for c in lower {
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    }
+    let e = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0)));
+    let n = _mm256_cvtps_epi32(n);
+    let half = _mm256_srai_epi32::<1>(n);
+    let power = |k: __m256i| _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(k, _mm256_set1_epi32(127))));
+    let scaled = _mm256_mul_ps(_mm256_mul_ps(e, power(half)), power(_mm256_sub_epi32(n, half)));
+    _mm256_blendv_ps(scaled, x, nan)
+}
+
+/// `vector_math::softmax_exp` on eight lanes: `2^n` put into the exponent's bits, where
+/// AVX-512 has `scalef`, and 0 where `n < -125` (`e^x` below 2^-124, nothing to a sum that holds
+/// a 1), which keeps `p 2^n` a normal number. A NaN stays NaN.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn softmax_exp(x: __m256) -> __m256 {
+    let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x);
+    let clamped = _mm256_max_ps(_mm256_set1_ps(-120.0), x);
+    let rounder = _mm256_set1_ps(ROUNDER);
+    let n = _mm256_sub_ps(_mm256_fmadd_ps(clamped, _mm256_set1_ps(std::f32::consts::LOG2_E), rounder), rounder);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(std::f32::consts::LN_2), clamped);
+    let [highest, lower @ ..] = SOFTMAX_EXP;
+    let mut p = _mm256_set1_ps(highest);
+    for c in lower {
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    }
+    let scaled = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32::<23>(_mm256_cvtps_epi32(n))));
+    let tiny = _mm256_cmp_ps::<_CMP_LT_OQ>(n, _mm256_set1_ps(-125.0));
+    _mm256_blendv_ps(_mm256_andnot_ps(tiny, scaled), x, nan)
+}
+
+/// `attention::exponentials` on eight lanes.
+///
+/// # Safety
+/// `row` must hold `len` ≥ `visible` floats; the CPU must be `available()`.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn exponentials(row: *mut f32, visible: usize, len: usize) -> (f32, f32) {
+    let whole = visible - visible % 8;
+    let tail = lanes(visible, whole);
+    let hidden = _mm256_set1_ps(f32::NEG_INFINITY);
+    let (mut max, mut nan) = (hidden, _mm256_setzero_ps());
+    let mut scan = |x: __m256| {
+        max = _mm256_max_ps(max, x);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x));
+    };
+    for at in (0..whole).step_by(8) {
+        scan(_mm256_loadu_ps(row.add(at)));
+    }
+    if whole < visible {
+        scan(_mm256_blendv_ps(hidden, _mm256_maskload_ps(row.add(whole), tail), _mm256_castsi256_ps(tail)));
+    }
+    // A NaN score makes its row NaN, as in eager (`max` drops NaN).
+    let max = if _mm256_movemask_ps(nan) != 0 { f32::NAN } else { reduce(max, _mm256_max_ps) };
+    let shift = _mm256_set1_ps(max);
+    let mut sum = _mm256_setzero_ps();
+    for at in (0..whole).step_by(8) {
+        let e = softmax_exp(_mm256_sub_ps(_mm256_loadu_ps(row.add(at)), shift));
+        _mm256_storeu_ps(row.add(at), e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    if whole < visible {
+        let e = softmax_exp(_mm256_sub_ps(_mm256_maskload_ps(row.add(whole), tail), shift));
+        _mm256_maskstore_ps(row.add(whole), tail, e);
+        sum = _mm256_add_ps(sum, _mm256_and_ps(e, _mm256_castsi256_ps(tail)));
+    }
+    std::ptr::write_bytes(row.add(visible), 0, len - visible);
+    (max, reduce(sum, _mm256_add_ps))
+}
+
+/// The eight lanes of `v` combined by `op`, pairwise.
+#[target_feature(enable = "avx2")]
+unsafe fn reduce(v: __m256, op: unsafe fn(__m256, __m256) -> __m256) -> f32 {
+    let halves = op(v, _mm256_permute2f128_ps::<0x01>(v, v));
+    let pairs = op(halves, _mm256_permute_ps::<0b01_00_11_10>(halves));
+    _mm256_cvtss_f32(op(pairs, _mm256_permute_ps::<0b10_11_00_01>(pairs)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The tile at every width of columns (whole vectors and not, one to four of them) and row
+    /// count, against f64 sums; nothing written past the columns or the rows.
+    #[test]
+    fn tile_agrees_with_f64_sums() {
+        if !available() {
+            return;
+        }
+        let mut next = super::super::uniform(3);
+        let k = 37;
+        let (ldx, ldy) = (k + 3, COLUMNS + 5);
+        let x: Vec<f32> = (0..ROWS * ldx).map(|_| next()).collect();
+        let panel: Vec<f32> = (0..k * COLUMNS).map(|_| next()).collect();
+        for cols in 1..=COLUMNS {
+            for rows in 1..=ROWS {
+                let mut y = vec![f32::NAN; (ROWS + 1) * ldy];
+                let t = Tile { b: panel.as_ptr(), ldb: COLUMNS, k, ldx, ldy, cols };
+                unsafe { tile(&t, x.as_ptr(), y.as_mut_ptr(), rows) };
+                for i in 0..=ROWS {
+                    for j in 0..ldy {
+                        let got = y[i * ldy + j];
+                        if i < rows && j < cols {
+                            let want: f64 = (0..k).map(|kk| f64::from(x[i * ldx + kk]) * f64::from(panel[kk * COLUMNS + j])).sum();
+                            assert!((f64::from(got) - want).abs() <= 1e-5 * (k as f64).sqrt(), "{rows} x {cols} at {i},{j}: {got} vs {want}");
+                        } else {
+                            assert!(got.is_nan(), "{rows} x {cols}: wrote {i},{j}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Rows of a `[N, K]` weight copied into a panel's columns, for every tail of rows and of K;
+    /// the columns past `cols` in a block of eight are zeros, past the block untouched.
+    #[test]
+    fn panels_hold_the_transposed_rows() {
+        if !available() {
+            return;
+        }
+        for (k, cols) in [(16, 32), (13, 19), (8, 8), (3, 1), (70, 25)] {
+            let ldw = k + 2;
+            let w: Vec<f32> = (0..COLUMNS * ldw).map(|i| i as f32).collect();
+            let mut panel = vec![-1.0; k * COLUMNS];
+            unsafe { pack_transposed((w.as_ptr(), ldw), k, cols, &mut panel) };
+            for kk in 0..k {
+                for j in 0..COLUMNS {
+                    let want = if j < cols { w[j * ldw + kk] } else if j < cols.next_multiple_of(8) { 0.0 } else { -1.0 };
+                    assert_eq!(panel[kk * COLUMNS + j], want, "k {k} cols {cols} at {kk},{j}");
+                }
+            }
+        }
+    }
+
+    /// `exp` against f64's over f32's range, within 2 ulp where the result is a normal number;
+    /// 0, inf and NaN where `vector_math::exp` gives them.
+    #[test]
+    fn exp_is_within_two_ulp() {
+        if !available() {
+            return;
+        }
+        let on_lanes = |values: &[f32]| -> Vec<f32> {
+            values.chunks(8).flat_map(|chunk| {
+                let mut lanes = [0f32; 8];
+                lanes[..chunk.len()].copy_from_slice(chunk);
+                let got: [f32; 8] = unsafe { std::mem::transmute(exp(std::mem::transmute::<[f32; 8], __m256>(lanes))) };
+                got.into_iter().take(chunk.len()).collect::<Vec<_>>()
+            }).collect()
+        };
+        let values: Vec<f32> = (-8700..=8860).map(|i| i as f32 * 0.01 + 0.003).collect();
+        for (&v, got) in values.iter().zip(on_lanes(&values)) {
+            let want = f64::from(v).exp();
+            assert!((f64::from(got) - want).abs() <= 2.0 * f64::from(f32::EPSILON) * want, "e^{v}: {got} against {want}");
+        }
+        let special = [f32::NEG_INFINITY, -200.0, f32::INFINITY, 89.0, f32::NAN, 0.0];
+        let got = on_lanes(&special);
+        assert_eq!(got[..4], [0.0, 0.0, f32::INFINITY, f32::INFINITY]);
+        assert!(got[4].is_nan() && got[5] == 1.0);
+    }
+
+    /// A row's exponentials and their sum against f64's, the scores past `visible` zeroed; -inf
+    /// gives 0, a NaN makes the row's max NaN, a row all -inf has max -inf.
+    #[test]
+    fn exponentials_agree_with_f64() {
+        if !available() {
+            return;
+        }
+        let mut next = super::super::uniform(9);
+        for (visible, len) in [(1, 8), (7, 9), (8, 8), (29, 40), (64, 64), (100, 130)] {
+            let scores: Vec<f32> = (0..len).map(|i| if i % 5 == 3 { f32::NEG_INFINITY } else { 12.0 * next() }).collect();
+            let mut row = scores.clone();
+            let (max, sum) = unsafe { exponentials(row.as_mut_ptr(), visible, len) };
+            let want_max = scores[..visible].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            assert_eq!(max, want_max);
+            // Of the difference as f32 rounds it, which the kernel takes.
+            let exact: Vec<f64> = scores[..visible].iter().map(|&s| f64::from(s - max).exp()).collect();
+            for (i, (&got, want)) in row.iter().zip(&exact).enumerate() {
+                // 2 ulp from 1 down to 2^-24, 5 below (`softmax_exp`'s bounds), with room for the f64 rounding.
+                let ulps = if *want >= 2f64.powi(-24) { 2.5 } else { 5.5 };
+                assert!((f64::from(got) - want).abs() <= ulps * f64::from(f32::EPSILON) * want, "{visible}/{len} at {i}: {got} vs {want}");
+            }
+            assert!(row[visible..].iter().all(|&e| e == 0.0), "{visible}/{len}: past the visible keys");
+            let want_sum: f64 = exact.iter().sum();
+            assert!((f64::from(sum) - want_sum).abs() <= 1e-6 * want_sum, "{visible}/{len}: sum {sum} vs {want_sum}");
+        }
+        let mut row = vec![0.5, f32::NAN, 1.0];
+        assert!(unsafe { exponentials(row.as_mut_ptr(), 3, 3) }.0.is_nan());
+        let mut row = vec![f32::NEG_INFINITY; 11];
+        assert_eq!(unsafe { exponentials(row.as_mut_ptr(), 11, 11) }.0, f32::NEG_INFINITY);
+    }
+}
