@@ -138,7 +138,9 @@ def test_nan_and_infinity_reach_the_outputs_they_touch():
 
 
 needs_f32_kernels = pytest.mark.skipif(not F32_PRODUCTS, reason="f32 products and attention are registered on CPUs with AVX2 and FMA or AVX-512")
-needs_avx512 = pytest.mark.skipif(not AVX512, reason="f32 convolutions and norms are registered on CPUs with AVX-512 only")
+needs_avx512 = pytest.mark.skipif(
+    not AVX512, reason="f32 convolutions, norms and kept weights' long contractions run on our kernels on CPUs with AVX-512 only"
+)
 
 
 def check_f32_product(fn, args, target, compiled):
@@ -289,7 +291,7 @@ def kept_product(rows: int, k: int) -> bool:
     return (amx and rows >= 64) or (not amx and k <= 2048)
 
 
-@needs_f32_kernels
+@needs_avx512
 @pytest.mark.parametrize("rows, k, n, module", LONG_CONTRACTIONS + FEW_ROWS)
 def test_a_kept_weight_s_long_contraction_runs_on_the_tiles(rows, k, n, module, compiled):
     """Past K = 256 our kernel takes a product only from a resident weight it keeps packed: on
@@ -312,7 +314,7 @@ def test_a_kept_weight_s_long_contraction_runs_on_the_tiles(rows, k, n, module, 
     assert kernel_calls(compiled, F32_KERNELS if layer.bias is None else BIAS_KERNELS) == int(kept_product(rows, k))
 
 
-@needs_f32_kernels
+@needs_avx512
 def test_a_decode_at_a_real_width_matches_eager_with_its_rows_on_our_kernel():
     """A Llama with 1 MiB projections (hidden 256, MLP 1024) decoding greedily: its steps' single
     rows run on our kernel (split by columns, the gated SiLU and residual adds applied by it),
@@ -858,7 +860,7 @@ def test_a_bf16_gated_mlp_s_nan_and_infinities_go_as_eager_s(compiled):
     assert kernel_calls(compiled, BF16_TILE_SILU_KERNELS) == int(tpu_dynamo.device_info()["bf16_products"])
 
 
-@needs_f32_kernels
+@needs_avx512
 @pytest.mark.parametrize("form", ["gelu_new", "llama"])
 def test_a_long_contraction_s_gelu_or_gated_silu_runs_on_the_tiles(form, compiled):
     """At GPT-2 small's and SmolLM-135M's widths (on AMX the weight's pieces past L2's share,

@@ -229,9 +229,11 @@ pub fn target() -> Result<Arc<Target>, Error> {
     let one = |a: &'static str| host_kernels.contains(&a).then_some(a);
     let both = |a: &'static str, b: &'static str| (host_kernels.contains(&a) && host_kernels.contains(&b)).then_some((a, b));
     let pair = |a, b| both(a, b).map(|(row_per_output, row_per_input)| HostProduct { row_per_output, row_per_input });
-    let f32_kept = host_kernels
-        .contains(&host_kernels::F32_MATMUL_NT_TARGET)
-        .then(|| if host_kernels::products_on_tiles() { KeptF32::Tiles } else { KeptF32::Panels });
+    let f32_kept = match host_kernels.contains(&host_kernels::F32_MATMUL_NT_TARGET) {
+        true if host_kernels::products_on_tiles() => Some(KeptF32::Tiles),
+        true if host_kernels::kept_panels_beat_xla() => Some(KeptF32::Panels),
+        _ => None,
+    };
     *LOWERING_TARGET.write().unwrap_or_else(|poisoned| poisoned.into_inner()) = LoweringTarget {
         cpu: host_memory,
         host_matvec: pair(host_kernels::BF16_MATVEC_TARGET, host_kernels::BF16_VECMAT_TARGET),
