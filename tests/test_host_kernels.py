@@ -138,6 +138,8 @@ def test_nan_and_infinity_reach_the_outputs_they_touch():
 
 
 needs_f32_kernels = pytest.mark.skipif(not F32_PRODUCTS, reason="f32 products and attention are registered on CPUs with AVX2 and FMA or AVX-512")
+# Three bf16 MLP tests too: without AVX-512 XLA's own bf16 products, GELU and SiLU run them,
+# and miss those tests' bounds against eager's (an AMD Zen 3).
 needs_avx512 = pytest.mark.skipif(
     not AVX512, reason="f32 convolutions, norms and kept weights' long contractions run on our kernels on CPUs with AVX-512 only"
 )
