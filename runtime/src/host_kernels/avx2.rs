@@ -32,7 +32,7 @@ pub(super) unsafe fn tile(t: &Tile, x: *const f32, y: *mut f32, rows: usize) {
     debug_assert!(rows <= ROWS && t.cols <= COLUMNS);
     for first in (0..t.cols).step_by(16) {
         let half = Tile { b: t.b.add(first), cols: (t.cols - first).min(16), ..*t };
-        let (vectors, whole) = (half.cols.div_ceil(8), half.cols % 8 == 0);
+        let (vectors, whole) = (half.cols.div_ceil(8), half.cols.is_multiple_of(8));
         let per_pass = 12 / vectors;
         let mut r = 0;
         while r < rows {
