@@ -1,5 +1,5 @@
-//! The f32 product tile, the copy of a weight into panels, the products' epilogues and
-//! attention's exponentials on eight-lane AVX2 vectors with FMA, for CPUs without AVX-512 (AMD
+//! The f32 product tile, the copy of a weight into panels, the products' epilogues,
+//! attention's exponentials and f32 LayerNorm and RMSNorm rows on eight-lane AVX2 vectors with FMA, for CPUs without AVX-512 (AMD
 //! Zen 2 and 3, Intel before Ice Lake): there XLA:CPU's own products and softmax ran every f32
 //! model, our kernels being AVX-512's alone. Same results as those, to the products' summation
 //! order and the last ulp of a GELU's reciprocal.
@@ -191,6 +191,77 @@ unsafe fn exp(x: __m256) -> __m256 {
     let power = |k: __m256i| _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(k, _mm256_set1_epi32(127))));
     let scaled = _mm256_mul_ps(_mm256_mul_ps(e, power(half)), power(_mm256_sub_epi32(n, half)));
     _mm256_blendv_ps(scaled, x, nan)
+}
+
+/// Values `at..at + 8` of a row of `n` f32s (those past `n` zero), and the mask of those within.
+#[target_feature(enable = "avx2")]
+unsafe fn load_row(x: *const f32, n: usize, at: usize) -> (__m256, __m256) {
+    let mask = lanes(n, at);
+    let v = if at + 8 <= n { _mm256_loadu_ps(x.add(at)) } else { _mm256_maskload_ps(x.add(at), mask) };
+    (v, _mm256_castsi256_ps(mask))
+}
+
+/// `out` into values `at..at + 8` (within `n`) of a row of f32s.
+#[target_feature(enable = "avx2")]
+unsafe fn store_row(y: *mut f32, n: usize, at: usize, out: __m256) {
+    if at + 8 <= n {
+        _mm256_storeu_ps(y.add(at), out);
+    } else {
+        _mm256_maskstore_ps(y.add(at), lanes(n, at), out);
+    }
+}
+
+/// `layer_norm::x86::row` for a row of f32s (the mean summed about the row's first value, then
+/// the variance about the mean), on eight lanes.
+///
+/// # Safety
+/// `x` and `y` must hold `n` values; the CPU must be `available()`.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn layer_norm_row((x, y): (*const f32, *mut f32), n: usize, (weight, bias): (&[f32], &[f32]), modulation: Option<(&[f32], &[f32])>, eps: f32) -> (f32, f32) {
+    let shift = _mm256_set1_ps(if n == 0 { 0.0 } else { *x });
+    let mut sum = _mm256_setzero_ps();
+    for at in (0..n).step_by(8) {
+        let (v, within) = load_row(x, n, at);
+        sum = _mm256_add_ps(sum, _mm256_and_ps(_mm256_sub_ps(v, shift), within));
+    }
+    let mean = _mm256_add_ps(shift, _mm256_set1_ps(reduce(sum, _mm256_add_ps) / n as f32));
+    let mut squares = _mm256_setzero_ps();
+    for at in (0..n).step_by(8) {
+        let (v, within) = load_row(x, n, at);
+        let d = _mm256_and_ps(_mm256_sub_ps(v, mean), within);
+        squares = _mm256_fmadd_ps(d, d, squares);
+    }
+    let rstd = 1.0 / (reduce(squares, _mm256_add_ps) / n as f32 + eps).sqrt();
+    let scale = _mm256_set1_ps(rstd);
+    let load = |p: &[f32], at: usize| load_row(p.as_ptr(), n, at).0;
+    for at in (0..n).step_by(8) {
+        let normalized = _mm256_mul_ps(_mm256_sub_ps(load_row(x, n, at).0, mean), scale);
+        let mut out = _mm256_fmadd_ps(normalized, load(weight, at), load(bias, at));
+        if let Some((factor, shift)) = modulation {
+            out = _mm256_add_ps(_mm256_mul_ps(out, load(factor, at)), load(shift, at));
+        }
+        store_row(y, n, at, out);
+    }
+    (_mm256_cvtss_f32(mean), rstd)
+}
+
+/// `layer_norm::x86::rms_row` for a row of f32s, on eight lanes: the squares in four sums.
+///
+/// # Safety
+/// `x` and `y` must hold `n` values; the CPU must be `available()`.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn rms_row((x, y): (*const f32, *mut f32), n: usize, weight: &[f32], eps: f32) {
+    let mut sums = [_mm256_setzero_ps(); 4];
+    for (i, at) in (0..n).step_by(8).enumerate() {
+        let v = load_row(x, n, at).0;
+        sums[i % 4] = _mm256_fmadd_ps(v, v, sums[i % 4]);
+    }
+    let squares = _mm256_add_ps(_mm256_add_ps(sums[0], sums[1]), _mm256_add_ps(sums[2], sums[3]));
+    let scale = _mm256_set1_ps(1.0 / (reduce(squares, _mm256_add_ps) / n as f32 + eps).sqrt());
+    for at in (0..n).step_by(8) {
+        let normalized = _mm256_mul_ps(load_row(x, n, at).0, scale);
+        store_row(y, n, at, _mm256_mul_ps(normalized, load_row(weight.as_ptr(), n, at).0));
+    }
 }
 
 /// `vector_math::softmax_exp` on eight lanes: `2^n` put into the exponent's bits, where

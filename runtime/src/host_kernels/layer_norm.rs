@@ -64,7 +64,8 @@ pub(super) trait Rows {
     /// Rows `first..first + count`.
     ///
     /// # Safety
-    /// The pointers must cover the shapes, and the CPU have AVX-512 (`gemm::avx512()`).
+    /// The pointers must cover the shapes, and the CPU run the tile (`gemm::available()`); bf16
+    /// rows (`half`) need AVX-512 (`gemm::avx512()`).
     unsafe fn rows(&self, first: usize, count: usize);
 
     /// Units of work for up to `threads`: runs of whole rows.
@@ -84,7 +85,11 @@ impl Rows for RmsNorm {
         let bytes = if self.half { 2 } else { 4 };
         for r in first..first + count {
             let (x, y) = (self.x.add(r * self.n * bytes), self.y.add(r * self.n * bytes));
-            x86::rms_row((x, y, self.half), self.n, weight, self.eps);
+            if super::gemm::avx512() {
+                x86::rms_row((x, y, self.half), self.n, weight, self.eps);
+            } else {
+                super::avx2::rms_row((x as *const f32, y as *mut f32), self.n, weight, self.eps);
+            }
         }
     }
 }
@@ -104,7 +109,11 @@ impl Rows for LayerNorm {
                 let batch = r / m.per_batch.max(1);
                 (std::slice::from_raw_parts(m.factor.add(batch * self.n), self.n), std::slice::from_raw_parts(m.shift.add(batch * self.n), self.n))
             });
-            let (mean, rstd) = x86::row((x, y, self.half), self.n, (weight, bias), modulation, self.eps);
+            let (mean, rstd) = if super::gemm::avx512() {
+                x86::row((x, y, self.half), self.n, (weight, bias), modulation, self.eps)
+            } else {
+                super::avx2::layer_norm_row((x as *const f32, y as *mut f32), self.n, (weight, bias), modulation, self.eps)
+            };
             *self.mean.add(r) = mean;
             *self.rstd.add(r) = rstd;
         }
@@ -245,7 +254,7 @@ mod tests {
     /// Rows of several widths (off the 16 lanes too) with a large common offset, against f64.
     #[test]
     fn agrees_with_f64() {
-        if !super::super::gemm::avx512() {
+        if !super::super::gemm::available() {
             return;
         }
         let mut next = super::super::uniform(5);
@@ -298,10 +307,11 @@ mod tests {
     }
 
     /// A modulated norm (two batches of three rows) is the plain norm's rows, times the batch's
-    /// factor, plus its shift, each step rounded as the row's type: bit for bit, f32 and bf16.
+    /// factor, plus its shift, each step rounded as the row's type: bit for bit, f32 and (on
+    /// AVX-512) bf16.
     #[test]
     fn modulated_rows_are_the_norm_then_each_rounded_step() {
-        if !super::super::gemm::avx512() {
+        if !super::super::gemm::available() {
             return;
         }
         let mut next = super::super::uniform(17);
@@ -309,7 +319,7 @@ mod tests {
         let (rows, n, batches) = (6, 40, 2);
         let (weight, bias): (Vec<f32>, Vec<f32>) = (0..n).map(|_| (1.0 + next(), next())).unzip();
         let (factor, shift): (Vec<f32>, Vec<f32>) = (0..batches * n).map(|_| (value(bf16(1.0 + next())), value(bf16(next())))).unzip();
-        for half in [false, true] {
+        for half in [false, true].into_iter().filter(|&half| !half || super::super::gemm::avx512()) {
             let bytes = if half { 2 } else { 4 };
             let x: Vec<u16> = (0..rows * n * bytes / 2).map(|_| bf16(3.0 * next())).collect();
             let run = |modulation| {
@@ -337,7 +347,7 @@ mod tests {
     /// a row with a NaN is NaN, one with an infinity NaN there and 0 elsewhere (`x · rsqrt(∞)`).
     #[test]
     fn rms_agrees_with_f64() {
-        if !super::super::gemm::avx512() {
+        if !super::super::gemm::available() {
             return;
         }
         let mut next = super::super::uniform(7);
@@ -388,7 +398,7 @@ mod tests {
 
     #[test]
     fn rms_of_a_row_with_nan_or_infinity() {
-        if !super::super::gemm::avx512() {
+        if !super::super::gemm::available() {
             return;
         }
         let mut x: Vec<f32> = (0..3 * 20).map(|i| i as f32 - 7.0).collect();
