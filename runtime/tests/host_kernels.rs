@@ -32,13 +32,20 @@ fn download_any(buffer: &Buffer, dtype: DType) -> Vec<f64> {
     }
 }
 
-/// Whether the plugin takes our kernel `target`, asserting that it does exactly where it must:
-/// the embedded plugin (PJRT 0.115) on an x86-64 CPU with AVX2 (bf16) or AVX-512 (f32); no
-/// other is tested.
+/// Whether the plugin takes our kernel `target` (a bf16 matrix-vector product, or an f32
+/// product or attention), asserting that it does exactly where it must: the embedded plugin
+/// (PJRT 0.115) on an x86-64 CPU with AVX2 (bf16), or AVX2 and FMA or AVX-512 (f32); no other is
+/// tested.
 fn registers(client: &Client, target: &str) -> bool {
     #[cfg(target_arch = "x86_64")]
+    let avx2 = std::arch::is_x86_feature_detected!("avx2");
+    #[cfg(target_arch = "x86_64")]
     let expected = client.plugin().api_version().1 <= 115
-        && if target.starts_with("tpu_dynamo.f32_") { std::arch::is_x86_feature_detected!("avx512f") } else { std::arch::is_x86_feature_detected!("avx2") };
+        && if target.starts_with("tpu_dynamo.f32_") {
+            std::arch::is_x86_feature_detected!("avx512f") || (avx2 && std::arch::is_x86_feature_detected!("fma"))
+        } else {
+            avx2
+        };
     #[cfg(not(target_arch = "x86_64"))]
     let expected = false;
     assert_eq!(register(client.plugin()).contains(&target), expected, "{target}");
