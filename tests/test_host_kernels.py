@@ -51,7 +51,7 @@ BF16_LAYER_NORM_KERNEL = "tpu_dynamo.bf16_layer_norm"
 RMS_NORM_KERNEL = "tpu_dynamo.f32_rms_norm"
 BF16_RMS_NORM_KERNEL = "tpu_dynamo.bf16_rms_norm"
 AVX512 = "avx512f" in Path("/proc/cpuinfo").read_text()
-# f32 products, attention and norms run on AVX2's vectors with FMA too (AMD Zen 2 and 3).
+# f32 products, attention, norms and 3×3 convolutions run on AVX2's vectors with FMA too (AMD Zen 2 and 3).
 F32_PRODUCTS = AVX512 or {"avx2", "fma"} <= set(Path("/proc/cpuinfo").read_text().split())
 # bf16 rows' loads and stores take AVX-512's word and 256-bit forms (every AVX-512 CPU but Xeon Phi).
 AVX512_BW = {"avx512bw", "avx512vl"} <= set(Path("/proc/cpuinfo").read_text().split())
@@ -62,11 +62,11 @@ BF16_PRODUCTS = AMX or {"avx512_bf16", "avx512bw", "avx512vl"} <= set(Path("/pro
 
 def test_the_embedded_plugin_runs_our_kernels():
     """On x86-64 with AVX2 and FMA (this CI's machines) the embedded plugin registers the bf16
-    ones and f32 products (with their epilogues), attention and norms, with AVX-512 f32
-    convolutions and bf16 norms too, and with AMX or AVX-512 BF16 bf16 products and attention."""
+    ones and f32 products (with their epilogues), attention, norms and 3×3 convolutions, with
+    AVX-512 bf16 norms too, and with AMX or AVX-512 BF16 bf16 products and attention."""
     products = F32_KERNELS + BIAS_KERNELS + GELU_KERNELS + SILU_KERNELS + PLUS_KERNELS + BIAS_PLUS_KERNELS + ATTENTION_KERNELS
-    products += [LAYER_NORM_KERNEL, RMS_NORM_KERNEL]
-    avx512_kernels = [CONV_KERNEL] + ([BF16_LAYER_NORM_KERNEL, BF16_RMS_NORM_KERNEL] if AVX512_BW else [])
+    products += [LAYER_NORM_KERNEL, RMS_NORM_KERNEL, CONV_KERNEL]
+    avx512_kernels = [BF16_LAYER_NORM_KERNEL, BF16_RMS_NORM_KERNEL] if AVX512_BW else []
     f32_kernels = (products if F32_PRODUCTS else []) + (avx512_kernels if AVX512 else [])
     assert host_kernels() == ["tpu_dynamo.bf16_matvec", "tpu_dynamo.bf16_vecmat"] + f32_kernels + (
         BF16_TILE_KERNELS + BF16_TILE_BIAS_KERNELS + BF16_TILE_GELU_KERNELS + BF16_TILE_SILU_KERNELS + BF16_CONV_KERNELS + [BF16_CONV3X3_KERNEL] + BF16_ATTENTION_KERNELS
@@ -138,11 +138,11 @@ def test_nan_and_infinity_reach_the_outputs_they_touch():
     assert torch.isfinite(got[0, 0, [0, 1, 2, 4, 69, 71]]).all()
 
 
-needs_f32_kernels = pytest.mark.skipif(not F32_PRODUCTS, reason="f32 products, attention and norms are registered on CPUs with AVX2 and FMA or AVX-512")
+needs_f32_kernels = pytest.mark.skipif(not F32_PRODUCTS, reason="f32 products, attention, norms and convolutions are registered on CPUs with AVX2 and FMA or AVX-512")
 # Three bf16 MLP tests too: without AVX-512 XLA's own bf16 products, GELU and SiLU run them,
 # and miss those tests' bounds against eager's (an AMD Zen 3).
 needs_avx512 = pytest.mark.skipif(
-    not AVX512, reason="f32 convolutions and kept weights' long contractions run on our kernels on CPUs with AVX-512 only"
+    not AVX512, reason="kept weights' long contractions run on our kernel on CPUs with AVX-512 only"
 )
 
 
@@ -165,7 +165,7 @@ def check_f32_product(fn, args, target, compiled):
 CONVS = [(1, 4, 32, 32, 32), (1, 32, 32, 32, 32), (1, 64, 64, 16, 16), (2, 8, 13, 8, 8), (1, 3, 5, 5, 7), (2, 20, 30, 9, 40)]
 
 
-@needs_avx512
+@needs_f32_kernels
 @pytest.mark.parametrize("n, c, o, h, w", CONVS)
 @pytest.mark.parametrize("bias", [False, True])
 def test_an_f32_3x3_convolution_runs_our_kernel(n, c, o, h, w, bias, compiled):
@@ -183,7 +183,7 @@ def test_an_f32_3x3_convolution_runs_our_kernel(n, c, o, h, w, bias, compiled):
     assert kernel_calls(compiled, [CONV_KERNEL]) == 1
 
 
-@needs_avx512
+@needs_f32_kernels
 @pytest.mark.parametrize(
     "form",
     [dict(stride=2, padding=1), dict(padding=0), dict(padding=1, dilation=2), dict(padding=1, groups=2), dict(padding=2, kernel=5)],
@@ -201,7 +201,7 @@ def test_other_f32_convolutions_stay_xla_s(form, compiled):
     assert kernel_calls(compiled, [CONV_KERNEL]) == 0
 
 
-@needs_avx512
+@needs_f32_kernels
 def test_a_convolution_s_nan_and_infinity_reach_the_outputs_they_touch(compiled):
     """A NaN input makes every output whose window holds it NaN, an infinite one ±inf (NaN where
     infinities of both signs meet), as eager's; the others stay finite and agree."""

@@ -1,9 +1,11 @@
 //! The f32 product tile, the copy of a weight into panels, the products' epilogues,
-//! attention's exponentials and f32 LayerNorm and RMSNorm rows on eight-lane AVX2 vectors with FMA, for CPUs without AVX-512 (AMD
+//! attention's exponentials, f32 LayerNorm and RMSNorm rows and the 3×3 convolution's tile on
+//! eight-lane AVX2 vectors with FMA, for CPUs without AVX-512 (AMD
 //! Zen 2 and 3, Intel before Ice Lake): there XLA:CPU's own products and softmax ran every f32
 //! model, our kernels being AVX-512's alone. Same results as those, to the products' summation
 //! order and the last ulp of a GELU's reciprocal.
 
+use super::conv::{Positions, Shape};
 use super::epilogue::{Activation, Epilogue, Factor, BETA, KAPPA, SATURATED_2U};
 use super::gemm::{Tile, COLUMNS, ROWS};
 use std::ops::Range;
@@ -261,6 +263,68 @@ pub(super) unsafe fn rms_row((x, y): (*const f32, *mut f32), n: usize, weight: &
     for at in (0..n).step_by(8) {
         let normalized = _mm256_mul_ps(load_row(x, n, at).0, scale);
         store_row(y, n, at, _mm256_mul_ps(normalized, load_row(weight.as_ptr(), n, at).0));
+    }
+}
+
+/// `conv::x86::tile` on eight lanes: `rows` ≤ `ROWS` output channels at each of the pair's
+/// vectors of sixteen positions in turn (two of eight lanes), six channels at a time, so that
+/// their sums, a tap's two input vectors and a weight take fifteen of the sixteen registers.
+///
+/// # Safety
+/// As `conv::tile`'s; the CPU must be `available()`.
+pub(super) unsafe fn conv_tile(s: &Shape, (x, w, y): (*const f32, *const f32, *mut f32), pair: &[Positions; 2], rows: usize) {
+    for p in pair.iter().filter(|p| p.mask != 0) {
+        let mut r = 0;
+        while r < rows {
+            let m = (rows - r).min(6);
+            let (w, y) = (w.add(r * s.channels * 9), y.add(r * s.plane()));
+            match m {
+                1 => conv_rows::<1>(s, (x, w, y), p),
+                2 => conv_rows::<2>(s, (x, w, y), p),
+                3 => conv_rows::<3>(s, (x, w, y), p),
+                4 => conv_rows::<4>(s, (x, w, y), p),
+                5 => conv_rows::<5>(s, (x, w, y), p),
+                _ => conv_rows::<6>(s, (x, w, y), p),
+            }
+            r += m;
+        }
+    }
+}
+
+/// The lanes of two vectors of eight whose bits `mask` sets.
+#[target_feature(enable = "avx2")]
+unsafe fn bit_lanes(mask: u16) -> [__m256i; 2] {
+    let bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    [0, 8].map(|from| {
+        let byte = _mm256_set1_epi32(i32::from(mask >> from & 0xff));
+        _mm256_cmpeq_epi32(_mm256_and_si256(byte, bits), bits)
+    })
+}
+
+/// `M` output channels at the sixteen positions `p`: each input channel's nine taps, a tap's
+/// inputs loaded under its mask (zeros past the image's edges) times each channel's weight.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn conv_rows<const M: usize>(s: &Shape, (x, w, y): (*const f32, *const f32, *mut f32), p: &Positions) {
+    let plane = s.plane();
+    let taps: [[__m256i; 2]; 9] = std::array::from_fn(|t| bit_lanes(p.taps[t].mask));
+    let mut sums = [[_mm256_setzero_ps(); 2]; M];
+    for c in 0..s.channels {
+        let (xc, wc) = (x.add(c * plane), w.add(c * 9));
+        for (t, lanes) in taps.iter().enumerate() {
+            let at = xc.wrapping_offset(p.taps[t].offset);
+            let inputs = [_mm256_maskload_ps(at, lanes[0]), _mm256_maskload_ps(at.wrapping_add(8), lanes[1])];
+            for (r, row) in sums.iter_mut().enumerate() {
+                let a = _mm256_broadcast_ss(&*wc.add(r * s.channels * 9 + t));
+                row[0] = _mm256_fmadd_ps(a, inputs[0], row[0]);
+                row[1] = _mm256_fmadd_ps(a, inputs[1], row[1]);
+            }
+        }
+    }
+    let out = bit_lanes(p.mask);
+    for (r, row) in sums.iter().enumerate() {
+        let at = y.add(r * plane + p.at);
+        _mm256_maskstore_ps(at, out[0], row[0]);
+        _mm256_maskstore_ps(at.add(8), out[1], row[1]);
     }
 }
 

@@ -45,7 +45,7 @@ impl Shape {
         self.plane().div_ceil(LANES).div_ceil(2)
     }
 
-    fn plane(&self) -> usize {
+    pub fn plane(&self) -> usize {
         self.height * self.width
     }
 }
@@ -77,19 +77,19 @@ unsafe impl Sync for Conv {}
 /// Where a tap's vector of inputs starts (in its channel's plane; before the plane for the top
 /// row's taps, so only masked lanes reach there) and which of its lanes lie in the image.
 #[derive(Clone, Copy, Default)]
-struct Tap {
-    offset: isize,
-    mask: u16,
+pub(super) struct Tap {
+    pub offset: isize,
+    pub mask: u16,
 }
 
 /// An output vector: sixteen positions on from `at` in an output plane (a row's end and the next
 /// row's start alike, so that images narrower than a vector fill it), the lanes that lie in the
 /// plane, and its nine taps (`3 * ky + kx`).
 #[derive(Clone, Copy, Default)]
-struct Positions {
-    at: usize,
-    mask: u16,
-    taps: [Tap; 9],
+pub(super) struct Positions {
+    pub at: usize,
+    pub mask: u16,
+    pub taps: [Tap; 9],
 }
 
 impl Positions {
@@ -238,6 +238,10 @@ unsafe fn tile(s: &Shape, x: *const f32, w: *const f32, y: *mut f32, pair: &[Pos
         }
         rows!(1 2 3 4 5 6 7 8 9 10 11 12);
         return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if super::avx2::available() {
+        return super::avx2::conv_tile(s, (x, w, y), pair, rows);
     }
     for p in pair.iter().filter(|p| p.mask != 0) {
         for r in 0..rows {
