@@ -318,11 +318,6 @@ impl Tile {
     pub unsafe fn run(&self, x: *const f32, y: *mut f32, rows: usize) -> usize {
         let done = rows.min(ROWS);
         #[cfg(target_arch = "x86_64")]
-        if super::avx2::available() && !avx512() {
-            super::avx2::tile(self, x, y, done);
-            return done;
-        }
-        #[cfg(target_arch = "x86_64")]
         if avx512() {
             // One vector of columns where the second would hold none (attention's values of
             // heads up to 16 wide): half the multiply-adds.
@@ -347,6 +342,11 @@ impl Tile {
                 };
             }
             rows!(1 2 3 4 5 6 7 8 9 10 11 12);
+            return done;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if super::avx2::available() {
+            super::avx2::tile(self, x, y, done);
             return done;
         }
         for r in 0..done {
