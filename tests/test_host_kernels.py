@@ -50,14 +50,15 @@ LAYER_NORM_KERNEL = "tpu_dynamo.f32_layer_norm"
 BF16_LAYER_NORM_KERNEL = "tpu_dynamo.bf16_layer_norm"
 RMS_NORM_KERNEL = "tpu_dynamo.f32_rms_norm"
 BF16_RMS_NORM_KERNEL = "tpu_dynamo.bf16_rms_norm"
-AVX512 = "avx512f" in Path("/proc/cpuinfo").read_text()
+CPU_FLAGS = set(Path("/proc/cpuinfo").read_text().split())
+AVX512 = "avx512f" in CPU_FLAGS
 # f32 products, attention, norms and 3×3 convolutions run on AVX2's vectors with FMA too (AMD Zen 2 and 3).
-F32_PRODUCTS = AVX512 or {"avx2", "fma"} <= set(Path("/proc/cpuinfo").read_text().split())
+F32_PRODUCTS = AVX512 or {"avx2", "fma"} <= CPU_FLAGS
 # bf16 rows' loads and stores take AVX-512's word and 256-bit forms (every AVX-512 CPU but Xeon Phi).
-AVX512_BW = {"avx512bw", "avx512vl"} <= set(Path("/proc/cpuinfo").read_text().split())
-AMX = {"amx_bf16", "amx_tile"} <= set(Path("/proc/cpuinfo").read_text().split())
+AVX512_BW = {"avx512bw", "avx512vl"} <= CPU_FLAGS
+AMX = {"amx_bf16", "amx_tile"} <= CPU_FLAGS
 # Where AMX is not, bf16 products (and attention) run in the tiles' layouts on AVX-512 BF16's vector dot products.
-BF16_PRODUCTS = AMX or {"avx512_bf16", "avx512bw", "avx512vl"} <= set(Path("/proc/cpuinfo").read_text().split())
+BF16_PRODUCTS = AMX or {"avx512_bf16", "avx512bw", "avx512vl"} <= CPU_FLAGS
 
 
 def test_the_embedded_plugin_runs_our_kernels():

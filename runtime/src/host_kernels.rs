@@ -209,9 +209,6 @@ pub fn register(plugin: &Plugin) -> Vec<&'static str> {
         #[cfg(target_arch = "x86_64")]
         handlers.extend([(F32_LAYER_NORM_TARGET, f32_layer_norm as *const c_void), (F32_RMS_NORM_TARGET, f32_rms_norm as *const c_void)]);
         handlers.push((F32_CONV3X3_TARGET, f32_conv3x3 as *const c_void));
-    }
-    // bf16 norms are written for AVX-512 alone.
-    if gemm::avx512() {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx512bw") && std::arch::is_x86_feature_detected!("avx512vl") {
             handlers.extend([(BF16_LAYER_NORM_TARGET, bf16_layer_norm as *const c_void), (BF16_RMS_NORM_TARGET, bf16_rms_norm as *const c_void)]);

@@ -1,16 +1,16 @@
 //! The f32 product tile, the copy of a weight into panels, the products' epilogues,
 //! attention's exponentials, f32 LayerNorm and RMSNorm rows and the 3×3 convolution's tile on
-//! eight-lane AVX2 vectors with FMA, for CPUs without AVX-512 (AMD
-//! Zen 2 and 3, Intel before Ice Lake): there XLA:CPU's own products and softmax ran every f32
-//! model, our kernels being AVX-512's alone. Same results as those, to the products' summation
-//! order and the last ulp of a GELU's reciprocal.
+//! eight-lane AVX2 vectors with FMA, for CPUs without AVX-512 (AMD Zen 2 and 3, Intel before
+//! Ice Lake): there XLA:CPU's own products, softmax, norms and convolutions ran every f32 model,
+//! our kernels being AVX-512's alone. Same results as those, to the sums' order and the last
+//! ulp of a GELU's reciprocal.
 
 use super::conv::{Positions, Shape};
 use super::epilogue::{Activation, Epilogue, Factor, BETA, KAPPA, SATURATED_2U};
 use super::gemm::{Tile, COLUMNS, ROWS};
-use std::ops::Range;
 use super::vector_math::{EXP, EXP_LN2, ROUNDER, SOFTMAX_EXP};
 use std::arch::x86_64::*;
+use std::ops::Range;
 
 /// Whether this CPU runs these kernels.
 pub(super) fn available() -> bool {
@@ -124,15 +124,14 @@ unsafe fn transpose(r: [__m256; 8]) -> [__m256; 8] {
 /// As `Epilogue::apply`'s; the CPU must be `available()`.
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn apply(e: &Epilogue, y: *mut f32, n: usize, rows: Range<usize>, cols: Range<usize>) {
+    // Each of these rows (`y`'s, `times`', `plus`') and the bias read as a row ending at `cols.end`.
+    let end = cols.end;
     for r in rows {
         let row = y.add(r * n);
         for j in cols.clone().step_by(8) {
-            let mask = lanes(cols.end, j);
-            let whole = j + 8 <= cols.end;
-            let load = |p: *const f32| if whole { _mm256_loadu_ps(p) } else { _mm256_maskload_ps(p, mask) };
-            let mut v = load(row.add(j));
+            let mut v = load_row(row, end, j).0;
             if !e.bias.is_null() {
-                v = _mm256_add_ps(v, load(e.bias.add(j)));
+                v = _mm256_add_ps(v, load_row(e.bias, end, j).0);
             }
             let mut v = match e.activation {
                 Activation::Identity => v,
@@ -140,16 +139,12 @@ pub(super) unsafe fn apply(e: &Epilogue, y: *mut f32, n: usize, rows: Range<usiz
                 Activation::Silu => silu(v),
             };
             if let Factor::F32(times) = e.times {
-                v = _mm256_mul_ps(v, load(times.add(r * n + j)));
+                v = _mm256_mul_ps(v, load_row(times.add(r * n), end, j).0);
             }
             if !e.plus.is_null() {
-                v = _mm256_add_ps(v, load(e.plus.add(r * n + j)));
+                v = _mm256_add_ps(v, load_row(e.plus.add(r * n), end, j).0);
             }
-            if whole {
-                _mm256_storeu_ps(row.add(j), v);
-            } else {
-                _mm256_maskstore_ps(row.add(j), mask, v);
-            }
+            store_row(row, end, j, v);
         }
     }
 }
