@@ -64,6 +64,11 @@ DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 WARMUP = 5
 # Consecutive timed calls of one backend before the next takes its turn (`interleaved_ms`).
 BLOCK = 5
+# Untimed calls start each turn for at least this long (one call at least): eager's and Inductor's
+# OpenMP worker spins ~10 ms for a next parallel region after their last one, on a core the next
+# backend needs (2 vCPUs, AMD EPYC Zen 3: our tiny Llama at batch 8, the k-th call after eager's,
+# 6.63, 5.93, 4.75, 4.56, 4.55 ms; under OMP_WAIT_POLICY=PASSIVE 5.14, 4.67, 4.55, 4.34, 4.21).
+SETTLE_S = 0.02
 TIMES = ("eager_ms", "inductor_ms", "tpu_ms", "inside_ms", "raw_ms")
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
@@ -108,13 +113,18 @@ def interleaved_ms(
     """Median of `calls` timed calls of each `fn` of `fns` (`key: (fn, sync)`, warmed up by the
     caller), taken in blocks of BLOCK calls that take turns: a slow phase of this VM (seconds to
     minutes) then slows every backend's calls alike instead of landing on one backend's block.
-    Each block starts with one untimed call: the first call after another backend's runs 20-40 %
-    slower (caches and thread pools left by the other), which is not the steady state."""
+    Each block starts with untimed calls for SETTLE_S (one at least): the first calls after
+    another backend's run slower (caches, and thread pools the other left spinning), which is
+    not the steady state."""
     times: dict[str, list[float]] = {key: [] for key in fns}
     while any(len(t) < calls for t in times.values()):
         for key, (fn, sync) in fns.items():
-            fn()
-            sync()
+            settled = time.perf_counter() + SETTLE_S
+            while True:
+                fn()
+                sync()
+                if time.perf_counter() >= settled:
+                    break
             times[key] += _timed(fn, min(BLOCK, calls - len(times[key])), sync)
     return {key: statistics.median(t) * 1e3 for key, t in times.items()}
 
@@ -453,7 +463,7 @@ def header(args: argparse.Namespace) -> str:
         f"{transformers.__version__}, diffusers {diffusers.__version__}, tpu_dynamo {tpu_dynamo.__version__}",
         f"- PJRT plugin: `{info['identity']}`; ours: {ours}",
         f"- steady state: median of {args.calls} calls after {WARMUP} warm-up calls, the backends taking "
-        f"turns in blocks of {BLOCK} calls (each after one untimed call), in each of {args.processes} "
+        f"turns in blocks of {BLOCK} calls (each after untimed calls for {1e3 * SETTLE_S:.0f} ms, one at least), in each of {args.processes} "
         "processes per model (every model in turn, then again); per backend the lowest median; ms per call",
     ])
 
