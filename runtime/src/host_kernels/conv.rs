@@ -45,7 +45,7 @@ impl Shape {
         self.plane().div_ceil(LANES).div_ceil(2)
     }
 
-    pub fn plane(&self) -> usize {
+    pub(super) fn plane(&self) -> usize {
         self.height * self.width
     }
 }

@@ -88,9 +88,11 @@ impl Rows for RmsNorm {
     unsafe fn rows(&self, first: usize, count: usize) {
         let weight = std::slice::from_raw_parts(self.weight, self.n);
         let bytes = if self.half { 2 } else { 4 };
+        let avx512 = super::gemm::avx512();
+        debug_assert!(avx512 || !self.half, "bf16 rows need AVX-512");
         for r in first..first + count {
             let (x, y) = (self.x.add(r * self.n * bytes), self.y.add(r * self.n * bytes));
-            if super::gemm::avx512() {
+            if avx512 {
                 x86::rms_row((x, y, self.half), self.n, weight, self.eps);
             } else {
                 super::avx2::rms_row((x as *const f32, y as *mut f32), self.n, weight, self.eps);
@@ -108,13 +110,15 @@ impl Rows for LayerNorm {
         let weight = std::slice::from_raw_parts(self.weight, self.n);
         let bias = std::slice::from_raw_parts(self.bias, self.n);
         let bytes = if self.half { 2 } else { 4 };
+        let avx512 = super::gemm::avx512();
+        debug_assert!(avx512 || !self.half, "bf16 rows need AVX-512");
         for r in first..first + count {
             let (x, y) = (self.x.add(r * self.n * bytes), self.y.add(r * self.n * bytes));
             let modulation = self.modulation.map(|m| {
                 let batch = r / m.per_batch.max(1);
                 (std::slice::from_raw_parts(m.factor.add(batch * self.n), self.n), std::slice::from_raw_parts(m.shift.add(batch * self.n), self.n))
             });
-            let (mean, rstd) = if super::gemm::avx512() {
+            let (mean, rstd) = if avx512 {
                 x86::row((x, y, self.half), self.n, (weight, bias), modulation, self.eps)
             } else {
                 super::avx2::layer_norm_row((x as *const f32, y as *mut f32), self.n, (weight, bias), modulation, self.eps)
