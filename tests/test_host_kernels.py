@@ -50,6 +50,7 @@ LAYER_NORM_KERNEL = "tpu_dynamo.f32_layer_norm"
 BF16_LAYER_NORM_KERNEL = "tpu_dynamo.bf16_layer_norm"
 RMS_NORM_KERNEL = "tpu_dynamo.f32_rms_norm"
 BF16_RMS_NORM_KERNEL = "tpu_dynamo.bf16_rms_norm"
+ROTARY_KERNEL = "tpu_dynamo.f32_rotary"
 CPU_FLAGS = set(Path("/proc/cpuinfo").read_text().split())
 AVX512 = "avx512f" in CPU_FLAGS
 # f32 products, attention, norms and 3×3 convolutions run on AVX2's vectors with FMA too (AMD Zen 2 and 3).
@@ -63,10 +64,11 @@ BF16_PRODUCTS = AMX or {"avx512_bf16", "avx512bw", "avx512vl"} <= CPU_FLAGS
 
 def test_the_embedded_plugin_runs_our_kernels():
     """On x86-64 with AVX2 and FMA (this CI's machines) the embedded plugin registers the bf16
-    ones and f32 products (with their epilogues), attention, norms and 3×3 convolutions, with
-    AVX-512 bf16 norms too, and with AMX or AVX-512 BF16 bf16 products and attention."""
+    ones and f32 products (with their epilogues), attention, norms, rotary embeddings and 3×3
+    convolutions, with AVX-512 bf16 norms too, and with AMX or AVX-512 BF16 bf16 products and
+    attention."""
     products = F32_KERNELS + BIAS_KERNELS + GELU_KERNELS + SILU_KERNELS + PLUS_KERNELS + BIAS_PLUS_KERNELS + ATTENTION_KERNELS
-    products += [LAYER_NORM_KERNEL, RMS_NORM_KERNEL, CONV_KERNEL]
+    products += [LAYER_NORM_KERNEL, RMS_NORM_KERNEL, ROTARY_KERNEL, CONV_KERNEL]
     avx512_kernels = [BF16_LAYER_NORM_KERNEL, BF16_RMS_NORM_KERNEL] if AVX512_BW else []
     f32_kernels = (products if F32_PRODUCTS else []) + (avx512_kernels if AVX512 else [])
     assert host_kernels() == ["tpu_dynamo.bf16_matvec", "tpu_dynamo.bf16_vecmat"] + f32_kernels + (
@@ -1538,3 +1540,93 @@ def test_an_rms_norm_row_with_nan_or_infinity_is_nan_as_in_eager(compiled):
         got, want = compile_tpu(fn)(x), fn(x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
     assert kernel_calls(compiled, [RMS_NORM_KERNEL]) == 1
+
+
+class Rotated(torch.nn.Module):
+    """Queries and keys rotated by transformers' own `apply_rotary_pos_emb`: read from
+    projections' rows (`view(B, L, H, D).transpose(1, 2)`, as its attention layers do) or given
+    heads first."""
+
+    def __init__(self, heads: int, kv_heads: int, dim: int, from_rows: bool):
+        super().__init__()
+        self.heads, self.kv_heads, self.dim, self.from_rows = heads, kv_heads, dim, from_rows
+
+    def forward(self, q, k, cos, sin):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        if self.from_rows:
+            (b, length, _) = q.shape
+            q = q.view(b, length, self.heads, self.dim).transpose(1, 2)
+            k = k.view(b, length, self.kv_heads, self.dim).transpose(1, 2)
+        return apply_rotary_pos_emb(q, k, cos, sin)
+
+
+def rotated_inputs(batch, length, heads, kv_heads, dim, from_rows, per_batch):
+    """Queries and keys of `Rotated` (times 4: values past the tables' range of ±1), and the
+    tables of transformers' `LlamaRotaryEmbedding` for positions shared by the batch or each its
+    own (a left-padded batch's), computed by eager: the graph's own tables are XLA's `cos` and
+    `sin`, a few ulps off torch's."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    shape = (lambda h: (batch, length, h * dim)) if from_rows else (lambda h: (batch, h, length, dim))
+    q, k = 4 * torch.randn(shape(heads)), 4 * torch.randn(shape(kv_heads))
+    positions = torch.arange(length).expand(batch, length)
+    if per_batch:
+        positions = positions + torch.arange(batch)[:, None] * 7
+    config = LlamaConfig(hidden_size=heads * dim, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=dim)
+    with torch.no_grad():
+        cos, sin = LlamaRotaryEmbedding(config)(q, positions if per_batch else positions[:1])
+    return q, k, cos, sin
+
+
+@needs_f32_kernels
+@pytest.mark.parametrize(
+    "batch, length, heads, kv_heads, dim",
+    [(8, 128, 4, 2, 16), (1, 128, 9, 3, 64), (2, 64, 2, 1, 80), (2, 300, 4, 4, 6)],
+    ids=["tiny-llama-b8", "smollm", "half-off-vectors", "no-vector"],
+)
+@pytest.mark.parametrize("from_rows", [True, False], ids=["rows", "heads-first"])
+@pytest.mark.parametrize("per_batch", [False, True], ids=["shared", "per-batch"])
+def test_rotary_embeddings_run_our_kernel_as_eager_s_to_the_bit(batch, length, heads, kv_heads, dim, from_rows, per_batch, compiled):
+    """transformers' rotary embedding of queries and keys is one call of our kernel each, read
+    from the projections' rows where the graph transposes them, and equal to eager's: the kernel
+    multiplies and adds as eager does, without fused multiply-adds."""
+    torch.manual_seed(dim + length)
+    module = Rotated(heads, kv_heads, dim, from_rows)
+    args = rotated_inputs(batch, length, heads, kv_heads, dim, from_rows, per_batch)
+    with torch.no_grad():
+        got, want = compile_tpu(module)(*args), module(*args)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == torch.float32
+        assert torch.equal(g, w)
+    assert kernel_calls(compiled, [ROTARY_KERNEL]) == 2
+
+
+@needs_f32_kernels
+def test_a_rotation_s_nan_and_infinity_go_as_eager_s(compiled):
+    """A NaN or an infinity in a query reaches the values eager's reach (its row's pair partner
+    through `rotate_half`, NaN where an infinity meets a zero of the tables)."""
+    module = Rotated(4, 2, 16, True)
+    q, k, cos, sin = rotated_inputs(8, 128, 4, 2, 16, True, False)
+    q[0, 0, 3], q[1, 5, 20], q[2, 7, 9] = float("nan"), float("inf"), -float("inf")
+    with torch.no_grad():
+        got, want = compile_tpu(module)(q, k, cos, sin), module(q, k, cos, sin)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
+    assert kernel_calls(compiled, [ROTARY_KERNEL]) == 2
+
+
+@needs_f32_kernels
+def test_a_decode_step_s_or_a_bf16_rotation_stays_xla_s():
+    """A decode step's rotation (a row a head) stays in XLA's fusion with its neighbours, and a
+    bf16 one is XLA's (as eager's to bf16's rounding)."""
+    for dtype, length in ((torch.float32, 1), (torch.bfloat16, 128)):
+        torch.manual_seed(length)
+        module = Rotated(4, 2, 16, True)
+        q, k, cos, sin = (t.to(dtype) for t in rotated_inputs(1, length, 4, 2, 16, True, False))
+        got, want, texts = run_and_texts(module, q, k, cos, sin)
+        tolerance = 1e-6 if dtype == torch.float32 else 2**-6
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=tolerance, atol=tolerance)
+        assert all(ROTARY_KERNEL not in t for t in texts)

@@ -256,6 +256,7 @@ pub fn target() -> Result<Arc<Target>, Error> {
         host_bf16_layer_norm: one(host_kernels::BF16_LAYER_NORM_TARGET),
         host_rms_norm: one(host_kernels::F32_RMS_NORM_TARGET),
         host_bf16_rms_norm: one(host_kernels::BF16_RMS_NORM_TARGET),
+        host_rotary: one(host_kernels::F32_ROTARY_TARGET),
         host_gemm_tiles_budget: (f32_kept.is_some() || host_kernels.contains(&host_kernels::BF16_MATMUL_NT_TARGET)).then(|| host_kernels::unchanging::budget() as u64),
         host_f32_gemm_kept: f32_kept,
     };

@@ -25,6 +25,8 @@ mod gemm;
 mod layer_norm;
 mod pool;
 #[cfg(target_arch = "x86_64")]
+mod rotary;
+#[cfg(target_arch = "x86_64")]
 mod tile_attention;
 pub mod unchanging;
 #[cfg(target_arch = "x86_64")]
@@ -94,6 +96,8 @@ pub const BF16_LAYER_NORM_TARGET: &str = "tpu_dynamo.bf16_layer_norm";
 pub const F32_RMS_NORM_TARGET: &str = "tpu_dynamo.f32_rms_norm";
 /// The same over bf16 rows into bf16, rounded where transformers' bf16 RMSNorm rounds.
 pub const BF16_RMS_NORM_TARGET: &str = "tpu_dynamo.bf16_rms_norm";
+/// The custom call target of f32 rotary position embeddings (transformers' `rotate_half` form).
+pub const F32_ROTARY_TARGET: &str = "tpu_dynamo.f32_rotary";
 
 const PJRT_EXTENSION_FFI: u32 = 5;
 const XLA_FFI_EXTENSION_METADATA: c_int = 1;
@@ -207,7 +211,11 @@ pub fn register(plugin: &Plugin) -> Vec<&'static str> {
         ]);
         handlers.extend([(F32_ATTENTION_TARGET, f32_attention as *const c_void), (F32_CAUSAL_ATTENTION_TARGET, f32_causal_attention as *const c_void)]);
         #[cfg(target_arch = "x86_64")]
-        handlers.extend([(F32_LAYER_NORM_TARGET, f32_layer_norm as *const c_void), (F32_RMS_NORM_TARGET, f32_rms_norm as *const c_void)]);
+        handlers.extend([
+            (F32_LAYER_NORM_TARGET, f32_layer_norm as *const c_void),
+            (F32_RMS_NORM_TARGET, f32_rms_norm as *const c_void),
+            (F32_ROTARY_TARGET, f32_rotary as *const c_void),
+        ]);
         handlers.push((F32_CONV3X3_TARGET, f32_conv3x3 as *const c_void));
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx512bw") && std::arch::is_x86_feature_detected!("avx512vl") {
@@ -1013,6 +1021,47 @@ unsafe fn rms_norm(frame: &mut FfiCallFrame, target: &'static str, half: bool) -
     let (rows, n) = (rows as usize, n as usize);
     let norm = layer_norm::RmsNorm { x: x.data as *const u8, weight: weight.data as *const f32, y: y.data as *mut u8, half, rows, n, eps: *(eps.data as *const f32) };
     run_norm(frame, target, norm)
+}
+
+/// The rotary handler: f32 `x` `[B, H, L, D]`, or `[B, L, H, D]` where `rows_first` (a 0-d s64)
+/// is 1, `cos` and `sin` `[B or 1, L, D]` into `out` `[B, H, L, D]` (`D` even), on XLA's threads.
+#[cfg(target_arch = "x86_64")]
+unsafe extern "C" fn f32_rotary(frame: *mut FfiCallFrame) -> *mut c_void {
+    let (frame, target) = (&mut *frame, F32_ROTARY_TARGET);
+    let expects = "expects f32 x [B, H, L, D] or [B, L, H, D], cos and sin [B or 1, L, D], s64 rows_first [], f32 out [B, H, L, D], D even";
+    if !executes(frame) {
+        return std::ptr::null_mut();
+    }
+    if frame.args.size != 4 || frame.rets.size != 1 {
+        return error(frame, target, &format!("{expects}: 4 arguments and 1 result"));
+    }
+    let [x, cos, sin, rows_first] = std::array::from_fn(|i| &**frame.args.items.add(i));
+    let out = &**frame.rets.items;
+    let all = [x, cos, sin, rows_first, out];
+    let f32s = [x, cos, sin, out].iter().all(|b| b.dtype == XLA_FFI_F32);
+    let (&[batches, heads, tokens, width], true) = (dims(out), f32s && rows_first.dtype == XLA_FFI_S64 && rows_first.rank == 0) else {
+        return shapes_error(frame, target, expects, &all);
+    };
+    let rows_first = *(rows_first.data as *const i64) != 0;
+    let read = if rows_first { [batches, tokens, heads, width] } else { [batches, heads, tokens, width] };
+    let table = dims(cos);
+    if !(dims(x) == read && dims(sin) == table && table.len() == 3 && (table[0] == 1 || table[0] == batches) && table[1..] == [tokens, width] && width % 2 == 0) {
+        return shapes_error(frame, target, expects, &all);
+    }
+    let dims = [batches, heads, tokens, width].map(|d| d as usize);
+    let (xla, threads) = XlaPool::with_threads(frame);
+    let units = rotary::Rotary::units(dims, threads);
+    let job = rotary::Rotary {
+        x: x.data as *const f32,
+        cos: cos.data as *const f32,
+        sin: sin.data as *const f32,
+        out: out.data as *mut f32,
+        dims,
+        per_batch: table[0] != 1,
+        rows_first,
+        units,
+    };
+    answer(frame, target, std::panic::catch_unwind(|| run_units(xla, job, units, units - 1)))
 }
 
 /// A norm handler's `A` arguments and `R` results, all f32 but for the first of each, bf16 with

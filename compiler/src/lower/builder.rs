@@ -1326,6 +1326,8 @@ pub struct LoweringTarget {
     /// The same over bf16 rows into bf16.
     pub host_bf16_layer_norm: Option<&'static str>,
     pub host_bf16_rms_norm: Option<&'static str>,
+    /// The custom call target of a host kernel for f32 rotary position embeddings.
+    pub host_rotary: Option<&'static str>,
     /// Where the product kernels run in the tiles' layouts (bf16 ones on AMX tiles or AVX-512
     /// BF16's vectors): the bytes of weights' pieces the runtime keeps for them
     /// (`weights_kept_on_tiles`).
@@ -1376,6 +1378,7 @@ pub static LOWERING_TARGET: RwLock<LoweringTarget> = RwLock::new(LoweringTarget 
     host_bf16_layer_norm: None,
     host_rms_norm: None,
     host_bf16_rms_norm: None,
+    host_rotary: None,
     host_gemm_tiles_budget: None,
     host_f32_gemm_kept: None,
 });

@@ -22,6 +22,7 @@ mod packing;
 mod patterns;
 mod pooling;
 mod reduction;
+mod rotary;
 mod sampling;
 mod sorting;
 mod special;
@@ -511,6 +512,7 @@ fn emit_body<'a>(
     // Composites found among the graph's ops, lowered as one kernel each.
     let uses = patterns::Uses::new(graph);
     let rms_norms = normalization::RmsNorms::of(&uses);
+    let rotaries = rotary::Rotaries::of(&uses);
     let modulated_norms = normalization::ModulatedNorms::of(&uses);
     let finished_products = epilogue::FinishedProducts::of(&uses);
     let attentions = attention::Placements::of(&uses);
@@ -573,6 +575,7 @@ fn emit_body<'a>(
         let composite = rms_norms
             .lower(i, &n.b, &values)
             .or_else(|| modulated_norms.lower(i, &n.b, &values, out?))
+            .or_else(|| rotaries.lower(i, &n.b, &values, out?))
             .or_else(|| finished_products.lower(i, &n.b, &values, out?));
         // Values an attention kernel wrote for other nodes (the keys and values it read in place).
         let mut written = vec![];

@@ -3,7 +3,7 @@
 //! reaches us as the ops it is written in, found among them (`rms_norms`); and a diffusion
 //! transformer's modulated LayerNorm, found likewise (`modulated_norms`).
 
-use super::builder::{lowering_target, norm_dim, opmath, Builder, Scalar, Val, R};
+use super::builder::{lowering_target, opmath, Builder, Scalar, Val, R};
 use crate::ir::{Arg, DType, Node, TensorType, ValueId};
 use std::collections::HashMap;
 use super::patterns::{number, value, Uses};
@@ -379,25 +379,6 @@ fn rms_norms(uses: &Uses) -> HashMap<usize, RmsNorm> {
             _ => None,
         }
     };
-    // The value `v` permutes and the permutation, where it keeps the last dim last.
-    let permuted = |v: ValueId| -> Option<(ValueId, Vec<usize>)> {
-        let (node, swap) = match uses.node_of(v, "aten.transpose.int") {
-            Some(node) => (node, true),
-            None => (uses.node_of(v, "aten.permute.default")?, false),
-        };
-        let source = value(nodes[node].args.first()?)?;
-        let rank = types.get(source as usize)?.rank();
-        let dim = |a: &Arg| norm_dim(number(a)? as i64, rank).ok();
-        let perm: Vec<usize> = if swap {
-            let mut perm: Vec<usize> = (0..rank).collect();
-            perm.swap(dim(nodes[node].args.get(1)?)?, dim(nodes[node].args.get(2)?)?);
-            perm
-        } else {
-            let Some(Arg::List(dims)) = nodes[node].args.get(1) else { return None };
-            dims.iter().map(dim).collect::<Option<_>>()?
-        };
-        (rank > 0 && perm.len() == rank && perm[rank - 1] == rank - 1).then_some((source, perm))
-    };
     let mut norms = HashMap::new();
     for (r, node) in nodes.iter().enumerate() {
         let Some((x, eps)) = (node.op == "aten.rsqrt.default").then(|| inverse_rms(r)).flatten() else { continue };
@@ -419,7 +400,7 @@ fn rms_norms(uses: &Uses) -> HashMap<usize, RmsNorm> {
             None => (x, scaling, x_ty),
         };
         let width = TensorType::new(ty.dtype, vec![*ty.shape.last().unwrap_or(&1)]);
-        let norm = |weight| RmsNorm { x, weight, eps, bf16: bf16.is_some(), permuted: permuted(x) };
+        let norm = |weight| RmsNorm { x, weight, eps, bf16: bf16.is_some(), permuted: uses.permuted(x).filter(|(_, perm)| perm.last() == Some(&(perm.len() - 1))) };
         let (node, norm) = match product_of(uses.output(scaled), ty, &|o| types[o as usize] == &width) {
             Some((weighting, weight)) => (weighting, norm(Some(weight))),
             None => (scaled, norm(None)),

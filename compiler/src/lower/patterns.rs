@@ -1,6 +1,7 @@
 //! What the passes that find a composite among a graph's ATen ops (RMSNorm, a product's GELU)
 //! ask of the graph: which node defines a value, which nodes read it, its type.
 
+use super::builder::norm_dim;
 use crate::ir::{Arg, DType, Graph, Node, TensorType, ValueId};
 use std::collections::HashMap;
 
@@ -85,6 +86,28 @@ impl<'g> Uses<'g> {
                 let node = &self.graph.nodes[i];
                 reads(node) || (through(node) && self.only_read_within(self.output(i), through, reads, depth + 1))
             })
+    }
+
+    /// Where `v` permutes another value's dims (`permute` or `transpose`): that value, and the
+    /// permutation (`v`'s dim `d` is its dim `perm[d]`).
+    pub fn permuted(&self, v: ValueId) -> Option<(ValueId, Vec<usize>)> {
+        let nodes = &self.graph.nodes;
+        let (node, swap) = match self.node_of(v, "aten.transpose.int") {
+            Some(node) => (node, true),
+            None => (self.node_of(v, "aten.permute.default")?, false),
+        };
+        let source = value(nodes[node].args.first()?)?;
+        let rank = self.types.get(source as usize)?.rank();
+        let dim = |a: &Arg| norm_dim(number(a)? as i64, rank).ok();
+        let perm: Vec<usize> = if swap {
+            let mut perm: Vec<usize> = (0..rank).collect();
+            perm.swap(dim(nodes[node].args.get(1)?)?, dim(nodes[node].args.get(2)?)?);
+            perm
+        } else {
+            let Some(Arg::List(dims)) = nodes[node].args.get(1) else { return None };
+            dims.iter().map(dim).collect::<Option<_>>()?
+        };
+        (rank > 0 && perm.len() == rank).then_some((source, perm))
     }
 
     /// Where `v` is a view (`view` or `_unsafe_view`): the node, and the value it views.
