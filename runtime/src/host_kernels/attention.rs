@@ -8,7 +8,7 @@
 //! each row in place, and the product of the exponentials by `v`, divided by the row's sum
 //! only at the end. A block's scores stay in L1 from the first product to the second.
 
-use super::gemm::{pack_transposed, Lines, Tile, ALONE_MAX_FLOPS, COLUMNS, ROWS};
+use super::gemm::{alone_max_flops, pack_transposed, Lines, Tile, COLUMNS, ROWS};
 use super::pool::Chunked;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -282,7 +282,7 @@ impl Attention {
 }
 
 /// How an attention splits into units of work for `parts` threads (one thread up to
-/// `ALONE_MAX_FLOPS`, as for products): each head in enough runs of queries (blocks of `block`
+/// `alone_max_flops()`, as for products): each head in enough runs of queries (blocks of `block`
 /// but for the last) that every thread gets several units, so a causal head's costlier late
 /// queries even out.
 pub(super) struct Plan {
@@ -299,7 +299,7 @@ impl Plan {
     pub fn new(shape: Shape, causal: bool, parts: usize, block: usize) -> Plan {
         let heads = shape.batch * shape.heads;
         let flops = 4 * heads * shape.len_q * shape.len_kv * shape.dim / if causal { 2 } else { 1 };
-        let parts = if flops <= ALONE_MAX_FLOPS { 1 } else { parts.max(1) };
+        let parts = if flops <= alone_max_flops() { 1 } else { parts.max(1) };
         let blocks = shape.len_q.div_ceil(block).max(1);
         let runs = if parts == 1 { 1 } else { (4 * parts).div_ceil(heads.max(1)).clamp(1, blocks) };
         let rows_per_run = blocks.div_ceil(runs) * block;

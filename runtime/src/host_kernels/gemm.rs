@@ -62,6 +62,21 @@ static PRODUCTS: AtomicU64 = AtomicU64::new(1);
 /// bare executes 0.97-1.04 ms against 0.88-0.92 alone; GPT-2's 3.1 MFLOP `[128, 64] x [64,
 /// 192]` gains from the split).
 pub(super) const ALONE_MAX_FLOPS: usize = 1 << 21;
+/// The same on AVX2, whose products take twice AVX-512's instructions, so that a worker pays
+/// from 2^18 flops on (attention's too): bare executes in turns on an AMD EPYC Zen 3, products
+/// split from 2^21 against 2^18, the tiny Llama at batch 1 0.561 → 0.492 ms, GPT-2 0.661 →
+/// 0.629, Flux 0.937 → 0.817, SD3 0.793 → 0.687 (splitting all of them: as 2^18); its
+/// attention too, the Llama 0.515 → 0.442, GPT-2 0.672 → 0.576.
+const AVX2_ALONE_MAX_FLOPS: usize = 1 << 18;
+
+/// `ALONE_MAX_FLOPS` for this CPU.
+pub(super) fn alone_max_flops() -> usize {
+    if avx512() {
+        ALONE_MAX_FLOPS
+    } else {
+        AVX2_ALONE_MAX_FLOPS
+    }
+}
 /// On AMX tiles, products of fewer rows than this stay alone up to 16 MFLOP: split by rows, each
 /// thread would read all of a wide weight's pieces for a few rows. A tiny Llama's LM head, `[128,
 /// 64] x [64, 1000]`, alone: calls 0.40-0.41 ms, split 0.47-0.50 (Inductor's 0.47-0.52); at
@@ -133,7 +148,7 @@ impl Gemm {
         let flops = 2 * m * n * k;
         let few_rows_on_tiles = tiles && m < TILES_SPLIT_MIN_ROWS && flops <= TILES_FEW_ROWS_ALONE_MAX_FLOPS;
         let few_rows_wide = matches!(kept, Kept::Panels(_)) && m <= SPLIT_COLUMNS_MAX_ROWS && read >= SPLIT_COLUMNS_MIN_BYTES;
-        let parts = if (flops <= ALONE_MAX_FLOPS && !few_rows_wide) || few_rows_on_tiles { 1 } else { parts };
+        let parts = if (flops <= alone_max_flops() && !few_rows_wide) || few_rows_on_tiles { 1 } else { parts };
         let unit = if tiles { amx::rows_unit() } else { ROWS };
         let blocks = n.div_ceil(COLUMNS).max(1);
         // Split by columns where the weight's pieces are past L2's share and all the rows' within
