@@ -61,7 +61,7 @@ static PRODUCTS: AtomicU64 = AtomicU64::new(1);
 /// what it saves on them (a tiny Llama's `[128, 64] x [64, 128]` projections, 2.1 MFLOP, split:
 /// bare executes 0.97-1.04 ms against 0.88-0.92 alone; GPT-2's 3.1 MFLOP `[128, 64] x [64,
 /// 192]` gains from the split).
-pub(super) const ALONE_MAX_FLOPS: usize = 1 << 21;
+const ALONE_MAX_FLOPS: usize = 1 << 21;
 /// The same on AVX2, whose products take twice AVX-512's instructions, so that a worker pays
 /// from 2^18 flops on (attention's too): bare executes in turns on an AMD EPYC Zen 3, products
 /// split from 2^21 against 2^18, the tiny Llama at batch 1 0.561 → 0.492 ms, GPT-2 0.661 →
@@ -77,6 +77,7 @@ pub(super) fn alone_max_flops() -> usize {
         AVX2_ALONE_MAX_FLOPS
     }
 }
+
 /// On AMX tiles, products of fewer rows than this stay alone up to 16 MFLOP: split by rows, each
 /// thread would read all of a wide weight's pieces for a few rows. A tiny Llama's LM head, `[128,
 /// 64] x [64, 1000]`, alone: calls 0.40-0.41 ms, split 0.47-0.50 (Inductor's 0.47-0.52); at
