@@ -178,11 +178,12 @@ class Executable:
         held = tensors.copy()
         steady = self.steady_of(tensors)
         kept = self.kept_steady
+        ins: list[Any]
         if kept is not None and kept[0].holds(steady):
             ins = kept[1].copy()
             self._ask(tensors, self.changing, held, ins)
             return tensors, held, ins
-        ins: list[Any] = [None] * len(tensors)
+        ins = [None] * len(tensors)
         self._ask(tensors, range(len(tensors)), held, ins)
         keys = self.steady_of(ins)
         # Kept only where every steady input is kept resident as it is (see `_ask`).
@@ -374,9 +375,9 @@ def _cut(t: torch.Tensor, dims: list[int], packed: bool) -> torch.Tensor:
 
 
 class Derived:
-    """A graph's values computed from weights alone (hoist.py), kept until one of those weights
-    changes: the same tensors at the same addresses and versions (`Unchanged`) tell, and the storages are kept alive with the
-    values so that no other tensor can take their address meanwhile."""
+    """A graph's values computed from weights alone (hoist.py), kept while the weights are the
+    same tensors at the same addresses and versions (`Unchanged`); their storages are kept alive
+    with the values so that no other tensor can take their address meanwhile."""
 
     def __init__(self, prep: Converted, args: tuple[int, ...]) -> None:
         self.prep = Executable(_native.compile(prep.json), prep)
