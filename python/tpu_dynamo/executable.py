@@ -114,9 +114,9 @@ class Executable:
         # Resident inputs no call changes (parameters, buffers, constants), asked together
         # (`Unchanged`); the others (user inputs, mutated ones) one by one.
         steady = tuple(i for i, k in enumerate(converted.kinds) if k is not InputKind.USER and i not in mutated)
-        self.steady, self.steady_of = steady, _picker(steady)
+        self.steady_of = _picker(steady)
         self.changing = tuple(i for i in range(len(self.resident)) if i not in steady)
-        # The steady inputs as the last call kept them, and every input's key with theirs filled in.
+        # The steady inputs as the last call kept them, and that call's keys (theirs reused).
         self.kept_steady: tuple[Unchanged, list[Any]] | None = None
         self.template = converted.outputs
         # Whether the graph's outputs are the executable's results as they come (most graphs).
@@ -185,15 +185,10 @@ class Executable:
             return tensors, held, ins
         ins = [None] * len(tensors)
         self._ask(tensors, range(len(tensors)), held, ins)
-        keys = self.steady_of(ins)
-        # Kept only where every steady input is kept resident as it is (see `_ask`).
-        if all(key[2] >= 0 for key in keys) and all(map(operator.is_, self.steady_of(held), steady)):
-            template: list[Any] = [None] * len(tensors)
-            for i, key in zip(self.steady, keys):
-                template[i] = key
-            self.kept_steady = (Unchanged.of(steady), template)
-        else:
-            self.kept_steady = None
+        # Kept only where every steady input is kept resident as it is (a version, see `_ask`);
+        # the changing inputs' keys in the copy are overwritten on every call.
+        versioned = all(key[2] >= 0 for key in self.steady_of(ins))
+        self.kept_steady = (Unchanged.of(steady), ins.copy()) if versioned else None
         return tensors, held, ins
 
     def _ask(self, tensors: list[torch.Tensor], indices: Any, held: list[Any], ins: list[Any]) -> None:
