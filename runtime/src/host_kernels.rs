@@ -576,7 +576,7 @@ unsafe fn handle(frame: &mut FfiCallFrame, target: &'static str, weight: Weight,
         std::panic::catch_unwind(|| {
             let operands = (x.data as *const u8, w.data as *const u8, Out::F32(y.data as *mut f32));
             let (product, chunks) = gemm::Gemm::new(operands, amx::Values::F32, shape, (layout, 1), threads, epilogue);
-            run_units(xla, product, chunks, threads);
+            run_units(xla, product, chunks, threads.saturating_sub(1));
         })
     } else {
         let out = match y.dtype {
@@ -595,7 +595,7 @@ unsafe fn handle(frame: &mut FfiCallFrame, target: &'static str, weight: Weight,
             let ran = std::panic::catch_unwind(|| {
                 let operands = (x.data as *const u8, w.data as *const u8, out);
                 let (product, chunks) = gemm::Gemm::new(operands, amx::Values::Bf16, (rows, n, k), (layout, taps), threads, epilogue);
-                run_units(xla, product, chunks, threads);
+                run_units(xla, product, chunks, threads.saturating_sub(1));
             });
             return answer(frame, target, ran);
         }

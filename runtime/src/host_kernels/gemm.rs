@@ -57,6 +57,10 @@ enum Kept {
 
 static PRODUCTS: AtomicU64 = AtomicU64::new(1);
 
+/// Units of work per thread where the product splits: a worker that starts late, or runs on a
+/// slower core, leaves the others its share.
+const UNITS_PER_THREAD: usize = 4;
+
 /// Products up to this many flops run on the calling thread alone: waking a worker costs about
 /// what it saves on them (a tiny Llama's `[128, 64] x [64, 128]` projections, 2.1 MFLOP, split:
 /// bare executes 0.97-1.04 ms against 0.88-0.92 alone; GPT-2's 3.1 MFLOP `[128, 64] x [64,
@@ -104,11 +108,15 @@ fn tiles_suit(n: usize, k: usize) -> bool {
 }
 
 impl Gemm {
-    /// The product and how many units of work it splits into: `parts` runs of whole rows, as
-    /// XLA:CPU splits the loops that read the result (one up to `ALONE_MAX_FLOPS`), but for a
-    /// wide weight on the tiles (below). Cut any other way (blocks of columns, or four parts for
-    /// two threads) the loop after it read lines another core had written: a product, bias and GELU on `[1024, 64] x [64, 256]`
-    /// took 335-382 µs against XLA's 327-341, in two runs of rows 272.
+    /// The product and how many units of work it splits into for `parts` threads: runs of whole
+    /// rows (one up to `ALONE_MAX_FLOPS`), or for a wide weight on the tiles (below) blocks of
+    /// columns. From a kept weight each thread gets `UNITS_PER_THREAD`, taken as threads come
+    /// free: with one each, XLA's worker started 5-20 µs after the caller, which then waited
+    /// 5-35 µs for the worker's rows (AMD EPYC Zen 3, whose two vCPUs differ in speed by up to a
+    /// fifth). Bare executes in turns: tiny Llama at batch 8 3.58 → 3.24 ms, GPT-2 4.73 → 4.14,
+    /// both 0.45-0.57 at batch 1 either way. (Before the bias and activation ran inside the
+    /// product's units, four parts for two threads had lost to two: a later XLA loop read
+    /// lines another core had written.)
     ///
     /// A bf16 product runs on the tiles from its weight's pieces, kept or else packed for this
     /// call (bf16 values are their own pieces), so `amx::bf16_products()` must hold for one.
@@ -158,8 +166,11 @@ impl Gemm {
         // LM head, `[128, 768] x [768, 50257]`: 36 ms → 24-27), or one thread all of it.
         let rows_fit_l2 = 2 * values.pieces() * m * k <= amx::L2_SHARE_BYTES;
         let by_columns = few_rows_wide || matches!(&kept, Kept::Pieces(pieces) if n > m && size_of_val(&**pieces) > amx::L2_SHARE_BYTES && rows_fit_l2);
+        // A weight packed for this call is packed again by each unit a thread takes.
+        let per_thread = if parts > 1 && !matches!(kept, Kept::Nothing) { UNITS_PER_THREAD } else { 1 };
+        let wanted = parts.max(1) * per_thread;
         let (rows_per_chunk, blocks_per_chunk) =
-            if by_columns { (m.max(1), blocks.div_ceil(parts.max(1))) } else { (m.div_ceil(unit).div_ceil(parts.max(1)) * unit, blocks) };
+            if by_columns { (m.max(1), blocks.div_ceil(wanted)) } else { (m.div_ceil(unit).div_ceil(wanted) * unit, blocks) };
         let id = PRODUCTS.fetch_add(1, Ordering::Relaxed);
         let units = m.div_ceil(rows_per_chunk) * blocks.div_ceil(blocks_per_chunk);
         (Gemm { x, w, y, values, m, n, k, layout, rows_per_chunk, blocks_per_chunk, id, kept, epilogue }, units)
