@@ -110,13 +110,13 @@ fn tiles_suit(n: usize, k: usize) -> bool {
 impl Gemm {
     /// The product and how many units of work it splits into for `parts` threads: runs of whole
     /// rows (one up to `ALONE_MAX_FLOPS`), or for a wide weight on the tiles (below) blocks of
-    /// columns. From a kept weight each thread gets `UNITS_PER_THREAD`, taken as threads come
-    /// free: with one each, XLA's worker started 5-20 µs after the caller, which then waited
-    /// 5-35 µs for the worker's rows (AMD EPYC Zen 3, whose two vCPUs differ in speed by up to a
-    /// fifth). Bare executes in turns: tiny Llama at batch 8 3.58 → 3.24 ms, GPT-2 4.73 → 4.14,
-    /// both 0.45-0.57 at batch 1 either way. (Before the bias and activation ran inside the
-    /// product's units, four parts for two threads had lost to two: a later XLA loop read
-    /// lines another core had written.)
+    /// columns. Where the weight is packed once (kept, or a bf16 one's pieces) each thread gets
+    /// `UNITS_PER_THREAD`, taken as threads come free: with one each, XLA's worker started 5-20
+    /// µs after the caller, which then waited 5-35 µs for the worker's rows (AMD EPYC Zen 3,
+    /// whose two vCPUs differ in speed by up to a fifth). Bare executes in turns: tiny Llama at
+    /// batch 8 3.58 → 3.24 ms, GPT-2 4.73 → 4.14, both 0.45-0.57 at batch 1 either way. (Before
+    /// the bias and activation ran inside the product's units, four parts for two threads had
+    /// lost to two: a later XLA loop read lines another core had written.)
     ///
     /// A bf16 product runs on the tiles from its weight's pieces, kept or else packed for this
     /// call (bf16 values are their own pieces), so `amx::bf16_products()` must hold for one.
@@ -166,7 +166,7 @@ impl Gemm {
         // LM head, `[128, 768] x [768, 50257]`: 36 ms → 24-27), or one thread all of it.
         let rows_fit_l2 = 2 * values.pieces() * m * k <= amx::L2_SHARE_BYTES;
         let by_columns = few_rows_wide || matches!(&kept, Kept::Pieces(pieces) if n > m && size_of_val(&**pieces) > amx::L2_SHARE_BYTES && rows_fit_l2);
-        // A weight packed for this call is packed again by each unit a thread takes.
+        // A weight not packed once is packed by each unit a thread takes (`PANEL`).
         let per_thread = if parts > 1 && !matches!(kept, Kept::Nothing) { UNITS_PER_THREAD } else { 1 };
         let wanted = parts.max(1) * per_thread;
         let (rows_per_chunk, blocks_per_chunk) =
