@@ -9,7 +9,7 @@
 //! only at the end. A block's scores stay in L1 from the first product to the second.
 
 use super::gemm::{alone_max_flops, pack_transposed, Lines, Tile, COLUMNS, ROWS};
-use super::pool::Chunked;
+use super::pool::{Chunked, UNITS_PER_THREAD};
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -301,7 +301,7 @@ impl Plan {
         let flops = 4 * heads * shape.len_q * shape.len_kv * shape.dim / if causal { 2 } else { 1 };
         let parts = if flops <= alone_max_flops() { 1 } else { parts.max(1) };
         let blocks = shape.len_q.div_ceil(block).max(1);
-        let runs = if parts == 1 { 1 } else { (4 * parts).div_ceil(heads.max(1)).clamp(1, blocks) };
+        let runs = if parts == 1 { 1 } else { (UNITS_PER_THREAD * parts).div_ceil(heads.max(1)).clamp(1, blocks) };
         let rows_per_run = blocks.div_ceil(runs) * block;
         let runs = shape.len_q.div_ceil(rows_per_run).max(1);
         Plan { runs, rows_per_run, units: heads * runs, parts, id: ATTENTIONS.fetch_add(1, Ordering::Relaxed) }

@@ -17,12 +17,10 @@
 //! XLA:CPU convolves bf16 in f32.
 
 use super::gemm::{Line, ROWS};
-use super::pool::Chunked;
+use super::pool::{Chunked, UNITS_PER_THREAD};
 
 /// Output positions per vector.
 const LANES: usize = 16;
-/// Units of work per thread: a worker that wakes late leaves the others its share.
-const UNITS_PER_THREAD: usize = 4;
 /// Convolutions up to this many flops run on the calling thread alone (the products' bound is a
 /// fourth of it): split, the tiny UNet's first and last (2.4 MFLOP, ~37 µs alone) took 75 and
 /// 24-40 µs in its call, XLA's worker waking late, and its whole call ran 0.86-0.95× with them

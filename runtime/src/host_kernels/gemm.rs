@@ -10,7 +10,7 @@
 
 use super::amx::{self, Values};
 use super::epilogue::Epilogue;
-use super::pool::Chunked;
+use super::pool::{Chunked, UNITS_PER_THREAD};
 use super::unchanging::{self, Packed};
 use super::{Layout, Out};
 use std::cell::RefCell;
@@ -56,10 +56,6 @@ enum Kept {
 }
 
 static PRODUCTS: AtomicU64 = AtomicU64::new(1);
-
-/// Units of work per thread where the product splits: a worker that starts late, or runs on a
-/// slower core, leaves the others its share.
-const UNITS_PER_THREAD: usize = 4;
 
 /// Products up to this many flops run on the calling thread alone: waking a worker costs about
 /// what it saves on them (a tiny Llama's `[128, 64] x [64, 128]` projections, 2.1 MFLOP, split:

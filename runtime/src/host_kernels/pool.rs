@@ -17,6 +17,10 @@ const SPIN: Duration = Duration::from_micros(100);
 /// Helpers beyond the calling thread, at most (more cores than this do not read memory faster).
 const MAX_HELPERS: usize = 7;
 
+/// Units of work per thread where a kernel splits: a worker that starts late, or runs on a
+/// slower core, leaves the others its share.
+pub(super) const UNITS_PER_THREAD: usize = 4;
+
 /// A host kernel's work, in units that threads may run at once.
 pub(super) trait Chunked {
     /// Runs unit `chunk`.
