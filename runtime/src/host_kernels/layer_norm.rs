@@ -112,19 +112,35 @@ impl Rows for LayerNorm {
         let bytes = if self.half { 2 } else { 4 };
         let avx512 = super::gemm::avx512();
         debug_assert!(avx512 || !self.half, "bf16 rows need AVX-512");
-        for r in first..first + count {
-            let (x, y) = (self.x.add(r * self.n * bytes), self.y.add(r * self.n * bytes));
-            let modulation = self.modulation.map(|m| {
+        let row = |r: usize| (self.x.add(r * self.n * bytes), self.y.add(r * self.n * bytes));
+        let modulation = |r: usize| {
+            self.modulation.map(|m| {
                 let batch = r / m.per_batch.max(1);
                 (std::slice::from_raw_parts(m.factor.add(batch * self.n), self.n), std::slice::from_raw_parts(m.shift.add(batch * self.n), self.n))
-            });
-            let (mean, rstd) = if avx512 {
-                x86::row((x, y, self.half), self.n, (weight, bias), modulation, self.eps)
-            } else {
-                super::avx2::layer_norm_row((x as *const f32, y as *mut f32), self.n, (weight, bias), modulation, self.eps)
-            };
+            })
+        };
+        let keep = |r: usize, (mean, rstd): (f32, f32)| {
             *self.mean.add(r) = mean;
             *self.rstd.add(r) = rstd;
+        };
+        if !avx512 {
+            // Four rows at a time (`avx2::layer_norm_rows`), those left one by one.
+            let f32_row = |r: usize| (row(r).0 as *const f32, row(r).1 as *mut f32);
+            let mut r = first;
+            while r + 4 <= first + count {
+                let stats = super::avx2::layer_norm_rows::<4>(std::array::from_fn(|i| f32_row(r + i)), self.n, (weight, bias), std::array::from_fn(|i| modulation(r + i)), self.eps);
+                stats.into_iter().enumerate().for_each(|(i, stats)| keep(r + i, stats));
+                r += 4;
+            }
+            for r in r..first + count {
+                let [stats] = super::avx2::layer_norm_rows([f32_row(r)], self.n, (weight, bias), [modulation(r)], self.eps);
+                keep(r, stats);
+            }
+            return;
+        }
+        for r in first..first + count {
+            let (x, y) = row(r);
+            keep(r, x86::row((x, y, self.half), self.n, (weight, bias), modulation(r), self.eps));
         }
     }
 }
@@ -349,6 +365,29 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// Eleven rows in one run (on AVX2 two groups of four rows at once, then three alone) are
+    /// bit for bit the rows each in a run of its own, modulated or not.
+    #[test]
+    fn layer_norm_rows_taken_together_are_each_row_alone() {
+        if !super::super::gemm::available() {
+            return;
+        }
+        let mut next = super::super::uniform(23);
+        let (rows, n) = (11, 72);
+        let x: Vec<f32> = (0..rows * n).map(|_| 50.0 + 4.0 * next()).collect();
+        let (weight, bias): (Vec<f32>, Vec<f32>) = (0..n).map(|_| (1.0 + next(), next())).unzip();
+        let (factor, shift): (Vec<f32>, Vec<f32>) = (0..4 * n).map(|_| (1.0 + next(), next())).unzip();
+        let bits = |y: &[f32]| y.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        for modulation in [None, Some(Modulation { factor: factor.as_ptr(), shift: shift.as_ptr(), per_batch: 3 })] {
+            let run = |runs| {
+                let mut y = vec![f32::NAN; rows * n];
+                let stats = layer_norm((x.as_ptr() as *const u8, y.as_mut_ptr() as *mut u8, false), (&weight, &bias), (rows, n, 1e-5), modulation, runs);
+                (bits(&y), bits(&stats.0), bits(&stats.1))
+            };
+            assert!(run(1) == run(rows), "modulated: {}", modulation.is_some());
         }
     }
 
