@@ -266,7 +266,11 @@ pub(super) unsafe fn layer_norm_rows<const R: usize>(
             sum[i] = _mm256_add_ps(sum[i], _mm256_and_ps(_mm256_sub_ps(v, shift[i]), within));
         }
     }
-    let mean: [__m256; R] = std::array::from_fn(|i| _mm256_add_ps(shift[i], _mm256_set1_ps(reduce(sum[i], _mm256_add_ps) / n as f32)));
+    // Loops, not closures: `reduce`'s operation passed in a closure was called, not inlined.
+    let mut mean = shift;
+    for (mean, &sum) in mean.iter_mut().zip(&sum) {
+        *mean = _mm256_add_ps(*mean, _mm256_set1_ps(reduce(sum, _mm256_add_ps) / n as f32));
+    }
     let mut squares = [_mm256_setzero_ps(); R];
     for at in (0..n).step_by(8) {
         for (i, &(x, _)) in rows.iter().enumerate() {
@@ -275,7 +279,10 @@ pub(super) unsafe fn layer_norm_rows<const R: usize>(
             squares[i] = _mm256_fmadd_ps(d, d, squares[i]);
         }
     }
-    let rstd = squares.map(|s| 1.0 / (reduce(s, _mm256_add_ps) / n as f32 + eps).sqrt());
+    let mut rstd = [0.0; R];
+    for (rstd, &squares) in rstd.iter_mut().zip(&squares) {
+        *rstd = 1.0 / (reduce(squares, _mm256_add_ps) / n as f32 + eps).sqrt();
+    }
     let load = |p: &[f32], at: usize| load_row(p.as_ptr(), n, at).0;
     for at in (0..n).step_by(8) {
         for (i, &(x, y)) in rows.iter().enumerate() {
