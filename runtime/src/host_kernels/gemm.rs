@@ -176,12 +176,7 @@ impl Gemm {
     unsafe fn block(&self, panel: *const f32, block: usize, first_row: usize, rows: usize) {
         let first_col = block * COLUMNS;
         let tile = Tile { b: panel, ldb: COLUMNS, k: self.k, ldx: self.k, ldy: self.n, cols: COLUMNS.min(self.n - first_col) };
-        let mut r = 0;
-        while r < rows {
-            let x = (self.x as *const f32).add((first_row + r) * self.k);
-            let y = self.y_f32().add((first_row + r) * self.n + first_col);
-            r += tile.run(x, y, rows - r);
-        }
+        tile.run_rows((self.x as *const f32).add(first_row * self.k), self.y_f32().add(first_row * self.n + first_col), rows);
     }
 }
 
@@ -336,6 +331,18 @@ pub(super) struct Tile {
 }
 
 impl Tile {
+    /// All `rows` rows of `x` from `x` times the panel, into `y`.
+    pub unsafe fn run_rows(&self, x: *const f32, y: *mut f32, rows: usize) {
+        #[cfg(target_arch = "x86_64")]
+        if !avx512() && super::avx2::available() {
+            return super::avx2::tiles(self, x, y, rows);
+        }
+        let mut r = 0;
+        while r < rows {
+            r += self.run(x.add(r * self.ldx), y.add(r * self.ldy), rows - r);
+        }
+    }
+
     /// Up to `ROWS` of the `rows` rows of `x` from `x` times the panel, into `y`; returns how
     /// many it did.
     pub unsafe fn run(&self, x: *const f32, y: *mut f32, rows: usize) -> usize {
