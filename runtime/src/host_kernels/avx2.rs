@@ -197,7 +197,8 @@ unsafe fn columns<const N: usize>(e: &Epilogue, (y, row): (*mut f32, usize), end
     }
 }
 
-/// `epilogue::silu` on `N` vectors of eight lanes (see `columns`), each step rounded as the graph's ops round it.
+/// `epilogue::silu` on `N` vectors of eight lanes (see `columns`), each step rounded as the
+/// graph's ops round it.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn silu<const N: usize>(v: [__m256; N]) -> [__m256; N] {
     let one = _mm256_set1_ps(1.0);
@@ -205,8 +206,8 @@ unsafe fn silu<const N: usize>(v: [__m256; N]) -> [__m256; N] {
     std::array::from_fn(|c| _mm256_mul_ps(v[c], _mm256_div_ps(one, _mm256_add_ps(one, e[c]))))
 }
 
-/// `epilogue::x86::gelu_tanh_as_sigmoid` on `N` vectors of eight lanes, σ by a division (AVX2's reciprocal
-/// has 12 bits to AVX-512's 14, one Newton step short of f32's).
+/// `epilogue::x86::gelu_tanh_as_sigmoid` on `N` vectors of eight lanes, σ by a division
+/// (AVX2's reciprocal has 12 bits to AVX-512's 14, one Newton step short of f32's).
 #[target_feature(enable = "avx2,fma")]
 unsafe fn gelu_tanh_as_sigmoid<const N: usize>(v: [__m256; N]) -> [__m256; N] {
     let minus_2u = v.map(|v| {
@@ -229,10 +230,11 @@ unsafe fn clamp_normal(x: __m256, high: f32) -> __m256 {
     _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0)), _mm256_set1_ps(high))
 }
 
-/// `vector_math::exp` on `N` vectors of eight lanes for `x` in `[-87, 88]`, where `2^n` is one normal number
-/// put into the exponent's bits (AVX-512 has `scalef`), with no clamps or NaN of its own to keep:
-/// σ's e^x in the products' epilogues, where two factors of `2^n` for f32's whole range, the
-/// clamps and a NaN's blend took a GELU 30 cycles a vector on a Zen 3, against 24.
+/// `vector_math::exp` on `N` vectors of eight lanes for `x` in `[-87, 88]`, where `2^n` is one
+/// normal number put into the exponent's bits (AVX-512 has `scalef`), with no clamps or NaN of
+/// its own to keep: σ's e^x in the products' epilogues, where two factors of `2^n` for f32's
+/// whole range, the clamps and a NaN's blend took a GELU 30 cycles a vector on a Zen 3, against
+/// 24.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn exp_normal<const N: usize>(x: [__m256; N]) -> [__m256; N] {
     let n = x.map(|x| _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E))));
