@@ -480,12 +480,19 @@ pub(super) fn logsumexps(softmaxes: &[(f32, f32)], lse: &mut [f32]) {
     }
 }
 
-/// The natural log of each of `sums`.
+/// The natural log of each of `sums`: at least 1, or 0 where every key of a row is hidden (whose
+/// log `logsumexps` does not use).
 fn lns(sums: [f32; 16]) -> [f32; 16] {
     #[cfg(target_arch = "x86_64")]
-    if super::gemm::avx512() {
-        // SAFETY: AVX-512 is available; the array is 16 f32s.
-        return unsafe { std::mem::transmute::<std::arch::x86_64::__m512, [f32; 16]>(super::vector_math::ln(std::arch::x86_64::_mm512_loadu_ps(sums.as_ptr()))) };
+    {
+        use std::arch::x86_64::{_mm256_loadu_ps, _mm512_loadu_ps, __m256, __m512};
+        if super::gemm::avx512() {
+            // SAFETY: AVX-512 is available; the array is 16 f32s.
+            return unsafe { std::mem::transmute::<__m512, [f32; 16]>(super::vector_math::ln(_mm512_loadu_ps(sums.as_ptr()))) };
+        } else if super::avx2::available() {
+            // SAFETY: AVX2 and FMA are available; each half is 8 f32s.
+            return unsafe { std::mem::transmute::<[__m256; 2], [f32; 16]>([0, 8].map(|at| super::avx2::ln(_mm256_loadu_ps(sums.as_ptr().add(at))))) };
+        }
     }
     sums.map(f32::ln)
 }

@@ -77,15 +77,19 @@ pub(super) unsafe fn ln(x: __m512) -> __m512 {
     let e = _mm512_mask_add_ps(e, big, e, _mm512_set1_ps(1.0));
     let f = _mm512_sub_ps(m, _mm512_set1_ps(1.0));
     let z = _mm512_mul_ps(f, f);
-    let mut p = _mm512_set1_ps(7.037_683_6e-2);
-    for c in [-1.151_461e-1, 1.167_699_9e-1, -1.242_014_1e-1, 1.424_932_3e-1, -1.666_805_8e-1, 2.000_071_4e-1, -2.499_999_4e-1, 3.333_333e-1] {
+    let [highest, lower @ ..] = LN;
+    let mut p = _mm512_set1_ps(highest);
+    for c in lower {
         p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
     }
     let y = _mm512_mul_ps(_mm512_mul_ps(p, f), z);
-    let y = _mm512_fmadd_ps(e, _mm512_set1_ps(-2.121_944_4e-4), y);
+    let y = _mm512_fmadd_ps(e, _mm512_set1_ps(EXP_LN2[1]), y);
     let y = _mm512_fnmadd_ps(_mm512_set1_ps(0.5), z, y);
-    _mm512_fmadd_ps(e, _mm512_set1_ps(0.693_359_4), _mm512_add_ps(f, y))
+    _mm512_fmadd_ps(e, _mm512_set1_ps(EXP_LN2[0]), _mm512_add_ps(f, y))
 }
+
+/// Cephes' `logf` polynomial for `(ln(1 + f) - f + f²/2) / f³`, the highest order first.
+pub(super) const LN: [f32; 9] = [7.037_683_6e-2, -1.151_461e-1, 1.167_699_9e-1, -1.242_014_1e-1, 1.424_932_3e-1, -1.666_805_8e-1, 2.000_071_4e-1, -2.499_999_4e-1, 3.333_333e-1];
 
 /// `ln 2` in two parts, the first exact in few bits, so that `x - n ln 2` loses nothing.
 pub(super) const EXP_LN2: [f32; 2] = [0.693_359_4, -2.121_944_4e-4];
