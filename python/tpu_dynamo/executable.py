@@ -77,12 +77,21 @@ class CallSizes(NamedTuple):
     `(input, dims, packed)` of inputs it pads; `cut`, `(output, dims, packed)` of results it
     cuts back (a bucket's executable, symbolic.py); `packed`: the tensor is the prefix of the
     executable's buffer rather than its corner (`_native.SymbolicGraph.specialize`). Per
-    output: whether it is handed over, and its bytes."""
+    output: whether it is handed over, and its bytes; where every one is (a CPU plugin's
+    results, most graphs), the native run's `out_memory` (none of ours), built once here: a
+    call then neither lists its outputs' memory nor asks each whether it is handed over."""
 
     given: list[tuple[int, list[int], bool]]
     cut: list[tuple[int, list[int], bool]]
     handed: list[bool]
     out_nbytes: list[int]
+    all_handed: list[tuple[int, int]] | None
+
+    @staticmethod
+    def of(
+        given: list[tuple[int, list[int], bool]], cut: list[tuple[int, list[int], bool]], handed: list[bool], out_nbytes: list[int]
+    ) -> CallSizes:
+        return CallSizes(given, cut, handed, out_nbytes, [(0, n) for n in out_nbytes] if all(handed) else None)
 
 
 class Executable:
@@ -132,7 +141,7 @@ class Executable:
         # them into tensors allocated here; a mutated input's result goes into the input itself.
         aliased = {o for _, o in self.mutations}
         handed = [native.hands_over_outputs and n > 0 and o not in aliased for o, n in enumerate(self.out_nbytes)]
-        self.exact = CallSizes([], [], handed, self.out_nbytes)
+        self.exact = CallSizes.of([], [], handed, self.out_nbytes)
         self.derived = None if converted.prep is None else Derived(converted.prep, converted.prep_args)
 
     def resized(
@@ -145,7 +154,7 @@ class Executable:
         to smaller sizes, `packed` (inputs, outputs) in the packed layout; the native run hands
         the cut results over (a packed one in the executable's own buffer, where the host can
         address it; the others in memory of their own)."""
-        return CallSizes(
+        return CallSizes.of(
             [(i, dims, i in packed[0]) for i, dims in given.items()],
             [(o, dims, o in packed[1]) for o, dims in cut.items()],
             [h or o in cut for o, h in enumerate(self.exact.handed)],
@@ -227,14 +236,18 @@ class Executable:
         tensors, held, ins = self._host_inputs(args)
         args.clear()  # boxed convention: let AOTAutograd's caller free inputs early
         s = self.exact if sizes is None else sizes
-        outs: list[Any] = [
-            None if handed else torch.empty(shape, dtype=dtype)
-            for handed, (dtype, shape) in zip(s.handed, self.out_types)
-        ]
-        for i, o in self.mutations:
-            outs[o] = held[i]
+        outs: list[Any]
+        if s.all_handed is not None:
+            outs, out_memory = [None] * len(s.handed), s.all_handed
+        else:
+            outs = [
+                None if handed else torch.empty(shape, dtype=dtype)
+                for handed, (dtype, shape) in zip(s.handed, self.out_types)
+            ]
+            for i, o in self.mutations:
+                outs[o] = held[i]
+            out_memory = [(0 if o is None else o.data_ptr(), n) for o, n in zip(outs, s.out_nbytes)]
         movable = [i for i, _ in self.mutations if held[i] is tensors[i] and _movable(tensors[i])]
-        out_memory = [(0 if o is None else o.data_ptr(), n) for o, n in zip(outs, s.out_nbytes)]
         in_place, handed = self.native.run(held, ins, out_memory, movable, s.given, s.cut)
         for o, capsule in handed:
             outs[o] = _from_dlpack(capsule)
