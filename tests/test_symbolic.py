@@ -248,3 +248,33 @@ def test_a_symbolic_graph_returning_an_input_it_updates_returns_that_tensor():
             torch.testing.assert_close(cache, want)
             torch.testing.assert_close(total, want.sum(0))
     assert stat("symbolic_graphs") == (1,)
+
+
+def test_call_sizes_are_read_once_and_only_for_their_executable(monkeypatch):
+    """A padded call's sizes are read by the native side once per size (`CallShape`), and an
+    executable refuses sizes read against another."""
+    from tpu_dynamo.executable import Executable
+
+    calls = []
+    call = Executable.__call__
+
+    def recording(self, args, sizes=None):
+        calls.append((self, sizes))
+        return call(self, args, sizes)
+
+    monkeypatch.setattr(Executable, "__call__", recording)
+
+    def f(x):
+        return (x + 1).cumsum(0) * 3
+
+    run = torch.compile(f, backend="tpu", fullgraph=True)
+    for n in [*range(3, 14), 13]:
+        x = torch.randn(n, 4)
+        torch.testing.assert_close(run(x), f(x))
+    padded = [(exe, sizes) for exe, sizes in calls if sizes is not None and sizes.given]
+    # 12 and 13 share the executable of 16; 13 twice, with the sizes read for its first call.
+    assert len(padded) == 3 and padded[-1][1].shape is padded[-2][1].shape is not None
+    exe, sizes = padded[-1]
+    other = next(e for e, _ in calls if e is not exe)
+    with pytest.raises(ValueError, match="another executable"):
+        other.native.run([], [], [], [], sizes.shape)

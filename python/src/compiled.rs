@@ -23,7 +23,7 @@ use crate::device::{target, Target};
 use crate::errors::{lower_err, runtime_err, LowerError};
 use crate::host_view::{self, Memory, Shared};
 use crate::on_device;
-use crate::padded::{self, CallTypes, PaddedInput};
+use crate::padded::{self, CallShape, CallTypes, PaddedInput};
 use crate::counters::{add_time, STATS};
 use crate::persist::{disk_cache, log_warnings};
 use crate::resident;
@@ -808,6 +808,19 @@ impl CompiledGraph {
         Ok((args, kept_args))
     }
 
+    /// The types of a call at the executable's own sizes.
+    fn exact_types(&self) -> PyResult<(CallTypes<'_>, CallTypes<'_>)> {
+        Ok((padded::call_specs("input", &self.entry.inputs, &[])?, padded::call_specs("output", &self.entry.outputs, &[])?))
+    }
+
+    /// The types of a call at `shape`'s sizes, which must have been read against this graph.
+    fn shaped_types<'s>(&self, shape: &'s CallShape) -> PyResult<(&'s CallTypes<'static>, &'s CallTypes<'static>)> {
+        if !shape.of(&self.entry) {
+            return Err(PyValueError::new_err("tpu_dynamo: call sizes read against another executable"));
+        }
+        Ok((&shape.given, &shape.cut))
+    }
+
     /// Makes `kept_args` the resident slots' values now (an input this graph donates is never
     /// read from there: the execute consumes its buffer).
     fn remember_kept_args(&self) {
@@ -976,6 +989,12 @@ impl CompiledGraph {
         self.entry.inputs.iter().map(|s| (s.dtype.name(), s.dims.clone())).collect()
     }
 
+    /// The sizes of calls that pass `given` `(input, dims, packed)` smaller than the executable's
+    /// and receive `cut` `(output, dims, packed)` cut back, for `run` and `bench_execute`.
+    fn shaped(&self, given: Vec<(usize, Vec<i64>, bool)>, cut: Vec<(usize, Vec<i64>, bool)>) -> PyResult<CallShape> {
+        CallShape::new(self.entry.clone(), (&self.entry.inputs, &self.entry.outputs), &given, &cut)
+    }
+
     /// Runs once. `inputs`: `(data_ptr, nbytes, version)` of dense host tensors, version -1 for
     /// inputs that change every call; `outputs`: `(data_ptr, nbytes)` of dense host tensors to
     /// fill (for an aliased output: the mutated input's own memory, whose version the caller
@@ -983,13 +1002,13 @@ impl CompiledGraph {
     /// (`hands_over_outputs`); `movable`: updated inputs whose host tensor may get a new
     /// storage. Returns DLPack capsules: `(input, capsule)` for each movable input whose new
     /// value stays in the executable's memory (the caller re-points that host tensor at it),
-    /// and `(output, capsule)` for each handed-over result. `given`: `(input, dims)` of inputs
-    /// passed at smaller sizes than the executable's, which it zero-pads; `cut`: `(output,
-    /// dims)` of results handed over cut to smaller sizes (see `padded`). The caller must keep
-    /// every tensor alive and unshared until this returns; the GIL is released meanwhile. Use it
-    /// through `tpu_dynamo.executable.Executable`, which does.
-    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
-    #[pyo3(signature = (tensors, inputs, outputs, movable, given=Vec::new(), cut=Vec::new()))]
+    /// and `(output, capsule)` for each handed-over result. `shape` (from `shaped`): the call's
+    /// inputs passed at smaller sizes than the executable's, which it zero-pads, and results
+    /// handed over cut to smaller sizes (see `padded`); none at the executable's. The caller
+    /// must keep every tensor alive and unshared until this returns; the GIL is released
+    /// meanwhile. Use it through `tpu_dynamo.executable.Executable`, which does.
+    #[allow(clippy::type_complexity)]
+    #[pyo3(signature = (tensors, inputs, outputs, movable, shape=None))]
     fn run(
         &self,
         py: Python<'_>,
@@ -997,18 +1016,23 @@ impl CompiledGraph {
         inputs: Vec<(usize, usize, i64)>,
         outputs: Vec<(usize, usize)>,
         movable: Vec<usize>,
-        given: Vec<(usize, Vec<i64>, bool)>,
-        cut: Vec<(usize, Vec<i64>, bool)>,
+        shape: Option<Bound<'_, CallShape>>,
     ) -> PyResult<(Vec<(usize, Py<PyAny>)>, Vec<(usize, Py<PyAny>)>)> {
-        let given = padded::call_specs("input", &self.entry.inputs, &given)?;
-        let cut = padded::call_specs("output", &self.entry.outputs, &cut)?;
+        let exact;
+        let (given, cut) = match &shape {
+            Some(shape) => self.shaped_types(shape.get())?,
+            None => {
+                exact = self.exact_types()?;
+                (&exact.0, &exact.1)
+            }
+        };
         check_sizes("inputs", &given.specs, &inputs, |i| i.1)?;
         check_sizes("outputs", &cut.specs, &outputs, |o| o.1)?;
         let mut unpinned = vec![];
         let ran = py.detach(|| -> Result<_, RtError> {
             let start = Instant::now();
             self.entry.first_run.wait();
-            let (args, _kept) = self.input_buffers(&inputs, &given, &mut unpinned)?;
+            let (args, _kept) = self.input_buffers(&inputs, given, &mut unpinned)?;
             let mut held: Vec<Held> = args.iter().map(Arg::hold).collect();
             let handles = self.handles(&held)?;
             self.forget_donated();
@@ -1018,7 +1042,7 @@ impl CompiledGraph {
             let mut results: Vec<Option<Buffer>> = results.into_iter().map(Some).collect();
             let repoint = self.place_updates(&movable, &mut held, &mut results);
             drop(held);
-            let mut handed = self.hand_over(&outputs, &mut results, &cut)?;
+            let mut handed = self.hand_over(&outputs, &mut results, cut)?;
             // SAFETY: the caller allocated `nbytes` writable bytes at `ptr` for each output.
             let copies = results.iter().zip(&outputs).zip(&mut handed).filter_map(|((r, &(ptr, nbytes)), h)| {
                 let dst = match h {
@@ -1122,19 +1146,26 @@ impl CompiledGraph {
     }
 
     /// Times the bare PJRT execute, `n` times, with every input uploaded once beforehand
-    /// (`inputs` and `given` as for `run`: inputs given smaller are uploaded padded); returns
+    /// (`inputs` and `shape` as for `run`: inputs given smaller are uploaded padded); returns
     /// seconds per execute. It is the baseline the benchmark divides `run`'s time by to get the
     /// backend's per-call overhead.
-    #[pyo3(signature = (tensors, inputs, n, given=Vec::new()))]
+    #[pyo3(signature = (tensors, inputs, n, shape=None))]
     fn bench_execute(
         &self,
         py: Python<'_>,
         tensors: Bound<'_, PyList>,
         inputs: Vec<(usize, usize, i64)>,
         n: usize,
-        given: Vec<(usize, Vec<i64>, bool)>,
+        shape: Option<Bound<'_, CallShape>>,
     ) -> PyResult<Vec<f64>> {
-        let given = padded::call_specs("input", &self.entry.inputs, &given)?;
+        let exact;
+        let given = match &shape {
+            Some(shape) => self.shaped_types(shape.get())?.0,
+            None => {
+                exact = self.exact_types()?;
+                &exact.0
+            }
+        };
         check_sizes("inputs", &given.specs, &inputs, |i| i.1)?;
         if !self.aliases.is_empty() {
             // Each execute would consume (donate) the inputs it updates in place.
@@ -1143,7 +1174,7 @@ impl CompiledGraph {
         let mut unpinned = vec![];
         let timed = py.detach(|| -> Result<Vec<f64>, RtError> {
             self.entry.first_run.wait();
-            let (args, _kept) = self.input_buffers(&inputs, &given, &mut unpinned)?;
+            let (args, _kept) = self.input_buffers(&inputs, given, &mut unpinned)?;
             let held: Vec<Held> = args.iter().map(Arg::hold).collect();
             let handles = self.handles(&held)?;
             (0..n)

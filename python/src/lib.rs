@@ -90,6 +90,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     errors::add_to(m)?;
     m.add_class::<compiled::CompiledGraph>()?;
+    m.add_class::<padded::CallShape>()?;
     m.add_class::<symbolic::SymbolicGraph>()?;
     m.add_function(wrap_pyfunction!(compiled::compile, m)?)?;
     m.add_class::<compiled::Loading>()?;

@@ -2,7 +2,9 @@
 //! its sizes, and its results are cut back to the call's true sizes (`tpu_dynamo.symbolic`).
 //! Both copies happen here, inside `run`, rather than as torch ops in Python: a decode step
 //! pads and cuts every layer's K and V.
+use std::any::Any;
 use std::borrow::Cow;
+use std::sync::Arc;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -21,6 +23,30 @@ pub type Sizes = [(usize, Vec<i64>, bool)];
 pub struct CallTypes<'a> {
     pub specs: Cow<'a, [TensorSpec]>,
     pub packed: Vec<bool>,
+}
+
+/// A call's sizes against one executable, read once for every call at them (a bucket's:
+/// `tpu_dynamo.symbolic`), where each call had converted its `given` and `cut` lists and
+/// copied every input's and output's type (a decode step: 36 and 5).
+#[pyclass(frozen, module = "tpu_dynamo._native")]
+pub struct CallShape {
+    /// What it was read against (an executable's entry), kept alive so that its address
+    /// names no other.
+    graph: Arc<dyn Any + Send + Sync>,
+    pub given: CallTypes<'static>,
+    pub cut: CallTypes<'static>,
+}
+
+impl CallShape {
+    pub fn new(graph: Arc<dyn Any + Send + Sync>, (inputs, outputs): (&[TensorSpec], &[TensorSpec]), given: &Sizes, cut: &Sizes) -> PyResult<Self> {
+        let owned = |t: CallTypes<'_>| CallTypes { specs: Cow::Owned(t.specs.into_owned()), packed: t.packed };
+        Ok(CallShape { given: owned(call_specs("input", inputs, given)?), cut: owned(call_specs("output", outputs, cut)?), graph })
+    }
+
+    /// Whether it was read against `graph`.
+    pub fn of<T>(&self, graph: &Arc<T>) -> bool {
+        std::ptr::addr_eq(Arc::as_ptr(&self.graph), Arc::as_ptr(graph))
+    }
 }
 
 /// The types of the tensors a call passes or receives in place of `specs`.

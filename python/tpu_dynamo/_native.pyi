@@ -13,6 +13,9 @@ class PjrtError(RuntimeError):
 class PluginNotFoundError(PjrtError):
     """No PJRT plugin could be found or loaded."""
 
+class CallShape:
+    """A call's sizes against one executable (`CompiledGraph.shaped`)."""
+
 class CompiledGraph:
     """A graph compiled for one concrete input signature."""
 
@@ -45,18 +48,25 @@ class CompiledGraph:
         inputs: Sequence[tuple[int, int, int]],
         outputs: Sequence[tuple[int, int]],
         movable: Sequence[int],
-        given: Sequence[tuple[int, Sequence[int], bool]] = (),
-        cut: Sequence[tuple[int, Sequence[int], bool]] = (),
+        shape: CallShape | None = None,
     ) -> tuple[list[tuple[int, Any]], list[tuple[int, Any]]]:
         """tensors: the dense input tensors (a resident copy keeps its storage alive);
         inputs: their (data_ptr, nbytes, version or -1); outputs: (data_ptr, nbytes), or (0, nbytes)
         for a result to hand over; movable: updated inputs whose tensor may be re-pointed;
-        given: (input, dims, packed) of inputs smaller than the executable's, zero-padded to them
-        (packed: their bytes first, read where they lie if they start a large enough executable
-        buffer); cut: (output, dims, packed) of results handed over cut to smaller sizes (packed:
-        the prefix of the result buffer, handed over in place). Returns (input index, DLPack capsule) for those left in the executable's memory and
-        (output index, DLPack capsule) for the handed-over results. Unsafe on raw pointers:
-        call it only through `tpu_dynamo.executable.Executable`."""
+        shape: the call's sizes where they are not the executable's (`shaped`). Returns (input
+        index, DLPack capsule) for those left in the executable's memory and (output index,
+        DLPack capsule) for the handed-over results. Unsafe on raw pointers: call it only
+        through `tpu_dynamo.executable.Executable`."""
+    def shaped(
+        self,
+        given: Sequence[tuple[int, Sequence[int], bool]],
+        cut: Sequence[tuple[int, Sequence[int], bool]],
+    ) -> CallShape:
+        """Sizes for `run` and `bench_execute`, read once: given, (input, dims, packed) of inputs
+        smaller than the executable's, zero-padded to them (packed: their bytes first, read
+        where they lie if they start a large enough executable buffer); cut, (output, dims,
+        packed) of results handed over cut to smaller sizes (packed: the prefix of the result
+        buffer, handed over in place)."""
     def run_on_device(
         self,
         tensors: list[Any],
@@ -72,10 +82,10 @@ class CompiledGraph:
         tensors: list[Any],
         inputs: Sequence[tuple[int, int, int]],
         n: int,
-        given: Sequence[tuple[int, Sequence[int], bool]] = (),
+        shape: CallShape | None = None,
     ) -> list[float]:
         """Seconds per bare PJRT execute, `n` times, inputs uploaded once (as for `run`, inputs
-        `given` smaller uploaded padded)."""
+        given smaller in `shape` uploaded padded)."""
     def warm_up(self) -> None:
         """Starts the first execute, on zeros, in the background where the plugin computes in
         host memory and the execute is cheap enough to hide (the first execute pays XLA's

@@ -79,19 +79,25 @@ class CallSizes(NamedTuple):
     executable's buffer rather than its corner (`_native.SymbolicGraph.specialize`). Per
     output: whether it is handed over, and its bytes; where every one is (a CPU plugin's
     results, most graphs), the native run's `out_memory` (none of ours), built once here: a
-    call then neither lists its outputs' memory nor asks each whether it is handed over."""
+    call then neither lists its outputs' memory nor asks each whether it is handed over.
+    `shape`: `given` and `cut` as the native run reads them (None at the executable's sizes)."""
 
     given: list[tuple[int, list[int], bool]]
     cut: list[tuple[int, list[int], bool]]
     handed: list[bool]
     out_nbytes: list[int]
     all_handed: list[tuple[int, int]] | None
+    shape: _native.CallShape | None
 
     @staticmethod
     def of(
-        given: list[tuple[int, list[int], bool]], cut: list[tuple[int, list[int], bool]], handed: list[bool], out_nbytes: list[int]
+        given: list[tuple[int, list[int], bool]],
+        cut: list[tuple[int, list[int], bool]],
+        handed: list[bool],
+        out_nbytes: list[int],
+        shape: _native.CallShape | None = None,
     ) -> CallSizes:
-        return CallSizes(given, cut, handed, out_nbytes, [(0, n) for n in out_nbytes] if all(handed) else None)
+        return CallSizes(given, cut, handed, out_nbytes, [(0, n) for n in out_nbytes] if all(handed) else None, shape)
 
 
 class Executable:
@@ -154,14 +160,17 @@ class Executable:
         to smaller sizes, `packed` (inputs, outputs) in the packed layout; the native run hands
         the cut results over (a packed one in the executable's own buffer, where the host can
         address it; the others in memory of their own)."""
+        given_at = [(i, dims, i in packed[0]) for i, dims in given.items()]
+        cut_to = [(o, dims, o in packed[1]) for o, dims in cut.items()]
         return CallSizes.of(
-            [(i, dims, i in packed[0]) for i, dims in given.items()],
-            [(o, dims, o in packed[1]) for o, dims in cut.items()],
+            given_at,
+            cut_to,
             [h or o in cut for o, h in enumerate(self.exact.handed)],
             [
                 math.prod(cut[o]) * dtype.itemsize if o in cut else n
                 for o, ((dtype, _), n) in enumerate(zip(self.out_types, self.out_nbytes))
             ],
+            self.native.shaped(given_at, cut_to),
         )
 
     def _tensors(self, args: list[Any]) -> list[torch.Tensor]:
@@ -248,7 +257,7 @@ class Executable:
                 outs[o] = held[i]
             out_memory = [(0 if o is None else o.data_ptr(), n) for o, n in zip(outs, s.out_nbytes)]
         movable = [i for i, _ in self.mutations if held[i] is tensors[i] and _movable(tensors[i])]
-        in_place, handed = self.native.run(held, ins, out_memory, movable, s.given, s.cut)
+        in_place, handed = self.native.run(held, ins, out_memory, movable, s.shape)
         for o, capsule in handed:
             outs[o] = _from_dlpack(capsule)
         if self.mutations:
@@ -335,7 +344,7 @@ class Executable:
         # Inputs in a GPU's memory go through the host once: the upload puts them on the device.
         args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
         _tensors, held, ins = self._host_inputs(args)
-        return self.native.bench_execute(held, ins, n, (sizes or self.exact).given)
+        return self.native.bench_execute(held, ins, n, (sizes or self.exact).shape)
 
     def _commit_mutations(
         self, tensors: list[torch.Tensor], held: list[torch.Tensor], in_place: list[tuple[int, Any]]
