@@ -69,9 +69,9 @@ pub(super) unsafe fn tile(t: &Tile, x: *const f32, y: *mut f32, rows: usize) {
 pub(super) unsafe fn tiles(t: &Tile, x: *const f32, y: *mut f32, rows: usize) {
     let mut r = 0;
     if t.cols == COLUMNS {
-        let halves = [0, 16].map(|first| Tile { b: t.b.add(first), cols: 16, ..*t });
+        let halves = [0, 16].map(|first| (first, Tile { b: t.b.add(first), cols: 16, ..*t }));
         while r + 6 <= rows {
-            for (half, first) in halves.iter().zip([0, 16]) {
+            for (first, half) in &halves {
                 rows_by_vectors::<6, 2, true>(half, x.add(r * t.ldx), y.add(r * t.ldy + first));
             }
             r += 6;

@@ -125,7 +125,10 @@ impl Rows for LayerNorm {
         };
         if !avx512 {
             // Four rows at a time (`avx2::layer_norm_rows`), those left one by one.
-            let f32_row = |r: usize| (row(r).0 as *const f32, row(r).1 as *mut f32);
+            let f32_row = |r: usize| {
+                let (x, y) = row(r);
+                (x as *const f32, y as *mut f32)
+            };
             let mut r = first;
             while r + 4 <= first + count {
                 let stats = super::avx2::layer_norm_rows::<4>(std::array::from_fn(|i| f32_row(r + i)), self.n, (weight, bias), std::array::from_fn(|i| modulation(r + i)), self.eps);
