@@ -85,6 +85,56 @@ def test_second_process_loads_precompiled_frames_without_tracing_or_compiling(tm
         assert r["warm_ups"] == 1
 
 
+# Counts Dynamo's guard builds and their guards; the frame is saved after its first call, then
+# called with another shape, which its guards (loaded ones in the second process) must refuse.
+GUARD_BUILDS = textwrap.dedent(
+    """
+    import json, sys, torch
+    torch._dynamo.config.caching_precompile = True
+    import tpu_dynamo
+    from torch._dynamo import guards
+    from torch._dynamo.utils import counters
+
+    built = []
+    build_guards = guards.CheckFunctionManager.build_guards
+
+    def counted(self, sorted_guards, *args, **kwargs):
+        built.append(len(sorted_guards))
+        return build_guards(self, sorted_guards, *args, **kwargs)
+
+    guards.CheckFunctionManager.build_guards = counted
+    torch.manual_seed(0)
+    m = torch.nn.Linear(16, 8)
+    f = torch.compile(m, backend="tpu", fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        first = f(torch.randn(4, 16))
+        builds = list(built)
+        if sys.argv[1] == "save":
+            torch.compiler.save_cache_artifacts()
+        traced = counters["stats"]["unique_graphs"]
+        x = torch.randn(5, 16)
+        diff = (f(x) - torch.nn.functional.linear(x, m.weight, m.bias)).abs().max().item()
+    print(json.dumps({
+        "builds": builds,
+        "traced_for_the_first_shape": traced,
+        "traced_for_another": counters["stats"]["unique_graphs"] - traced,
+        "diff": diff,
+    }))
+    """
+)
+
+
+def test_a_loaded_frame_builds_its_guards_once_and_they_still_guard(tmp_path):
+    """Under caching precompile Dynamo builds a frame's guards twice, first to drop the kinds it
+    cannot save; a loaded frame's had those dropped before saving, so it is built once
+    (precompile._build_loaded_guards_once) with every saved guard, and still refuses a new shape."""
+    first, second = _save_then_load(tmp_path, GUARD_BUILDS)
+    assert len(first["builds"]) == 2 and first["traced_for_the_first_shape"] == 1
+    assert second["builds"] == first["builds"][-1:] and second["traced_for_the_first_shape"] == 0
+    for r in (first, second):
+        assert r["traced_for_another"] == 1 and r["diff"] <= 1e-6
+
+
 # A forward wrapped by a decorator from another module (as transformers' `can_return_tuple` and
 # diffusers' decorators wrap every model's forward): `functools.wraps` copies the wrapped
 # function's `__module__`, while the wrapper's code reads its own module's globals; and it returns
