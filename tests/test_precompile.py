@@ -107,7 +107,7 @@ GUARD_BUILDS = textwrap.dedent(
     m = torch.nn.Linear(16, 8)
     f = torch.compile(m, backend="tpu", fullgraph=True, dynamic=False)
     with torch.no_grad():
-        first = f(torch.randn(4, 16))
+        f(torch.randn(4, 16))
         builds = list(built)
         if sys.argv[1] == "save":
             torch.compiler.save_cache_artifacts()
@@ -124,6 +124,7 @@ GUARD_BUILDS = textwrap.dedent(
 )
 
 
+@_STORED_BY_TORCH_2_15
 def test_a_loaded_frame_builds_its_guards_once_and_they_still_guard(tmp_path):
     """Under caching precompile Dynamo builds a frame's guards twice, first to drop the kinds it
     cannot save; a loaded frame's had those dropped before saving, so it is built once
